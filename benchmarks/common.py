@@ -1,0 +1,34 @@
+"""The benchmark registry's record type and helpers shared by the op files.
+
+Each ``benchmarks/<op>.py`` defines ``cases(quick: bool) -> list[Case]``;
+``benchmarks/run.py`` checks every provider of every case against the case's
+fp32 reference and times them all in one run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class Case:
+    op: str  # registry name, shared with the rule and the kernel file: "rms_norm"
+    shape: str  # readable id: "4096x4096", "M1-N4096"
+    dtype: torch.dtype
+    make_inputs: Callable[[], tuple[Any, ...]]  # fresh random CUDA inputs
+    reference: Callable[..., Any]  # fp32 (or fp64) reference from the same inputs
+    providers: dict[str, Callable[..., Any]]  # "eager", "inductor", "fusepass", peers
+    bytes_moved: int  # each input read once, each output written once
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def compiled(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """torch.compile with a fresh cache entry per case (dynamic off: fixed shapes)."""
+    return torch.compile(fn, dynamic=False, **kwargs)

@@ -1,0 +1,35 @@
+"""fusepass: a torch.compile backend that rewrites LLM subgraphs into fused Triton kernels.
+
+    model = torch.compile(model, backend="fusepass")
+    model(x)
+    print(fusepass.last_report())
+
+Public surface: :func:`last_report`, :func:`reset_reports`, :class:`Rule`,
+:class:`Form`, :class:`NearMiss`, :func:`register_rule`, :mod:`fusepass.testing`
+and the ``fusepass`` command.  Importing fusepass registers its ops; rules
+load lazily, on the first compile.
+"""
+
+from . import kernels as _kernels  # noqa: F401
+from .kernels import _load as _load_ops
+from .match import MatchInfo
+from .report import RewriteReport, last_report, reset_reports
+from .rule import Form, NearMiss, Rule, get_rule, register_rule, rules, unregister_rule
+
+_load_ops()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Form",
+    "MatchInfo",
+    "NearMiss",
+    "RewriteReport",
+    "Rule",
+    "get_rule",
+    "last_report",
+    "register_rule",
+    "reset_reports",
+    "rules",
+    "unregister_rule",
+]

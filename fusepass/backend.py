@@ -1,0 +1,83 @@
+"""The ``torch.compile`` backend: Inductor with fusepass's pass installed.
+
+Registered through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(model, backend="fusepass")`` works without importing fusepass.
+``mode=`` maps through Inductor's own table (``reduce-overhead`` gives CUDA
+graphs, ``max-autotune`` autotuning); ``options=`` carries fusepass's options
+(see :mod:`fusepass.options`) and any Inductor option.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import report as _report
+from .engine import FusePass
+from .options import Options
+
+_graph_ids = itertools.count()
+
+
+def _graph_id() -> str:
+    try:
+        cid = torch._guards.CompileContext.current_compile_id()
+        if cid is not None:
+            return str(cid)
+    except Exception:  # noqa: BLE001 - best effort label only
+        pass
+    return f"g{next(_graph_ids)}"
+
+
+def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
+                     options: Mapping[str, Any] | None = None) -> Any:
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    opts, inductor_options = Options.parse(options)
+    # list_mode_options(None) lists every mode; only a named mode maps to options.
+    patches: dict[str, Any] = {**(list_mode_options(mode) if mode else {}), **inductor_options}
+    user_pass = patches.get("post_grad_custom_pre_pass", torch._inductor.config.post_grad_custom_pre_pass)
+
+    graph = _report.GraphReport(graph_id=_graph_id())
+    pending: list[_report.GraphReport] = []
+    fp = FusePass(opts, chained=user_pass, sink=pending.append, graph_id=graph.graph_id)
+    patches["post_grad_custom_pre_pass"] = fp
+
+    def inner_compile(gm_: torch.fx.GraphModule, inputs_: Sequence[Any], **kwargs: Any) -> Any:
+        # Called once per graph AOTAutograd hands Inductor (forward, backward).
+        # On a miss the pass runs inside; on an FX-graph-cache hit it does not,
+        # and the record stored under the same cache key tells what the cached
+        # code holds.
+        pending.clear()
+        out = compile_fx_inner(gm_, inputs_, **kwargs)
+        key = getattr(out, "_fx_graph_cache_key", None)
+        if pending:
+            part = _report.GraphReport(graph_id=graph.graph_id)
+            for r in pending:
+                part.merge(r)
+            if key:
+                _report.store(key, part)
+        else:
+            part = _report.load(key) if key else None
+            graph.cache = "hit"
+            if part is None:
+                graph.notes.append(
+                    "a graph came from Inductor's cache and fusepass's record of it is missing; "
+                    "its rewrites are not listed (clear Inductor's cache to recompile it)")
+        if part is not None:
+            graph.merge(part)
+        pending.clear()
+        return out
+
+    t0 = time.perf_counter()
+    # AOTAutograd's own cache would skip Inductor's entirely, and with it the
+    # cache key the record is filed under; the FX graph cache stays on.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    graph.compile_seconds = time.perf_counter() - t0
+    _report.record(graph)
+    return compiled

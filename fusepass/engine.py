@@ -1,0 +1,445 @@
+"""The pass: normalise the post-grad graph, run every rule, record what happened.
+
+Patterns are traced from each rule's plain-torch ``search`` functions with
+Inductor's machinery (``fwd_only`` + ``fx_to_pattern``), once per dtype, and
+matched with Inductor's ``PatternExpr.match``.  fusepass drives the matching
+itself rather than through ``PatternMatcherPass`` so that every refusal keeps
+its reason:
+
+- intermediates may have users outside the match in the pattern (``MULTIPLE``);
+  a match whose intermediate *is* used elsewhere is refused here, naming it
+  (this is also how training graphs are refused: the forward saves ``rsqrt``
+  for the backward);
+- the rule's ``check`` gives the semantic reasons (shapes, dtypes, eps kind);
+- ``verify`` mode runs the match and its replacement on random inputs;
+- anchors the rules did not consume are near-misses, explained by the rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.pattern_matcher import (
+    MULTIPLE,
+    Match,
+    MultiOutputPattern,
+    PatternExpr,
+    _TargetExpr,
+    fwd_only,
+    fx_to_pattern,
+    is_match,
+    stable_topological_sort,
+)
+from torch.utils import _pytree as pytree
+
+from .match import MatchInfo, hint
+from .options import Options
+from .report import GraphReport, Hit, Refusal
+from .rule import Form, Rule, rules
+
+log = logging.getLogger("fusepass")
+aten = torch.ops.aten
+
+# -- graph normalisation -----------------------------------------------------
+
+# Reductions whose dim list is canonicalised to negative form: the HF norm writes
+# mean(-1), F.rms_norm's decomposition writes mean([ndim-1]); after this both
+# read mean([-1]) whatever the rank, so one pattern covers any leading dims.
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
+
+
+def normalize(graph: torch.fx.Graph) -> int:
+    changed = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _REDUCTIONS]:
+        if len(node.args) < 2 or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        val = node.args[0].meta.get("val")
+        dims = node.args[1]
+        if not isinstance(val, torch.Tensor) or not isinstance(dims, (list, tuple)):
+            continue
+        rank = val.dim()
+        new = [d - rank if isinstance(d, int) and d >= 0 else d for d in dims]
+        if list(dims) != new:
+            node.args = (node.args[0], new, *node.args[2:])
+            changed += 1
+    return changed
+
+
+# -- pattern compilation -----------------------------------------------------
+
+@dataclass
+class CompiledForm:
+    rule: Rule
+    form: Form
+    dtype: torch.dtype
+    variant: str  # "" or "swapped"
+    pattern: PatternExpr
+    argnames: list[str]
+
+    @property
+    def root_target(self) -> Any:
+        p = self.pattern.outputs[0] if isinstance(self.pattern, MultiOutputPattern) else self.pattern
+        return p.fns[0]
+
+
+_compiled: dict[str, list[CompiledForm]] = {}
+
+# Scalar stand-ins for the trace: exactly representable in fp32 (F.rms_norm
+# rounds eps to fp32 before it reaches the graph) and unlikely to collide with
+# a real constant of the search function.
+_SCALAR_STAND_INS = [2.0**-20 * 1.171875, 2.0**-17 * 1.359375, 2.0**-13 * 1.4375, 2.0**-9 * 1.5625]
+
+
+def invalidate_patterns() -> None:
+    _compiled.clear()
+
+
+def _trace_inputs(rule: Rule, search: Any, dtype: torch.dtype) -> tuple[list[str], list[Any], dict[str, float]]:
+    argnames = list(inspect.signature(search).parameters)
+    examples = list(rule.example_inputs(dtype))
+    workaround = {name: _SCALAR_STAND_INS[i] for i, name in enumerate(rule.scalars)}
+    args, it = [], iter(examples)
+    for name in argnames:
+        args.append(workaround[name] if name in workaround else next(it))
+    return argnames, args, workaround
+
+
+def _functional(gm: torch.fx.GraphModule) -> None:
+    """Turn the in-place ops some decompositions emit (``add_`` in F.rms_norm's)
+    into their functional twins, as functionalisation does for the real graph."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        packet = target._schema.name.split("::")[-1]
+        if not (packet.endswith("_") and target._schema.is_mutable):
+            continue
+        functional = getattr(getattr(aten, packet[:-1], None), target._overloadname, None)
+        if functional is not None:
+            node.target = functional
+    gm.recompile()
+
+
+def _swap_last_commutative(gm: torch.fx.GraphModule) -> bool:
+    commutative = {aten.mul.Tensor, aten.add.Tensor}
+    for node in reversed(gm.graph.nodes):
+        if node.op == "call_function" and node.target in commutative:
+            a, b = node.args[:2]
+            if isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a is not b:
+                node.args = (b, a, *node.args[2:])
+                gm.recompile()
+                return True
+            return False
+    return False
+
+
+def _relax_users(pattern: PatternExpr) -> None:
+    """Let intermediates have outside users structurally; the engine refuses those with a reason."""
+    outputs = pattern.outputs if isinstance(pattern, MultiOutputPattern) else [pattern]
+    seen: set[int] = set()
+
+    def walk(p: Any) -> None:
+        if isinstance(p, (list, tuple)):
+            for q in p:
+                walk(q)
+            return
+        if not isinstance(p, _TargetExpr) or id(p) in seen:
+            return
+        seen.add(id(p))
+        if all(p is not o for o in outputs):
+            p.users = MULTIPLE
+        for a in itertools.chain(getattr(p, "args", ()), getattr(p, "kwargs", {}).values()):
+            walk(a)
+
+    for o in outputs:
+        walk(o)
+
+
+def compile_rule(rule: Rule) -> list[CompiledForm]:
+    if rule.name in _compiled:
+        return _compiled[rule.name]
+    out: list[CompiledForm] = []
+    seen: set[str] = set()
+    for form in rule.forms:
+        for dtype in rule.dtypes:
+            argnames, args, workaround = _trace_inputs(rule, form.search, dtype)
+            for variant in ("", "swapped") if rule.commutative_root else ("",):
+                gm = fwd_only(form.search, args)
+                _functional(gm)
+                normalize(gm.graph)
+                if variant and not _swap_last_commutative(gm):
+                    continue
+                pattern = fx_to_pattern(gm, argnames=argnames, scalar_workaround=workaround)
+                key = repr(pattern)
+                if key in seen:  # e.g. fp32 traces of forms that differ only in casts
+                    continue
+                seen.add(key)
+                _relax_users(pattern)
+                out.append(CompiledForm(rule, form, dtype, variant, pattern, argnames))
+    _compiled[rule.name] = out
+    return out
+
+
+# -- where a node came from ----------------------------------------------------
+
+def where(node: torch.fx.Node) -> tuple[str, str]:
+    """(module path, file:line) of the user's code that produced ``node``."""
+    path = ""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = path.replace("L['self'].", "").replace("L['self']", "")
+        for prefix in ("L__self___", "L['fn']."):
+            path = path.replace(prefix, "")
+    source = ""
+    trace = node.meta.get("stack_trace") or ""
+    for line in reversed(trace.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("File "):
+            parts = line.split('"')
+            if len(parts) >= 3:
+                lineno = parts[2].split(",")[1].strip().replace("line ", "")
+                source = f"{Path(parts[1]).name}:{lineno}"
+            break
+    return path, source
+
+
+# -- bytes ---------------------------------------------------------------------
+
+def _nbytes(val: Any) -> int:
+    total = 0
+    for t in pytree.tree_leaves(val):
+        if isinstance(t, torch.Tensor):
+            total += hint(t.numel()) * t.element_size()
+    return total
+
+
+def bytes_saved(m: Match) -> int:
+    """Op-by-op bytes of the matched nodes minus the fused op's (inputs once, outputs once)."""
+    inside = set(m.nodes)
+    unfused = 0
+    external: set[torch.fx.Node] = set()
+    for n in m.nodes:
+        unfused += _nbytes(n.meta.get("val"))
+        for a in n.all_input_nodes:
+            unfused += _nbytes(a.meta.get("val"))
+            if a not in inside:
+                external.add(a)
+    fused = sum(_nbytes(a.meta.get("val")) for a in external)
+    fused += sum(_nbytes(o.meta.get("val")) for o in m.output_nodes() if o is not None)
+    return max(unfused - fused, 0)
+
+
+# -- refusals that every rule shares -------------------------------------------
+
+def _describe(node: torch.fx.Node) -> str:
+    target = getattr(node.target, "__name__", str(node.target))
+    return f"{target.split('.')[0]} ({node.name})"
+
+
+def outside_use(m: Match) -> str | None:
+    inside = set(m.nodes)
+    outputs = {o for o in m.output_nodes() if o is not None}
+    for n in m.nodes:
+        if n in outputs:
+            continue
+        for user in n.users:
+            if user not in inside:
+                if user.op == "output":
+                    return (f"intermediate {_describe(n)} is also used outside the pattern: it is a "
+                            "graph output (in training, saved for backward)")
+                return f"intermediate {_describe(n)} is also used outside the pattern, by {user.name}"
+    return None
+
+
+def _verify(cf: CompiledForm, m: Match, args: list[Any]) -> str | None:
+    """Run the match's search function and its replacement on random inputs."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from .kernels._common import tolerance
+
+    def real(a: Any) -> Any:
+        val = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+        if not isinstance(val, torch.Tensor):
+            return val
+        shape = [hint(s) for s in val.shape]
+        if val.dtype.is_floating_point:
+            return torch.randn(shape, dtype=val.dtype, device=val.device)
+        if val.dtype == torch.bool:
+            return torch.rand(shape, device=val.device) > 0.5
+        return torch.randint(-8, 8, shape, dtype=val.dtype, device=val.device)
+
+    with unset_fake_temporarily(), torch.no_grad():
+        concrete = [real(a) for a in args]
+        expected = pytree.tree_leaves(cf.form.search(*concrete))
+        actual = pytree.tree_leaves(cf.form.replace(*concrete))
+        for e, a in zip(expected, actual):
+            if e.shape != a.shape or e.dtype != a.dtype:
+                return f"verification failed: replacement gives {a.dtype}{tuple(a.shape)}, search {e.dtype}{tuple(e.shape)}"
+            tol = tolerance(e.dtype)
+            if not torch.allclose(a, e, atol=tol.atol, rtol=tol.rtol, equal_nan=True):
+                err = (a.double() - e.double()).abs().max().item()
+                return f"verification failed: max abs error {err:.3g} on random inputs (atol {tol.atol}, rtol {tol.rtol})"
+    return None
+
+
+# -- the pass --------------------------------------------------------------------
+
+def _anchor_of(rule: Rule, m: Match) -> torch.fx.Node:
+    anchors = rule.anchors()
+    for n in m.nodes:
+        if n.target in anchors:
+            return n
+    return m.output_node()
+
+
+def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") -> GraphReport:
+    graph = gm.graph
+    report = GraphReport(graph_id=graph_id)
+    t0 = time.perf_counter()
+    if options.dump_graphs:
+        _dump(options.dump_graphs, graph_id, "before", gm)
+    normalize(graph)
+    active = [r for r in rules() if options.enabled(r.name)]
+    refused: dict[tuple[str, torch.fx.Node], Refusal] = {}
+    for rule in active:
+        try:
+            forms = compile_rule(rule)
+        except Exception as exc:  # noqa: BLE001 - a broken rule must not break the compile
+            report.notes.append(f"rule {rule.name} could not be traced: {type(exc).__name__}: {exc}")
+            continue
+        by_target: dict[Any, list[CompiledForm]] = {}
+        for cf in forms:
+            by_target.setdefault(cf.root_target, []).append(cf)
+        candidates = [n for n in graph.nodes if n.op == "call_function" and n.target in by_target]
+        for node in reversed(candidates):
+            for cf in by_target[node.target]:
+                if node._erased:
+                    break
+                m = cf.pattern.match(node)
+                if not is_match(m):
+                    continue
+                anchor = _anchor_of(rule, m)
+                args = [m.kwargs[name] for name in cf.argnames]
+                info = MatchInfo(rule.name, cf.form.name, cf.dtype, dict(zip(cf.argnames, args)),
+                                 list(m.nodes), [o for o in m.output_nodes() if o is not None])
+                try:
+                    reason = outside_use(m) or rule.check(info)
+                    if reason is None and options.verify:
+                        reason = _verify(cf, m, args)
+                except Exception as exc:  # noqa: BLE001
+                    reason = f"check raised {type(exc).__name__}: {exc}"
+                path, source = where(anchor)
+                if reason:
+                    refused.setdefault((rule.name, anchor), Refusal(rule.name, reason, path, source))
+                    continue
+                saved = bytes_saved(m)
+                out_val = info.output_val
+                try:
+                    m.replace_by_example(cf.form.replace, args)
+                except Exception as exc:  # noqa: BLE001
+                    refused[(rule.name, anchor)] = Refusal(
+                        rule.name, f"replacement failed: {type(exc).__name__}: {exc}", path, source)
+                    continue
+                refused.pop((rule.name, anchor), None)
+                report.hits.append(Hit(rule.name, cf.form.name + (f" ({cf.variant})" if cf.variant else ""),
+                                       path, source, saved,
+                                       str(getattr(out_val, "dtype", "")).replace("torch.", "")))
+                break
+    # Near-misses: anchors no rule consumed and no check already explained.
+    for rule in active:
+        if rule.explain is None:
+            continue
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in rule.anchors():
+                continue
+            if (rule.name, node) in refused:
+                continue
+            try:
+                reason = rule.explain(node)
+            except Exception as exc:  # noqa: BLE001
+                reason = f"explain raised {type(exc).__name__}: {exc}"
+            if reason:
+                path, source = where(node)
+                refused[(rule.name, node)] = Refusal(rule.name, reason, path, source)
+    if report.hits:
+        # A replacement goes where the match's first output was; an input made
+        # later in the graph (a weight computed as 1 + w, say) must move up.
+        stable_topological_sort(graph)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    report.refusals = list(refused.values())
+    for h in report.hits:
+        report.attempts[h.rule] += 1
+    for r in report.refusals:
+        report.attempts[r.rule] += 1
+    report.match_seconds = time.perf_counter() - t0
+    if options.dump_graphs:
+        _dump(options.dump_graphs, graph_id, "after", gm)
+    return report
+
+
+def _dump(folder: str, graph_id: str, stage: str, gm: torch.fx.GraphModule) -> None:
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    name = (graph_id or "graph").replace("/", "_").replace(" ", "_")
+    (path / f"{name}.{stage}.txt").write_text(str(gm.graph))
+
+
+# Files whose text decides what the pass does: any change must miss the cache.
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _source_hash(options: Options) -> str:
+    h = hashlib.sha256()
+    for path in sorted(itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/*.py"))):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    for rule in rules():
+        if options.enabled(rule.name):
+            h.update(rule.sources().encode())
+    h.update(repr(options.cache_key()).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()
+
+
+class FusePass(CustomGraphPass):
+    """The post-grad pass handed to Inductor; chains a pass the user configured."""
+
+    def __init__(self, options: Options, chained: Any = None, sink: Any = None, graph_id: str = "") -> None:
+        self.options = options
+        self.chained = get_custom_graph_passes(chained)
+        self.sink = sink
+        self.graph_id = graph_id
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for user_pass in self.chained:
+            user_pass(graph)
+        gm = graph.owning_module
+        report = run_rules(gm, self.options, self.graph_id)
+        if self.sink is not None:
+            self.sink(report)
+
+    def uuid(self) -> Any:
+        parts: list[Any] = [_source_hash(self.options)]
+        for user_pass in self.chained:
+            uid = user_pass.uuid() if hasattr(user_pass, "uuid") else None
+            if uid is None:
+                return None  # the chained pass opted out of caching
+            parts.append(uid)
+        return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def names(rules_: Iterable[Rule]) -> list[str]:
+    return [r.name for r in rules_]

@@ -1,0 +1,75 @@
+"""fusepass's own options, split from the Inductor options passed through.
+
+``torch.compile(m, backend="fusepass", options={...})`` takes:
+
+- ``rules``: names of the only rules to run (default: all registered);
+- ``disable_rules``: names of rules not to run;
+- ``verify``: run each match and its replacement on random inputs at compile
+  time and refuse any that disagree (the measured error goes in the report);
+- ``dump_graphs``: a folder to write each graph to, before and after the pass.
+
+Every other key is an Inductor config option and is passed through.  The same
+settings can come from the environment: ``FUSEPASS_RULES``,
+``FUSEPASS_DISABLE_RULES`` (comma lists), ``FUSEPASS_VERIFY=1``,
+``FUSEPASS_DUMP_GRAPHS=folder``; explicit options win.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+OWN_KEYS = ("rules", "disable_rules", "verify", "dump_graphs")
+
+
+def _names(value: Any, key: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if not all(isinstance(v, str) for v in value):
+        raise TypeError(f"fusepass option {key!r} takes rule names, got {value!r}")
+    return tuple(v.strip() for v in value)
+
+
+@dataclass(frozen=True)
+class Options:
+    rules: tuple[str, ...] | None = None
+    disable_rules: tuple[str, ...] = ()
+    verify: bool = False
+    dump_graphs: str | None = None
+
+    def enabled(self, rule: str) -> bool:
+        return (self.rules is None or rule in self.rules) and rule not in self.disable_rules
+
+    def cache_key(self) -> tuple[Any, ...]:
+        # dump_graphs changes no output code, so it stays out of the cache key.
+        return (self.rules, self.disable_rules, self.verify)
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> tuple[Options, dict[str, Any]]:
+        """Split ``options`` into fusepass's Options and the Inductor config patches."""
+        options = dict(options or {})
+        env = os.environ
+        own = {
+            "rules": _names(options.pop("rules", env.get("FUSEPASS_RULES")), "rules"),
+            "disable_rules": _names(options.pop("disable_rules", env.get("FUSEPASS_DISABLE_RULES")),
+                                    "disable_rules") or (),
+            "verify": options.pop("verify", env.get("FUSEPASS_VERIFY", "") not in ("", "0")),
+            "dump_graphs": options.pop("dump_graphs", env.get("FUSEPASS_DUMP_GRAPHS") or None),
+        }
+        if not isinstance(own["verify"], bool):
+            raise TypeError(f"fusepass option 'verify' takes a bool, got {own['verify']!r}")
+        known = _known_rule_names()
+        for key in ("rules", "disable_rules"):
+            unknown = [n for n in (own[key] or ()) if n not in known]
+            if unknown:
+                raise ValueError(f"fusepass option {key!r}: unknown rule(s) {unknown}; known: {sorted(known)}")
+        return cls(**own), options
+
+
+def _known_rule_names() -> set[str]:
+    from .rule import rules
+
+    return {r.name for r in rules()}

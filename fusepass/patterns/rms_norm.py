@@ -1,0 +1,186 @@
+"""RMSNorm -> ``fusepass::rms_norm``.
+
+    y = x / sqrt(mean(x², -1) + eps) * w          (plain)
+    y = x / sqrt(mean(x², -1) + eps) * (1 + w)    (zero-centred: Gemma, Qwen3-Next, Qwen3.5)
+
+over the last dim, any leading dims, any eps.  The forms below are the ones
+real model code takes after tracing:
+
+- ``hf``: Llama-style: upcast to fp32, normalise, cast back, then times the
+  weight (``weight * h.to(input_dtype)``) -- two roundings in half precision;
+- ``no_upcast``: the same written without the fp32 upcast;
+- ``torch``: ``F.rms_norm`` / ``nn.RMSNorm`` (eps arrives as ``add.Scalar``
+  rounded to fp32; the weight multiply happens in fp32, one rounding);
+- ``zero_centred``: ``(x̂ * (1 + w.float())).type_as(x)``.
+
+The weight multiply commutes, so each form also matches with its operands
+swapped.  The op reproduces each form's rounding (``cast_before_weight``),
+so a rewrite changes results by at most the dtype's rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from fusepass.match import MatchInfo, same, shape_str
+from fusepass.rule import Form, NearMiss, Rule
+
+aten = torch.ops.aten
+SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _normed(x, eps, upcast):
+    h = x.to(torch.float32) if upcast else x
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def search_hf(x, weight, eps):
+    return weight * _normed(x, eps, True).to(x.dtype)
+
+
+def replace_hf(x, weight, eps):
+    out = torch.promote_types(x.dtype, weight.dtype)
+    return torch.ops.fusepass.rms_norm(x, weight, eps, 0.0, True, out)
+
+
+def search_no_upcast(x, weight, eps):
+    return weight * _normed(x, eps, False)
+
+
+def search_torch(x, weight, eps):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def replace_torch(x, weight, eps):
+    return torch.ops.fusepass.rms_norm(x, weight, eps, 0.0, False, x.dtype)
+
+
+def search_zero_centred(x, weight, eps):
+    return (_normed(x, eps, True) * (1.0 + weight.float())).type_as(x)
+
+
+def replace_zero_centred(x, weight, eps):
+    return torch.ops.fusepass.rms_norm(x, weight, eps, 1.0, False, x.dtype)
+
+
+def example_inputs(dtype):
+    return [torch.randn(4, 16, dtype=dtype), torch.randn(16, dtype=dtype)]
+
+
+def check_norm(m: MatchInfo, x_name: str = "x") -> str | None:
+    """Checks shared with add_rms_norm."""
+    if m.is_node("eps"):
+        return f"eps is a tensor ({m.inputs['eps'].name}), not a Python number"
+    if not isinstance(m.val("eps"), (int, float)):
+        return f"eps is {type(m.val('eps')).__name__}, not a Python number"
+    x, w = m.val(x_name), m.val("weight")
+    if x.dtype not in SUPPORTED:
+        return f"input dtype {x.dtype} has no kernel (fp32/fp16/bf16 only)"
+    if w.dtype not in SUPPORTED:
+        return f"weight dtype {w.dtype} has no kernel (fp32/fp16/bf16 only)"
+    if x.dim() == 0:
+        return "input is a scalar"
+    if w.dim() != 1 or not same(w.shape[0], x.shape[-1]):
+        return f"weight shape {shape_str(w)} is not (hidden,) = ({x.shape[-1]},)"
+    if x.device.type not in ("cuda", "cpu"):
+        return f"no fusepass kernel for device {x.device.type}"
+    if x.device != w.device:
+        return f"input on {x.device}, weight on {w.device}"
+    return None
+
+
+def check(m: MatchInfo) -> str | None:
+    return check_norm(m)
+
+
+def _arg(node: torch.fx.Node, i: int):
+    return node.args[i] if len(node.args) > i else None
+
+
+def explain(rsqrt: torch.fx.Node) -> str | None:
+    """Why an ``rsqrt(mean(x²) + eps)`` that no form took was left alone."""
+    add = rsqrt.args[0]
+    if not (isinstance(add, torch.fx.Node) and add.target in (aten.add.Tensor, aten.add.Scalar)):
+        return None
+    mean = add.args[0]
+    if not (isinstance(mean, torch.fx.Node) and mean.target == aten.mean.dim):
+        return None
+    sq = mean.args[0]
+    if not (isinstance(sq, torch.fx.Node) and sq.target in (aten.pow.Tensor_Scalar, aten.mul.Tensor)):
+        return None  # not a mean of squares: not an RMSNorm attempt
+    dims, keepdim = _arg(mean, 1), _arg(mean, 2)
+    if dims is not None and list(dims) != [-1]:
+        return f"mean over dim {list(dims)}, not the last dim"
+    if not keepdim:
+        return "mean with keepdim=False: the result broadcasts differently from a row norm"
+    if sq.target == aten.pow.Tensor_Scalar and sq.args[1] != 2:
+        return f"mean of x**{sq.args[1]}, not of x**2"
+    if isinstance(add.args[1], torch.fx.Node):
+        return f"eps is a tensor ({add.args[1].name}), not a Python number"
+    for n in (sq, mean, add, rsqrt):
+        if len(n.users) > 1:
+            users = ", ".join(u.name for u in n.users)
+            return f"intermediate {n.name} is also used outside the norm (users: {users})"
+    return "the normalised value is not multiplied by a (hidden,) weight in a form fusepass knows"
+
+
+def _nm_var_reused(x, w):
+    h = x.float()
+    var = h.pow(2).mean(-1, keepdim=True)
+    return w * (h * torch.rsqrt(var + 1e-6)).to(x.dtype), var
+
+
+def _nm_first_dim(x, w):
+    h = x.float()
+    return w[:, None] * (h * torch.rsqrt(h.pow(2).mean(0, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _nm_no_keepdim(x, w):
+    # Square input: mean(-1) without keepdim broadcasts along the *rows*.
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1) + 1e-6)).to(x.dtype)
+
+
+def _nm_tensor_eps(x, w, eps):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _nm_weight_2d(x, w):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _sq(dtype):
+    return [torch.randn(8, 8, dtype=dtype), torch.randn(8, dtype=dtype)]
+
+
+RULE = Rule(
+    name="rms_norm",
+    forms=[
+        # Most specific first: in fp32 a (1 + w) weight also fits "hf" with
+        # weight := 1 + w; the zero-centred form names it right.
+        Form("zero_centred", search_zero_centred, replace_zero_centred),
+        Form("torch", search_torch, replace_torch),
+        Form("hf", search_hf, replace_hf),
+        Form("no_upcast", search_no_upcast, replace_hf),
+    ],
+    example_inputs=example_inputs,
+    check=check,
+    scalars={"eps": 1e-6},
+    anchor=aten.rsqrt.default,
+    explain=explain,
+    commutative_root=True,
+    near_misses=[
+        NearMiss("variance also returned", _nm_var_reused, _sq, "also used outside"),
+        NearMiss("mean over dim 0", _nm_first_dim, _sq, "not the last dim"),
+        NearMiss("keepdim=False", _nm_no_keepdim, _sq, "keepdim=False"),
+        NearMiss("eps as a tensor", _nm_tensor_eps,
+                 lambda dt: [*_sq(dt), torch.tensor(1e-6, dtype=torch.float32)], "eps is a tensor"),
+        NearMiss("weight (1, hidden)", _nm_weight_2d,
+                 lambda dt: [torch.randn(8, 8, dtype=dt), torch.randn(1, 8, dtype=dt)], "weight shape"),
+    ],
+    doc=__doc__,
+)

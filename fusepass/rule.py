@@ -1,0 +1,168 @@
+"""The rule API: what a rewrite rule is, and the registry that holds them.
+
+A rule is the same thing whether fusepass ships it or a user writes it:
+
+- ``forms``: one or more :class:`Form` -- a ``search`` function in plain torch
+  (it *is* the reference semantics) and the ``replace`` function that computes
+  the same thing with one fused op.  Each form is traced once per dtype in
+  ``dtypes`` into an ATen pattern with Inductor's pattern machinery.
+- ``example_inputs(dtype)``: small inputs for that trace (scalars named in
+  ``scalars`` become wildcards, so ``eps=1e-6`` matches any eps).
+- ``check(match)``: ``None`` to accept a structural match, or a short reason
+  to refuse it.  Reasons reach the report.
+- ``anchor`` / ``explain``: the op that marks a place where the rule *could*
+  have applied (``rsqrt`` for RMSNorm).  An anchor left in the graph after
+  matching is a near-miss; ``explain(node)`` says why it did not match, or
+  returns ``None`` when the place is not an attempt at all.
+
+Rules run in ``priority`` order (higher first): ``add_rms_norm`` must see the
+residual add before ``rms_norm`` takes the norm alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx
+
+from .match import MatchInfo
+
+Reason = str | None
+
+
+@dataclass(frozen=True)
+class Form:
+    """One source form of a rule: ``search`` (plain torch) and its ``replace``."""
+
+    name: str
+    search: Callable[..., Any]
+    replace: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """A program the rule must refuse, with a fragment of the expected reason.
+
+    ``fn(*inputs)`` is compiled with fusepass; the rule must not rewrite it,
+    the report must carry a refusal containing ``reason``, and the result must
+    equal eager.  ``inputs(dtype)`` builds the inputs.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    inputs: Callable[[torch.dtype], Sequence[Any]]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    forms: Sequence[Form]
+    example_inputs: Callable[[torch.dtype], Sequence[Any]]
+    check: Callable[[MatchInfo], Reason] = lambda m: None
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16)
+    scalars: Mapping[str, float] = field(default_factory=dict)
+    anchor: Any = None  # an OpOverload, or a tuple of them
+    explain: Callable[[torch.fx.Node], Reason] | None = None
+    priority: int = 0
+    # Ops whose operands commute: each form is also traced with the operands of
+    # its *last* such op swapped, since the matcher compares argument order.
+    commutative_root: bool = False
+    near_misses: Sequence[NearMiss] = ()
+    doc: str = ""
+
+    def sources(self) -> str:
+        """Source text of everything that decides what the rule does (for the cache key)."""
+        parts = [self.name, repr(sorted(self.scalars.items())), repr(self.dtypes), str(self.priority)]
+        for fn in [self.example_inputs, self.check, self.explain] + [
+            f for form in self.forms for f in (form.search, form.replace)
+        ]:
+            if fn is None:
+                continue
+            try:
+                parts.append(inspect.getsource(fn))
+            except (OSError, TypeError):
+                code = getattr(fn, "__code__", None)
+                parts.append(repr(code.co_code) if code is not None else repr(fn))
+        return "\n".join(parts)
+
+    def anchors(self) -> tuple[Any, ...]:
+        if self.anchor is None:
+            return ()
+        return self.anchor if isinstance(self.anchor, tuple) else (self.anchor,)
+
+
+BUILTIN_RULE_MODULES = (
+    "fusepass.patterns.add_rms_norm",
+    "fusepass.patterns.rms_norm",
+    "fusepass.patterns.swiglu",
+    "fusepass.patterns.geglu",
+)
+
+_lock = threading.Lock()
+_rules: dict[str, Rule] = {}
+_builtins_loaded = False
+
+
+def register_rule(rule: Rule, *, replace: bool = False) -> Rule:
+    """Add a rule to the registry that every fusepass compile uses.
+
+    Registering a name twice is an error unless ``replace=True``.
+    """
+    if not isinstance(rule, Rule):
+        raise TypeError(f"register_rule takes a fusepass.Rule, got {type(rule).__name__}")
+    if not rule.forms:
+        raise ValueError(f"rule {rule.name!r} has no forms")
+    with _lock:
+        if rule.name in _rules and not replace and _rules[rule.name] is not rule:
+            raise ValueError(f"a rule named {rule.name!r} is already registered (pass replace=True)")
+        _rules[rule.name] = rule
+    from . import engine
+
+    engine.invalidate_patterns()
+    return rule
+
+
+def unregister_rule(name: str) -> None:
+    with _lock:
+        _rules.pop(name, None)
+    from . import engine
+
+    engine.invalidate_patterns()
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    with _lock:
+        if _builtins_loaded:
+            return
+        _builtins_loaded = True
+    for module in BUILTIN_RULE_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name == module:  # not written yet in this checkout
+                continue
+            raise
+        register_rule(mod.RULE, replace=True)
+
+
+def rules() -> list[Rule]:
+    """All registered rules, built-ins first loaded lazily, highest priority first."""
+    _load_builtins()
+    with _lock:
+        return sorted(_rules.values(), key=lambda r: -r.priority)
+
+
+def get_rule(name: str) -> Rule:
+    for rule in rules():
+        if rule.name == name:
+            return rule
+    raise KeyError(f"no rule named {name!r}; known: {', '.join(r.name for r in rules())}")

@@ -1,0 +1,95 @@
+"""Helpers for testing rules, built-in or your own.
+
+    from fusepass.testing import check_rule
+    check_rule(my_rule)             # raises AssertionError with what went wrong
+
+``check_rule`` compiles every form of the rule (each dtype) with fusepass
+restricted to that rule and checks that (1) the rule rewrote it, (2) the
+result matches the search function run eagerly within the dtype table, and
+(3) every declared near-miss is refused with its expected reason and still
+gives eager's result.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .kernels._common import tolerance
+from .report import RewriteReport, last_report, reset_reports
+from .rule import Rule
+
+# A scalar the pattern was not traced with, so matching really is by wildcard.
+CHECK_SCALAR = 3.0517578125e-05
+
+
+@dataclass
+class CheckResult:
+    case: str
+    rewrites: int
+    max_error: float
+    reasons: list[str]
+
+
+def compile_and_run(fn: Callable[..., Any], inputs: Sequence[Any], rules: Sequence[str] | None = None,
+                    **options: Any) -> tuple[Any, RewriteReport]:
+    """Compile ``fn`` with fusepass (fresh Dynamo state), run it once, return (output, report)."""
+    torch._dynamo.reset()
+    reset_reports()
+    opts = dict(options)
+    if rules is not None:
+        opts["rules"] = list(rules)
+    compiled = torch.compile(fn, backend="fusepass", options=opts, dynamic=False)
+    out = compiled(*inputs)
+    return out, last_report()
+
+
+def assert_close(actual: Any, expected: Any, what: str = "") -> float:
+    worst = 0.0
+    for a, e in zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected)):
+        if not isinstance(e, torch.Tensor):
+            continue
+        assert a.shape == e.shape and a.dtype == e.dtype, f"{what}: {a.dtype}{tuple(a.shape)} vs {e.dtype}{tuple(e.shape)}"
+        tol = tolerance(e.dtype)
+        torch.testing.assert_close(a, e, atol=tol.atol, rtol=tol.rtol, equal_nan=True, msg=lambda m: f"{what}: {m}")
+        if e.numel():
+            worst = max(worst, (a.double() - e.double()).abs().max().item())
+    return worst
+
+
+def _bind_scalars(rule: Rule, fn: Callable[..., Any]) -> Callable[..., Any]:
+    bound = {name: CHECK_SCALAR for name in rule.scalars}
+    return functools.partial(fn, **bound) if bound else fn
+
+
+def check_rule(rule: Rule, dtypes: Sequence[torch.dtype] | None = None, device: str | torch.device | None = None,
+               near_miss_dtype: torch.dtype = torch.float32) -> list[CheckResult]:
+    """Check a rule end to end; returns one row per case, raises AssertionError on the first failure."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    results: list[CheckResult] = []
+    for form in rule.forms:
+        for dtype in dtypes or rule.dtypes:
+            case = f"{rule.name}/{form.name}/{str(dtype).replace('torch.', '')}"
+            inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in rule.example_inputs(dtype)]
+            fn = _bind_scalars(rule, form.search)
+            expected = fn(*inputs)
+            out, report = compile_and_run(fn, inputs, rules=[rule.name])
+            n = report.count(rule.name)
+            assert n >= 1, f"{case}: not rewritten; refusals: {report.reasons(rule.name) or 'none'}"
+            err = assert_close(out, expected, case)
+            results.append(CheckResult(case, n, err, report.reasons(rule.name)))
+    for nm in rule.near_misses:
+        case = f"{rule.name}/near-miss/{nm.name}"
+        inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in nm.inputs(near_miss_dtype)]
+        expected = nm.fn(*inputs)
+        out, report = compile_and_run(nm.fn, inputs, rules=[rule.name])
+        assert report.count(rule.name) == 0, f"{case}: rewritten but must be refused"
+        reasons = report.reasons(rule.name)
+        assert any(nm.reason in r for r in reasons), f"{case}: expected a reason with {nm.reason!r}, got {reasons}"
+        err = assert_close(out, expected, case)
+        results.append(CheckResult(case, 0, err, reasons))
+    return results

@@ -1,0 +1,32 @@
+"""Test set-up shared by the whole suite.
+
+Without a GPU, Triton kernels run under Triton's interpreter: the variable has
+to be set before any ``@triton.jit`` decorator runs, so it is set here, before
+fusepass is imported.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_slow = pytest.mark.skip(reason="long mode: set FUSEPASS_LONG=1")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and os.environ.get("FUSEPASS_LONG") != "1":
+            item.add_marker(skip_slow)
+
+
+@pytest.fixture
+def device():
+    return "cuda" if HAS_CUDA else "cpu"
