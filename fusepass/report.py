@@ -94,12 +94,11 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _places(items: list[Any], limit: int = 3) -> str:
+def _places(items: list[Any], limit: int = 2) -> str:
+    """Module paths where there are some (file:line otherwise); the JSON has both."""
     seen: list[str] = []
     for it in items:
         label = it.where or it.source or "?"
-        if it.where and it.source:
-            label = f"{it.where} ({it.source})"
         if label not in seen:
             seen.append(label)
     more = f" +{len(seen) - limit} more" if len(seen) > limit else ""

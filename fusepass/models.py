@@ -1,0 +1,62 @@
+"""Small random-weight ``transformers`` models for the demo and the tests.
+
+Built from configs, never downloaded.  The weights of the norms are drawn at
+random too (their real initialisation is all ones or all zeros, which would
+hide a kernel that ignores the weight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next")
+
+
+def _config(name: str, size: str) -> Any:
+    import transformers as tf
+
+    hidden, layers, inter = (64, 2, 128) if size == "tiny" else (256, 4, 704)
+    common = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=128)
+    if name == "llama":
+        return tf.LlamaForCausalLM, tf.LlamaConfig(**common, head_dim=hidden // 4)
+    if name == "qwen3":
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, head_dim=hidden // 4)
+    if name == "gemma":
+        return tf.GemmaForCausalLM, tf.GemmaConfig(**common, head_dim=hidden // 4,
+                                                    hidden_activation="gelu_pytorch_tanh")
+    if name == "phi3":
+        return tf.Phi3ForCausalLM, tf.Phi3Config(**common, pad_token_id=0)
+    if name == "qwen3_next":
+        return tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig(
+            **common, head_dim=hidden // 4, linear_num_value_heads=2, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2))
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def build(name: str = "llama", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+          size: str = "tiny", seed: int = 0) -> torch.nn.Module:
+    cls, config = _config(name, size)
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                module.weight.normal_(0.0, 0.5).add_(0.0 if name in ("gemma", "qwen3_next") else 1.0)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def count_norms(model: torch.nn.Module) -> int:
+    return sum(1 for m in model.modules() if type(m).__name__.endswith("RMSNorm")
+               or type(m).__name__.endswith("RMSNormGated"))
+
+
+def input_ids(model: torch.nn.Module, batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+    return ids.to(next(model.parameters()).device)

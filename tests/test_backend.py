@@ -1,0 +1,171 @@
+"""The backend: registration, options, modes, chaining, caching, the report."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fusepass
+from fusepass.testing import assert_close, compile_and_run
+
+
+def hf_norm(x, w):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return w * h.to(x.dtype)
+
+
+def inputs(dtype=torch.float32, rows=6, hidden=32):
+    return torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, dtype=dtype)
+
+
+def test_backend_resolves_by_name_without_import():
+    code = textwrap.dedent("""
+        import sys, torch
+        def f(x, w):
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return w * h
+        out = torch.compile(f, backend="fusepass")(torch.randn(4, 16), torch.randn(16))
+        assert "fusepass" in sys.modules
+        print(sys.modules["fusepass"].last_report().count("rms_norm"))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1"
+
+
+def test_options_select_rules():
+    x, w = inputs()
+    _, report = compile_and_run(hf_norm, (x, w), disable_rules=["rms_norm"])
+    assert report.count("rms_norm") == 0
+    _, report = compile_and_run(hf_norm, (x, w), rules=["rms_norm"])
+    assert report.count("rms_norm") == 1
+
+
+def test_unknown_option_values_fail_clearly():
+    x, w = inputs()
+    with pytest.raises(Exception, match="unknown rule"):
+        compile_and_run(hf_norm, (x, w), rules=["no_such_rule"])
+    with pytest.raises(Exception, match="does not exist"):
+        compile_and_run(hf_norm, (x, w), not_an_inductor_option=True)
+
+
+@pytest.mark.parametrize("mode,key", [("max-autotune", "max_autotune"), ("reduce-overhead", "triton.cudagraphs")])
+def test_mode_maps_to_inductor_options(monkeypatch, mode, key):
+    import torch._inductor.compile_fx as cfx
+
+    seen = {}
+    real = cfx.compile_fx
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.update(kwargs.get("config_patches") or {})
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    from fusepass.backend import fusepass_backend
+
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    fusepass_backend(gm, [torch.randn(3)], mode=mode)
+    assert seen.get(key) is True
+
+
+def test_chains_a_user_pass():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Count(CustomGraphPass):
+        calls = 0
+
+        def __call__(self, graph):
+            Count.calls += 1
+
+        def uuid(self):
+            return "count-pass"
+
+    x, w = inputs()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=Count(), fx_graph_cache=False):
+        _, report = compile_and_run(hf_norm, (x, w))
+    assert Count.calls == 1
+    assert report.count("rms_norm") == 1
+
+
+def test_warm_cache_report_tells_the_truth(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x, w = inputs(rows=5, hidden=24)
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        cold_out, cold = compile_and_run(hf_norm, (x, w))
+        warm_out, warm = compile_and_run(hf_norm, (x, w))
+        assert cold.graphs[0].cache == "miss" and warm.graphs[0].cache == "hit"
+        assert warm.count("rms_norm") == cold.count("rms_norm") == 1
+        assert [h.where for h in warm.hits] == [h.where for h in cold.hits]
+        # Other fusepass options give another cache key: the pass runs again.
+        _, other = compile_and_run(hf_norm, (x, w), verify=True)
+        assert other.graphs[0].cache == "miss"
+    torch.testing.assert_close(warm_out, cold_out, rtol=0, atol=0)
+
+
+def test_report_renders_and_exports():
+    x = torch.randn(8, 8)
+    w = torch.randn(8)
+
+    def two(x, w):
+        h = x.float()
+        var = h.pow(2).mean(-1, keepdim=True)
+        return hf_norm(x, w), w * (h * torch.rsqrt(var + 1e-5)), var
+
+    _, report = compile_and_run(two, (x, w))
+    text = str(report)
+    assert "rms_norm" in text and "refused" in text and "also used outside" in text
+    data = json.loads(report.to_json())
+    hits = [h for g in data["graphs"] for h in g["hits"]]
+    assert len(hits) == 1 and hits[0]["rule"] == "rms_norm" and hits[0]["bytes_saved"] > 0
+    assert data["graphs"][0]["attempts"]["rms_norm"] == 2
+
+
+def test_dump_graphs(tmp_path):
+    x, w = inputs()
+    compile_and_run(hf_norm, (x, w), dump_graphs=str(tmp_path))
+    before = list(tmp_path.glob("*.before.txt"))
+    after = list(tmp_path.glob("*.after.txt"))
+    assert before and after
+    assert "rsqrt" in before[0].read_text()
+    assert "fusepass.rms_norm" in after[0].read_text() and "rsqrt" not in after[0].read_text()
+
+
+def test_verify_mode_accepts_correct_rewrites():
+    x, w = inputs(torch.bfloat16)
+    out, report = compile_and_run(hf_norm, (x, w), verify=True)
+    assert report.count("rms_norm") == 1
+    assert_close(out, hf_norm(x, w))
+
+
+def test_dynamic_shapes_keep_the_rewrite_without_recompiling():
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    f = torch.compile(hf_norm, backend="fusepass", dynamic=True)
+    w = torch.randn(32)
+    for rows in (3, 5, 9):
+        x = torch.randn(2, rows, 32)
+        assert_close(f(x, w), hf_norm(x, w))
+    report = fusepass.last_report()
+    assert len(report.graphs) == 1  # one graph for every length
+    assert report.count("rms_norm") == 1
+
+
+def test_training_graphs_are_left_to_inductor_with_the_reason():
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    out = torch.compile(hf_norm, backend="fusepass")(x, w)
+    out.sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    hf_norm(x, w).sum().backward()
+    assert_close(gx, x.grad)
+    assert_close(gw, w.grad)
+    report = fusepass.last_report()
+    assert report.count("rms_norm") == 0
+    assert any("saved for backward" in r for r in report.reasons("rms_norm"))

@@ -1,0 +1,74 @@
+"""Real model code from ``transformers`` (small random-weight configs), compiled
+with fusepass: logits match eager, and the report counts what the model has.
+
+Each model is compiled once per module and shared by the tests below (an
+Inductor compile of one of these takes 10-45 s on a 2-core machine).
+"""
+
+import functools
+
+import pytest
+import torch
+
+import fusepass
+from fusepass import models
+from fusepass.testing import assert_close
+
+pytest.importorskip("transformers")
+
+
+@functools.cache
+def compiled(name, dtype=torch.float32):
+    model = models.build(name, dtype=dtype, size="tiny")
+    ids = models.input_ids(model)
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with torch.no_grad():
+        expected = model(ids).logits
+        actual = torch.compile(model, backend="fusepass")(ids).logits
+    return model, expected, actual, fusepass.last_report()
+
+
+def layers(model):
+    return model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "qwen3_next"])
+def test_logits_match_eager(name):
+    _, expected, actual, _ = compiled(name)
+    assert_close(actual, expected, name)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "qwen3_next"])
+def test_every_norm_is_rewritten(name):
+    model, _, _, report = compiled(name)
+    assert report.count("rms_norm") + report.count("add_rms_norm") == models.count_norms(model)
+    assert not report.reasons("rms_norm"), report.reasons("rms_norm")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "qwen3_next"])
+def test_residual_add_fuses_before_every_norm_that_follows_one(name):
+    # Every decoder layer adds the residual before its post-attention norm and
+    # before the next layer's (or the final) norm: 2 per layer.
+    model, _, _, report = compiled(name)
+    assert report.count("add_rms_norm") == 2 * layers(model)
+
+
+def test_qwen3_head_norms_are_counted():
+    model, _, _, report = compiled("qwen3")
+    where = [h.where for h in report.hits if h.rule == "rms_norm"]
+    assert sum("q_norm" in w for w in where) == layers(model)
+    assert sum("k_norm" in w for w in where) == layers(model)
+
+
+@pytest.mark.parametrize("name", ["gemma", "qwen3_next"])
+def test_zero_centred_weights_use_the_zero_centred_form(name):
+    _, _, _, report = compiled(name)
+    forms = {h.form.split(" ")[0] for h in report.hits if h.rule == "add_rms_norm"}
+    assert forms == {"zero_centred"}
+
+
+def test_bf16_llama_matches_eager():
+    _, expected, actual, report = compiled("llama", torch.bfloat16)
+    assert report.count("add_rms_norm") == 2 * 2
+    assert_close(actual, expected, "llama bf16")
