@@ -7,6 +7,7 @@ fp32 reference and times them all in one run.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,5 +31,15 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 
 def compiled(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
-    """torch.compile with a fresh cache entry per case (dynamic off: fixed shapes)."""
-    return torch.compile(fn, dynamic=False, **kwargs)
+    """torch.compile with a fresh cache entry per case (dynamic off: fixed shapes).
+
+    Dynamo keeps its cache on the function's code object, shared by every
+    ``torch.compile`` of that function, and stops compiling a code object after
+    ``recompile_limit`` (8) entries: one eager function compiled by two
+    backends at 7 shapes got 4 compiled shapes per backend and ran the rest
+    eagerly (torch 2.13, measured).  A copy with its own code object gets its
+    own cache.
+    """
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__
+    return torch.compile(fresh, dynamic=False, **kwargs)

@@ -49,8 +49,9 @@ class NearMiss:
     """A program the rule must refuse, with a fragment of the expected reason.
 
     ``fn(*inputs)`` is compiled with fusepass; the rule must not rewrite it,
-    the report must carry a refusal containing ``reason``, and the result must
-    equal eager.  ``inputs(dtype)`` builds the inputs.
+    the report must carry a refusal containing ``reason`` (unless ``reason`` is
+    empty: a program that must simply not match), and the result must equal
+    eager.  ``inputs(dtype)`` builds the inputs.
     """
 
     name: str

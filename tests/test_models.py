@@ -72,3 +72,19 @@ def test_bf16_llama_matches_eager():
     _, expected, actual, report = compiled("llama", torch.bfloat16)
     assert report.count("add_rms_norm") == 2 * 2
     assert_close(actual, expected, "llama bf16")
+
+
+@pytest.mark.parametrize("name,rule", [("llama", "swiglu"), ("qwen3", "swiglu"), ("gemma", "geglu"),
+                                       ("phi3", "swiglu")])
+def test_one_activation_rewrite_per_decoder_layer(name, rule):
+    model, expected, actual, report = compiled(name)
+    assert report.count(rule) == layers(model), str(report)
+    assert_close(actual, expected, name)
+
+
+def test_phi3_fused_projection_halves_feed_the_op():
+    model, _, _, report = compiled("phi3")
+    # Phi-3 computes up * act(gate) from one gate_up_proj: the swapped operand
+    # order, and no norm or activation left behind.
+    assert all("swapped" in h.form for h in report.hits if h.rule == "swiglu")
+    assert report.count("add_rms_norm") == 2 * layers(model)
