@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import (
     MULTIPLE,
     Match,
@@ -414,12 +414,19 @@ def _source_hash(options: Options) -> str:
     return h.hexdigest()
 
 
+def _passes(configured: Any) -> tuple[Any, ...]:
+    """The pass(es) a user configured: torch 2.11 takes one, later versions a list."""
+    if configured is None:
+        return ()
+    return tuple(configured) if isinstance(configured, (list, tuple)) else (configured,)
+
+
 class FusePass(CustomGraphPass):
     """The post-grad pass handed to Inductor; chains a pass the user configured."""
 
     def __init__(self, options: Options, chained: Any = None, sink: Any = None, graph_id: str = "") -> None:
         self.options = options
-        self.chained = get_custom_graph_passes(chained)
+        self.chained = _passes(chained)
         self.sink = sink
         self.graph_id = graph_id
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One GPU session: versions, the GPU tests, the demo, then every benchmark.
+# Writes logs and the benchmark JSON under $OUT (or ./gpu-out).  Liger-Kernel
+# is picked up from .whl/ when a wheel was carried there.
+set -u
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FUSEPASS_COMMIT=${FUSEPASS_COMMIT:-unknown}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/env.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+python3 -c "import torch; torch._dynamo.lookup_backend('fusepass'); print('backend resolves')"
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+timeout ${RULES_TIMEOUT:-150} python3 -m pytest -q tests/test_rules.py -p no:cacheprovider 2>&1 | tee "$OUT/rules_cuda.log" | tail -5
+timeout 120 fusepass demo --model llama --json "$OUT/demo_report.json" 2>&1 | tee "$OUT/demo.log" | tail -25
+timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/run.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60
