@@ -9,7 +9,10 @@ graphs, ``max-autotune`` autotuning); ``options=`` carries fusepass's options
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
+import logging
 import time
 from typing import Any, Mapping, Sequence
 
@@ -19,6 +22,7 @@ from . import report as _report
 from .engine import FusePass
 from .options import Options
 
+log = logging.getLogger("fusepass")
 _graph_ids = itertools.count()
 
 
@@ -35,17 +39,47 @@ def _graph_id() -> str:
 def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
                      options: Mapping[str, Any] | None = None) -> Any:
     from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
     opts, inductor_options = Options.parse(options)
     # list_mode_options(None) lists every mode; only a named mode maps to options.
     patches: dict[str, Any] = {**(list_mode_options(mode) if mode else {}), **inductor_options}
     user_pass = patches.get("post_grad_custom_pre_pass", torch._inductor.config.post_grad_custom_pre_pass)
 
-    graph = _report.GraphReport(graph_id=_graph_id())
+    graph_id = _graph_id()
+    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    # Kernels inlined into Inductor's code are compiled with the rest of the
+    # graph: if that fails, compile again with the ops called through the
+    # dispatcher (their launch failures fall back per call), and say so.
+    attempts = [opts]
+    if opts.inline_kernels and on_cuda:
+        attempts.append(dataclasses.replace(opts, inline_kernels=False))
+    t0 = time.perf_counter()
+    for i, attempt in enumerate(attempts):
+        last = i == len(attempts) - 1
+        try:
+            compiled, graph = _compile(gm if last else copy.deepcopy(gm), example_inputs, attempt, patches,
+                                       user_pass, graph_id)
+            break
+        except Exception as exc:  # noqa: BLE001
+            if last:
+                raise
+            note = (f"compiling with inlined kernels failed ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:200]}); compiled again with inline_kernels=False")
+            log.warning("fusepass: %s", note)
+    if i > 0:
+        graph.notes.append(note)
+    graph.compile_seconds = time.perf_counter() - t0
+    _report.record(graph)
+    return compiled
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options, patches: dict[str, Any],
+             user_pass: Any, graph_id: str) -> tuple[Any, _report.GraphReport]:
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    graph = _report.GraphReport(graph_id=graph_id)
     pending: list[_report.GraphReport] = []
-    fp = FusePass(opts, chained=user_pass, sink=pending.append, graph_id=graph.graph_id)
-    patches["post_grad_custom_pre_pass"] = fp
+    fp = FusePass(opts, chained=user_pass, sink=pending.append, graph_id=graph_id)
+    patches = {**patches, "post_grad_custom_pre_pass": fp}
 
     def inner_compile(gm_: torch.fx.GraphModule, inputs_: Sequence[Any], **kwargs: Any) -> Any:
         # Called once per graph AOTAutograd hands Inductor (forward, backward).
@@ -73,11 +107,8 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
         pending.clear()
         return out
 
-    t0 = time.perf_counter()
     # AOTAutograd's own cache would skip Inductor's entirely, and with it the
     # cache key the record is filed under; the FX graph cache stays on.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
-    graph.compile_seconds = time.perf_counter() - t0
-    _report.record(graph)
-    return compiled
+    return compiled, graph

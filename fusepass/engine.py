@@ -42,6 +42,7 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.utils import _pytree as pytree
 
+from .kernels._common import inline_kernels
 from .match import MatchInfo, hint
 from .options import Options
 from .report import GraphReport, Hit, Refusal
@@ -346,7 +347,8 @@ def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") ->
                 saved = bytes_saved(m)
                 out_val = info.output_val
                 try:
-                    m.replace_by_example(cf.form.replace, args)
+                    with inline_kernels(options.inline_kernels):
+                        m.replace_by_example(cf.form.replace, args)
                 except Exception as exc:  # noqa: BLE001
                     refused[(rule.name, anchor)] = Refusal(
                         rule.name, f"replacement failed: {type(exc).__name__}: {exc}", path, source)

@@ -6,11 +6,14 @@
 - ``disable_rules``: names of rules not to run;
 - ``verify``: run each match and its replacement on random inputs at compile
   time and refuse any that disagree (the measured error goes in the report);
-- ``dump_graphs``: a folder to write each graph to, before and after the pass.
+- ``dump_graphs``: a folder to write each graph to, before and after the pass;
+- ``inline_kernels`` (default on): on CUDA, put the Triton kernels themselves
+  in the graph so Inductor launches them from its generated code; off, the
+  graph calls the ``fusepass::`` ops through the dispatcher (as on CPU).
 
 Every other key is an Inductor config option and is passed through.  The same
 settings can come from the environment: ``FUSEPASS_RULES``,
-``FUSEPASS_DISABLE_RULES`` (comma lists), ``FUSEPASS_VERIFY=1``,
+``FUSEPASS_DISABLE_RULES`` (comma lists), ``FUSEPASS_VERIFY=1``, ``FUSEPASS_INLINE_KERNELS=0``,
 ``FUSEPASS_DUMP_GRAPHS=folder``; explicit options win.
 """
 
@@ -20,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-OWN_KEYS = ("rules", "disable_rules", "verify", "dump_graphs")
+OWN_KEYS = ("rules", "disable_rules", "verify", "dump_graphs", "inline_kernels")
 
 
 def _names(value: Any, key: str) -> tuple[str, ...] | None:
@@ -39,13 +42,14 @@ class Options:
     disable_rules: tuple[str, ...] = ()
     verify: bool = False
     dump_graphs: str | None = None
+    inline_kernels: bool = True
 
     def enabled(self, rule: str) -> bool:
         return (self.rules is None or rule in self.rules) and rule not in self.disable_rules
 
     def cache_key(self) -> tuple[Any, ...]:
         # dump_graphs changes no output code, so it stays out of the cache key.
-        return (self.rules, self.disable_rules, self.verify)
+        return (self.rules, self.disable_rules, self.verify, self.inline_kernels)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> tuple[Options, dict[str, Any]]:
@@ -58,9 +62,11 @@ class Options:
                                     "disable_rules") or (),
             "verify": options.pop("verify", env.get("FUSEPASS_VERIFY", "") not in ("", "0")),
             "dump_graphs": options.pop("dump_graphs", env.get("FUSEPASS_DUMP_GRAPHS") or None),
+            "inline_kernels": options.pop("inline_kernels", env.get("FUSEPASS_INLINE_KERNELS", "1") != "0"),
         }
-        if not isinstance(own["verify"], bool):
-            raise TypeError(f"fusepass option 'verify' takes a bool, got {own['verify']!r}")
+        for key in ("verify", "inline_kernels"):
+            if not isinstance(own[key], bool):
+                raise TypeError(f"fusepass option {key!r} takes a bool, got {own[key]!r}")
         known = _known_rule_names()
         for key in ("rules", "disable_rules"):
             unknown = [n for n in (own[key] or ()) if n not in known]

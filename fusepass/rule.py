@@ -76,6 +76,13 @@ class Rule:
     commutative_root: bool = False
     near_misses: Sequence[NearMiss] = ()
     doc: str = ""
+    # Inputs for a given shape of the main operand (the search function's first
+    # tensor argument; its last dim is the hidden size), used by the
+    # differential tests to draw odd, huge and empty sizes.  None: the shapes
+    # of ``example_inputs(dtype)``, with every tensor shaped like the main
+    # operand taking the new shape and every other tensor whose last dim is the
+    # hidden size (a weight) taking the new hidden size.
+    sized_inputs: Callable[[torch.dtype, tuple[int, ...]], Sequence[Any]] | None = None
 
     def sources(self) -> str:
         """Source text of everything that decides what the rule does (for the cache key)."""

@@ -314,12 +314,15 @@ def test_gpu_real_size(act, shape):
     torch.cuda.synchronize()
     # The halves are read in place: the only allocation is the output.
     assert torch.cuda.max_memory_allocated() - before <= math.ceil(out.nbytes / 512) * 512
-    # Against CUDA eager: one ulp, or a tail where eager's fp32 1 + tanh
-    # cancels and the kernel's x * sigmoid(2z) does not.
+    # Against CUDA eager: two ulps (the bf16 row of the tolerance table), or a
+    # tail where eager's fp32 1 + tanh cancels and the kernel's x * sigmoid(2z)
+    # does not.  One ulp was not enough for exact GELU at 4096x14336 on an
+    # H200 (Triton 3.6): an activation one fp32 rounding apart lands on either
+    # side of a bf16 rounding boundary, and the product rounds again.
     eager = ACTS[act][2](gate) * up
     ulps = (_ordered(out) - _ordered(eager)).abs()
     tail = (out.double() - eager.double()).abs() <= TOLERANCES[torch.float32].atol
-    assert ((ulps <= 1) | tail).all()
+    assert ((ulps <= 2) | tail).all(), ulps.max()
     # Against eager's math done exactly: fast exp and division may flip a
     # rounding now and then; the CPU run is 96-100% exact.
     assert (_ordered(out) == _ordered(_expected(gate, up, act))).double().mean() >= 0.95

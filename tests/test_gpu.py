@@ -48,3 +48,37 @@ def test_reduce_overhead_captures_cuda_graphs():
         assert_close(out.float(), outs[0].float())
     err = (outs[-1].float() - expected.float()).abs().max().item()
     assert err < 0.1, err
+
+
+def _hf_norm(x, w):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return w * h.to(x.dtype)
+
+
+def _res_norm_mlp(x, r, w, g, u):
+    h = x + r
+    return _hf_norm(h, w), h, torch.nn.functional.silu(g) * u
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "dispatcher"])
+@pytest.mark.parametrize("rows", [1, 4096])
+def test_inline_kernels_launch_from_inductor_code(inline, rows):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    x, r = (torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(rows, 2 * 2816, device="cuda", dtype=torch.bfloat16)
+    g, u = gu.chunk(2, dim=-1)  # the halves of one projection: strided views
+    f = torch.compile(_res_norm_mlp, backend="fusepass", options={"inline_kernels": inline})
+    out, codes = run_and_get_code(f, x, r, w, g, u)
+    code = "\n".join(codes)
+    report = fusepass.last_report()
+    assert report.count("add_rms_norm") == 1 and report.count("swiglu") == 1, str(report)
+    assert ("torch.ops.fusepass" in code) != inline, code[-3000:]
+    assert not report.graphs[0].notes, report.graphs[0].notes
+    expected = _res_norm_mlp(x, r, w, g, u)
+    for a, e in zip(out, expected):
+        assert_close(a, e)

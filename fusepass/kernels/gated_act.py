@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import run_kernel
+from fusepass.kernels._common import inline_enabled, launch_traced, run_kernel
+from fusepass.match import hint
 
 
 @triton.jit
@@ -283,3 +284,50 @@ def _geglu_cuda(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
         lambda: geglu_fwd(gate, up, approximate),
         lambda: geglu_reference(gate, up, approximate).contiguous(),
     )
+
+
+# ------------------------------------------------------- calls in graphs ----
+
+
+def _traced(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """The kernel as a node of the graph (see ``_common.launch_traced``).
+
+    The two halves of a fused projection stay views: the node reads them in
+    place with their row strides.  The grid is symbolic in M.
+    """
+    N = gate.shape[-1]
+    g2 = _rows(gate)
+    g2 = gate.contiguous().view(-1, N) if g2 is None else g2
+    u2 = _rows(up)
+    u2 = up.contiguous().view(-1, N) if u2 is None else u2
+    M = g2.shape[0]
+    out = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
+    block = _launch_config(hint(M), N, gate.element_size(), _sm_count(gate.device))
+    NB = _cdiv(N, block)
+    res = launch_traced(
+        _gated_act_fwd_kernel, (M * NB, 1, 1), ["out"],
+        g2, u2, out, N, NB, g2.stride(0), u2.stride(0), N,
+        ACT=_ACTIVATIONS[activation], BN=block, num_warps=_num_warps(block),
+    )
+    return res["out"].view(gate.shape)
+
+
+def _inline_ok(gate: Tensor, up: Tensor) -> bool:
+    return (inline_enabled(gate) and isinstance(gate.shape[-1], int) and gate.numel() != 0
+            and gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _KERNEL_DTYPES
+            and all(isinstance(s, int) for s in (*gate.stride(), *up.stride())))
+
+
+def swiglu_call(gate: Tensor, up: Tensor) -> Tensor:
+    """What the rules put in a graph: the kernel itself when the engine inlines
+    kernels for a CUDA graph, else the ``fusepass::swiglu`` op."""
+    if _inline_ok(gate, up):
+        return _traced(gate, up, "silu")
+    return torch.ops.fusepass.swiglu(gate, up)
+
+
+def geglu_call(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
+    """As :func:`swiglu_call`, for ``fusepass::geglu``."""
+    if _inline_ok(gate, up):
+        return _traced(gate, up, approximate)
+    return torch.ops.fusepass.geglu(gate, up, approximate)

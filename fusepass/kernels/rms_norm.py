@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import run_kernel
+from fusepass.kernels._common import inline_enabled, launch_traced, run_kernel
+from fusepass.match import hint
 
 
 @triton.jit
@@ -61,6 +62,10 @@ def _rms_norm_fwd_kernel(
 ):
     # Variants ``row`` (BM = 1) and ``tile``: BN >= N, each row is read once
     # and stays in registers between the reduction and the scaling.
+    # Inductor passes Python floats to kernels it launches as fp64: keep the
+    # row math in fp32.
+    eps = tl.cast(eps, tl.float32)
+    weight_offset = tl.cast(weight_offset, tl.float32)
     i_m = tl.program_id(0)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = tl.arange(0, BN)
@@ -118,6 +123,8 @@ def _rms_norm_fwd_looped_kernel(
     # Variant ``looped``: a persistent grid of a few programs per SM, each
     # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks.
     # int64 rows: M * stride passes 2**31 at 8192 tokens x 262144.
+    eps = tl.cast(eps, tl.float32)  # fp64 when Inductor launches it (see above)
+    weight_offset = tl.cast(weight_offset, tl.float32)
     i_p = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BN)
     for i_m in range(i_p, M, tl.num_programs(0)):
@@ -497,3 +504,55 @@ def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset, cast_before_weig
         return y, h
 
     return run_kernel("add_rms_norm", launch, lambda: _add_rms_norm_ref_out(*args))
+
+
+# ------------------------------------------------------- calls in graphs ----
+
+
+def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
+    """The kernel as a node of the graph (see ``_common.launch_traced``).
+
+    Shapes may be symbolic here: the heuristic sees the hint, the grid stays
+    symbolic for ``row``/``tile`` (one program per BM rows, whatever M is at
+    run time) and fixed for ``looped`` (its programs stride over the rows).
+    """
+    N = x.shape[-1]
+    M = x.numel() // N
+    x2 = x.contiguous().view(M, N)
+    r2 = x2 if res is None else res.contiguous().view(M, N)
+    w = weight.contiguous()
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    h = torch.empty((M, N), dtype=x.dtype, device=x.device) if res is not None else x2
+    cfg = rms_norm_config(hint(M), N, x.element_size(), _sm_count(x.device))
+    flags = dict(HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN,
+                 num_warps=cfg.num_warps)
+    args = (x2, r2, w, y, h, N, N, N, N, M, N, float(eps), float(weight_offset))
+    outputs = ["y", "h"] if res is not None else ["y"]
+    if cfg.variant == "looped":
+        out = launch_traced(_rms_norm_fwd_looped_kernel, (cfg.num_programs, 1, 1), outputs, *args, **flags)
+    else:
+        grid = ((M + cfg.BM - 1) // cfg.BM, 1, 1)
+        out = launch_traced(_rms_norm_fwd_kernel, grid, outputs, *args, BM=cfg.BM, **flags)
+    y = out["y"].view(x.shape)
+    return (y, out["h"].view(x.shape)) if res is not None else y
+
+
+def _inline_ok(x: Tensor, weight: Tensor, out_dtype: torch.dtype, residual: Tensor | None = None) -> bool:
+    # The hidden size picks the variant and block: it must be a plain int.
+    return inline_enabled(x) and isinstance(x.shape[-1], int) and x.numel() != 0 and _kernel_handles(
+        x, weight, out_dtype, residual)
+
+
+def rms_norm_call(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
+    """What the rules put in a graph: the kernel itself when the engine inlines
+    kernels for a CUDA graph, else the ``fusepass::rms_norm`` op."""
+    if _inline_ok(x, weight, out_dtype):
+        return _traced(x, None, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    return torch.ops.fusepass.rms_norm(x, weight, eps, weight_offset, cast_before_weight, out_dtype)
+
+
+def add_rms_norm_call(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype):
+    """As :func:`rms_norm_call`, for ``fusepass::add_rms_norm``."""
+    if _inline_ok(x, weight, out_dtype, residual):
+        return _traced(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    return torch.ops.fusepass.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fusepass.kernels.rms_norm import add_rms_norm_call
 from fusepass.match import MatchInfo, same, shape_str
 from fusepass.patterns import rms_norm as norm
 from fusepass.rule import Form, Rule
@@ -30,7 +31,7 @@ def _form(search_norm, flags):
 
     def replace(x, residual, weight, eps):
         out = torch.promote_types(x.dtype, weight.dtype) if cast_before_weight else x.dtype
-        return torch.ops.fusepass.add_rms_norm(x, residual, weight, eps, offset, cast_before_weight, out)
+        return add_rms_norm_call(x, residual, weight, eps, offset, cast_before_weight, out)
 
     return search, replace
 

@@ -14,7 +14,8 @@ real model code takes after tracing:
 - ``zero_centred``: ``(x̂ * (1 + w.float())).type_as(x)``.
 
 The weight multiply commutes, so each form also matches with its operands
-swapped.  The op reproduces each form's rounding (``cast_before_weight``),
+swapped.  ``rms_norm_call`` puts the Triton kernel itself in a CUDA graph (Inductor
+launches it) and the op elsewhere.  The op reproduces each form's rounding (``cast_before_weight``),
 so a rewrite changes results by at most the dtype's rounding.
 """
 
@@ -24,6 +25,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from fusepass.kernels.rms_norm import rms_norm_call
 from fusepass.match import MatchInfo, same, shape_str
 from fusepass.rule import Form, NearMiss, Rule
 
@@ -42,7 +44,7 @@ def search_hf(x, weight, eps):
 
 def replace_hf(x, weight, eps):
     out = torch.promote_types(x.dtype, weight.dtype)
-    return torch.ops.fusepass.rms_norm(x, weight, eps, 0.0, True, out)
+    return rms_norm_call(x, weight, eps, 0.0, True, out)
 
 
 def search_no_upcast(x, weight, eps):
@@ -54,7 +56,7 @@ def search_torch(x, weight, eps):
 
 
 def replace_torch(x, weight, eps):
-    return torch.ops.fusepass.rms_norm(x, weight, eps, 0.0, False, x.dtype)
+    return rms_norm_call(x, weight, eps, 0.0, False, x.dtype)
 
 
 def search_zero_centred(x, weight, eps):
@@ -62,7 +64,7 @@ def search_zero_centred(x, weight, eps):
 
 
 def replace_zero_centred(x, weight, eps):
-    return torch.ops.fusepass.rms_norm(x, weight, eps, 1.0, False, x.dtype)
+    return rms_norm_call(x, weight, eps, 1.0, False, x.dtype)
 
 
 def example_inputs(dtype):

@@ -1,0 +1,835 @@
+"""Differential testing: random programs made of the registered rules' own
+building blocks, compiled with fusepass and compared with eager.
+
+A *block* is one rule's ``search`` function (the rule's reference semantics,
+plain torch) or one of its declared near-misses, applied to operands drawn at
+random, sometimes mutated into a near-miss:
+
+- operands: a plain input, a matmul's output, a sum, or an earlier block's
+  output (a residual stream); contiguous, transposed, a slice of wider rows,
+  every other row, broadcast rows (stride 0), a broadcasting shape; another
+  float dtype than the block's (mixed dtypes);
+- sizes: hidden 0, 1, 7, 33, 4097, 65537, ...; leading dims (), (0,), (3,), (2, 3), ...;
+- dtypes fp32/fp16/bf16 and fp64 (which must be refused or be correct);
+- values: NaN, +Inf or -Inf in the main operand;
+- scalars (eps) as Python numbers or as 0-d tensors;
+- mutations of the traced ATen graph of ``search``: an intermediate returned
+  or used by another op, a reduction over another dim or without keepdim, a
+  constant changed, an extra rounding, the operands of a commutative op swapped.
+
+A *program* chains 5-10 blocks (one Dynamo graph, one Inductor compile) with
+the ops real models put around them: matmuls, adds, pointwise ops.  Blocks
+come from :func:`fusepass.rules`, so a rule registered later joins without a
+change here; a rule whose example inputs cannot be resized by the default
+(see ``Rule.sized_inputs``) declares how.
+
+Every program is checked twice against eager, within the dtype table
+(``TOLERANCES``):
+
+- *end to end*: each value the program returns against the eager program on
+  the same inputs;
+- *step by step*: each step re-run eagerly on the compiled program's own
+  values for its inputs, so that one rewrite's rounding is not compounded by
+  the blocks after it.
+
+and its report: every refusal carries a reason, no rule failed to trace, no
+kernel fell back, and every block that nothing prevents from being rewritten
+(a form, unmutated, in one of the rule's dtypes) was rewritten.  A mismatch is
+re-run with every rule disabled: if plain Inductor disagrees with eager the
+same way, it is Inductor's, not fusepass's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import os
+import re
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from .kernels._common import clear_kernel_fallbacks, kernel_fallbacks, tolerance
+from .report import RewriteReport, last_report, reset_reports
+from .rule import Rule, rules
+
+aten = torch.ops.aten
+
+# -- what a program is made of ---------------------------------------------------
+
+MUTATIONS = ("returned", "reused", "reduction_dim", "keepdim_off", "constant", "extra_cast", "swap")
+SOURCES = ("leaf", "matmul", "add", "chain")
+LAYOUTS = ("contiguous", "transposed", "sliced", "strided", "expanded", "broadcast")
+AFTER = ("", "matmul", "add", "relu", "scale")
+SPECIALS = ("", "nan", "inf", "-inf")
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Hidden sizes: odd ones (masking), one past a power of two (one more block
+# or chunk), empty; 65537 is the looped kernel's one-past-a-power-of-two.
+HIDDEN = (0, 1, 7, 16, 33, 64, 128, 4097)
+LARGE_HIDDEN = (65537,)
+LEADING = ((), (0,), (1,), (2,), (3,), (5,), (8,), (2, 3), (3, 1), (1, 4))
+# Leading dims for large rows: the CPU time of a program stays under a second.
+LEADING_LARGE = ((), (1,), (2,))
+MATMUL_K = 8
+
+
+@dataclass(frozen=True)
+class Operand:
+    source: str = "leaf"  # SOURCES
+    layout: str = "contiguous"  # LAYOUTS (of a leaf)
+    dtype: torch.dtype | None = None  # another dtype than the block's (not for the main operand)
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    rule: str
+    kind: str  # "form" or "near-miss"
+    name: str  # the form's or the near-miss's name
+    dtype: torch.dtype = torch.float32
+    shape: tuple[int, ...] = (4, 16)  # of the main operand; its last dim is the hidden size
+    scalar: float = 1e-6  # the value of every scalar the rule names (eps)
+    scalar_as_tensor: bool = False
+    operands: tuple[Operand, ...] = (Operand(),)  # per tensor operand, cycled
+    mutation: str = ""  # "" or one of MUTATIONS
+    pick: int = 0  # which node a mutation applies to, which earlier value a chain takes
+    special: str = ""  # SPECIALS, in the main operand
+    after: str = ""  # AFTER, applied to the block's first output
+
+    @property
+    def label(self) -> str:
+        return f"{self.rule}/{self.name}" if self.kind == "form" else f"{self.rule}/near-miss:{self.name}"
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    blocks: tuple[BlockSpec, ...]
+    seed: int = 0
+    triton: bool = False  # on CPU: run the ops' Triton kernels (interpreted) instead of their torch bodies
+
+
+def catalogue() -> list[tuple[str, str, str]]:
+    """(rule, kind, name) of every form and near-miss of every registered rule."""
+    out = []
+    for rule in rules():
+        out += [(rule.name, "form", f.name) for f in rule.forms]
+        out += [(rule.name, "near-miss", nm.name) for nm in rule.near_misses]
+    return out
+
+
+# -- hypothesis strategies -------------------------------------------------------
+
+def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10):
+    """The Hypothesis strategy of programs over the rules registered now."""
+    from hypothesis import strategies as st
+
+    kinds = catalogue()
+    forms = [k for k in kinds if k[1] == "form"]
+    misses = [k for k in kinds if k[1] == "near-miss"] or forms
+    hidden = HIDDEN + (LARGE_HIDDEN if large else ())
+
+    @st.composite
+    def shapes(draw):
+        h = draw(st.sampled_from(hidden))
+        lead = draw(st.sampled_from(LEADING_LARGE if h > 4096 else LEADING))
+        return (*lead, h)
+
+    operand = st.builds(
+        Operand,
+        source=st.sampled_from(("leaf", "leaf", "leaf", "matmul", "add", "chain", "chain")),
+        layout=st.sampled_from(("contiguous",) * 4 + LAYOUTS[1:]),
+        dtype=st.sampled_from((None,) * 5 + FLOATS[:3]),
+    )
+
+    @st.composite
+    def block(draw):
+        rule, kind, name = draw(st.sampled_from(forms) if draw(st.integers(0, 4)) else st.sampled_from(misses))
+        return BlockSpec(
+            rule=rule, kind=kind, name=name,
+            dtype=draw(st.sampled_from((torch.float32, torch.float32, torch.float16, torch.bfloat16,
+                                        torch.bfloat16, torch.float64))),
+            shape=draw(shapes()),
+            scalar=draw(st.sampled_from((1e-6, 1e-5, 1e-6, 3e-3, 0.25))),
+            scalar_as_tensor=draw(st.integers(0, 9)) == 0,
+            operands=tuple(draw(st.lists(operand, min_size=4, max_size=4))),
+            mutation=draw(st.sampled_from(("",) * 6 + MUTATIONS)),
+            pick=draw(st.integers(0, 63)),
+            special=draw(st.sampled_from(("",) * 9 + SPECIALS[1:])),
+            after=draw(st.sampled_from(AFTER + ("",) * 2)),
+        )
+
+    return st.builds(
+        ProgramSpec,
+        blocks=st.lists(block(), min_size=min_blocks, max_size=max_blocks).map(tuple),
+        seed=st.integers(0, 2**31 - 1),
+        triton=st.integers(0, 3).map(lambda i: i == 0),
+    )
+
+
+# -- building a program ------------------------------------------------------------
+
+Ref = tuple[str, int]  # ("a", i): the program's i-th input; ("v", j): the j-th value computed
+
+
+@dataclass
+class Step:
+    fn: Callable[..., tuple[torch.Tensor, ...]]
+    ins: tuple[Ref, ...]
+    outs: tuple[int, ...]
+    text: str
+    checked: bool  # its outputs are returned and compared (views of inputs are not)
+
+
+@dataclass
+class BuiltBlock:
+    spec: BlockSpec  # what was built (a drawn variant that was not a valid program is simplified)
+    drawn: BlockSpec
+    must_rewrite: bool  # nothing about it stops its rule: it must be rewritten
+    shape: tuple[int, ...] = ()  # of the main operand
+
+
+@dataclass
+class Program:
+    spec: ProgramSpec
+    args: list[torch.Tensor]
+    steps: list[Step]
+    eager: dict[int, torch.Tensor]  # every value, from the eager run
+    returned: list[int]
+    blocks: list[BuiltBlock]
+    dropped: list[str]  # drawn variants that were not valid programs
+
+    def fn(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+        steps, returned = self.steps, self.returned
+
+        def program(*args):
+            vals: dict[int, torch.Tensor] = {}
+            for step in steps:
+                ins = [args[i] if k == "a" else vals[i] for k, i in step.ins]
+                for j, out in zip(step.outs, step.fn(*ins)):
+                    vals[j] = out
+            return tuple(vals[j] for j in returned)
+
+        return program
+
+    def listing(self) -> str:
+        """The program as text: enough to rebuild it by hand."""
+        lines = [f"program seed={self.spec.seed} triton={self.spec.triton}"]
+        for i, a in enumerate(self.args):
+            lines.append(f"  a{i}: {_tstr(a)} stride={tuple(a.stride())}")
+        lines += [f"  {s.text}" for s in self.steps]
+        lines.append("  return " + ", ".join(f"v{j}" for j in self.returned))
+        return "\n".join(lines)
+
+
+def _tstr(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    return repr(t)
+
+
+def _flat(out: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(t for o in out for t in _flat(o))
+    raise TypeError(f"a block returned {type(out).__name__}, not tensors")
+
+
+def _random(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    if dtype.is_floating_point:
+        t = torch.randn(tuple(shape), generator=gen, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        return t.to(dtype=dtype, device=device)
+    if dtype == torch.bool:
+        return (torch.rand(tuple(shape), generator=gen) > 0.5).to(device)
+    return torch.randint(-8, 8, tuple(shape), generator=gen, dtype=dtype).to(device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def default_sized_inputs(rule: Rule, dtype: torch.dtype, shape: tuple[int, ...]) -> list[Any]:
+    """``rule.example_inputs(dtype)`` resized: tensors shaped like the main
+    operand (the first tensor) take ``shape``, other tensors whose last dim is
+    the hidden size take the new hidden size.  Tensors come back as
+    meta tensors (shape and dtype only); anything else as it is."""
+    examples = list(rule.example_inputs(dtype))
+    main = next(t for t in examples if isinstance(t, torch.Tensor))
+    hidden = main.shape[-1] if main.dim() else None
+    out: list[Any] = []
+    for t in examples:
+        if not isinstance(t, torch.Tensor):
+            out.append(t)
+        elif t.shape == main.shape:
+            out.append(torch.empty(shape, dtype=t.dtype, device="meta"))
+        elif t.dim() and t.shape[-1] == hidden:
+            out.append(torch.empty((*t.shape[:-1], shape[-1]), dtype=t.dtype, device="meta"))
+        else:
+            out.append(t)
+    return out
+
+
+class _Invalid(Exception):
+    """A drawn variant that does not make a valid eager program."""
+
+
+class _Builder:
+    def __init__(self, spec: ProgramSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.gen = torch.Generator().manual_seed(spec.seed)
+        self.args: list[torch.Tensor] = []
+        self.steps: list[Step] = []
+        self.vals: dict[int, torch.Tensor] = {}
+        self.chainable: list[int] = []  # values later blocks may take as operands
+        self.blocks: list[BuiltBlock] = []
+        self.dropped: list[str] = []
+
+    # values and steps
+
+    def value(self, ref: Ref) -> torch.Tensor:
+        return self.args[ref[1]] if ref[0] == "a" else self.vals[ref[1]]
+
+    def leaf(self, value: torch.Tensor) -> Ref:
+        self.args.append(value)
+        return ("a", len(self.args) - 1)
+
+    def step(self, fn: Callable[..., Any], ins: Sequence[Ref], text: str, checked: bool = True) -> list[Ref]:
+        try:
+            out = _flat(fn(*[self.value(r) for r in ins]))
+        except Exception as exc:  # noqa: BLE001 - eager refuses the variant
+            raise _Invalid(f"{text}: {type(exc).__name__}: {exc}") from exc
+        first = len(self.vals)
+        outs = tuple(range(first, first + len(out)))
+        for j, t in zip(outs, out):
+            self.vals[j] = t
+        names = ", ".join(f"v{j}" for j in outs)
+        args = ", ".join(f"{k}{i}" for k, i in ins)
+        self.steps.append(Step(lambda *a, _fn=fn: _flat(_fn(*a)), tuple(ins), outs,
+                               f"{names} = {text.format(args=args)}", checked))
+        return [("v", j) for j in outs]
+
+    def snapshot(self) -> tuple[int, int, int, int]:
+        return len(self.args), len(self.steps), len(self.vals), len(self.chainable)
+
+    def restore(self, snap: tuple[int, int, int, int]) -> None:
+        a, s, v, c = snap
+        del self.args[a:], self.steps[s:], self.chainable[c:]
+        for j in [j for j in self.vals if j >= v]:
+            del self.vals[j]
+
+    # operands
+
+    def random_leaf(self, shape: Sequence[int], dtype: torch.dtype, layout: str = "contiguous",
+                    special: str = "", value: torch.Tensor | None = None) -> Ref:
+        shape = tuple(shape)
+        r = len(shape)
+        if layout == "transposed" and r >= 2:
+            base_shape, view, text = (*shape[:-2], shape[-1], shape[-2]), (lambda t: t.transpose(-1, -2)), \
+                "{args}.transpose(-1, -2)"
+        elif layout == "sliced" and r >= 1:
+            n = shape[-1]
+            base_shape, view, text = (*shape[:-1], n + 3), (lambda t: t[..., :n]), f"{{args}}[..., :{n}]"
+        elif layout == "strided" and r >= 1:
+            base_shape, view, text = (2 * shape[0], *shape[1:]), (lambda t: t[::2]), "{args}[::2]"
+        elif layout == "expanded" and r >= 1 and shape[0] != 1:
+            base_shape, view, text = (1, *shape[1:]), (lambda t: t.expand(shape)), f"{{args}}.expand{shape}"
+        else:
+            base_shape, view, text = shape, None, ""
+        if value is None or view is not None or value.dtype != dtype:
+            value = _random(base_shape, dtype, self.gen, self.device)
+        else:
+            value = value.to(self.device)
+        if special and dtype.is_floating_point and value.numel():
+            flat = value.view(-1)
+            flat[int(torch.randint(0, flat.numel(), (), generator=self.gen))] = float(special)
+        ref = self.leaf(value)
+        if view is None:
+            return ref
+        return self.step(view, [ref], text, checked=False)[0]
+
+    def operand(self, op: Operand, shape: tuple[int, ...], dtype: torch.dtype, value: torch.Tensor | None,
+                special: str, pick: int) -> Ref:
+        if op.source == "chain":
+            fits = [j for j in self.chainable if self.vals[j].shape == shape and self.vals[j].dtype == dtype]
+            if fits:
+                return ("v", fits[-1 - pick % min(3, len(fits))])
+        if op.source == "matmul" and shape and dtype.is_floating_point:
+            a = self.random_leaf((*shape[:-1], MATMUL_K), dtype, special=special)
+            w = self.leaf(_random((MATMUL_K, shape[-1]), dtype, self.gen, self.device) / math.sqrt(MATMUL_K))
+            return self.step(torch.matmul, [a, w], "matmul({args})")[0]
+        if op.source == "add" and dtype.is_floating_point:
+            a = self.random_leaf(shape, dtype, op.layout, special=special)
+            b = self.random_leaf(shape, dtype)
+            return self.step(torch.add, [a, b], "add({args})")[0]
+        return self.random_leaf(shape, dtype, op.layout, special=special, value=value)
+
+    # blocks
+
+    def block(self, b: BlockSpec) -> None:
+        plain_ops = tuple(Operand() for _ in b.operands)
+        attempts = [
+            b,
+            replace(b, operands=plain_ops, scalar_as_tensor=False),
+            replace(b, mutation=""),
+            replace(b, mutation="", operands=plain_ops, scalar_as_tensor=False, after=""),
+        ]
+        snap = self.snapshot()
+        for i, attempt in enumerate(attempts):
+            try:
+                self._block(attempt, b)
+                return
+            except _Invalid as exc:
+                self.restore(snap)
+                if i == len(attempts) - 1:
+                    raise RuntimeError(f"block {b.label} is not a valid program even plain: {exc}") from exc
+                self.dropped.append(f"{b.label}: {exc}".splitlines()[0][:200])
+
+    def _block(self, b: BlockSpec, drawn: BlockSpec) -> None:
+        rule = next(r for r in rules() if r.name == b.rule)
+        shape = b.shape
+        if b.mutation == "keepdim_off" and len(shape) >= 2:
+            # A row statistic without keepdim broadcasts along rows: a square input keeps it valid.
+            shape = (shape[-1], shape[-1]) if shape[-1] <= 128 else (shape[-1],)
+        seed = int(torch.randint(0, 2**31 - 1, (), generator=self.gen))
+        if b.kind == "near-miss":
+            nm = next(n for n in rule.near_misses if n.name == b.name)
+            fn = nm.fn
+            with _seeded(seed):
+                raw = list(nm.inputs(b.dtype))
+            scalars: dict[str, Any] = {}
+            argnames = [f"arg{i}" for i in range(len(raw))]
+        else:
+            form = next(f for f in rule.forms if f.name == b.name)
+            fn = form.search
+            argnames = list(inspect.signature(fn).parameters)
+            if rule.sized_inputs is not None:
+                with _seeded(seed):
+                    raw = list(rule.sized_inputs(b.dtype, shape))
+            else:
+                raw = default_sized_inputs(rule, b.dtype, shape)
+            scalars = {name: b.scalar for name in rule.scalars}
+
+        # Operands, in the order of the search function's arguments.
+        template: list[tuple[str, Any]] = []  # ("t", None): the next tensor operand; ("c", value)
+        ins: list[Ref] = []
+        op_dtypes: list[torch.dtype] = []
+        broadcast = False
+        it = iter(raw)
+        n_tensor = 0
+        main_shape: tuple[int, ...] | None = None
+        for name in argnames:
+            if name in scalars:
+                if b.scalar_as_tensor:
+                    template.append(("t", None))
+                    ins.append(self.leaf(torch.tensor(b.scalar, dtype=torch.float32, device=self.device)))
+                else:
+                    template.append(("c", b.scalar))
+                continue
+            item = next(it)
+            if not isinstance(item, torch.Tensor):
+                template.append(("c", item))
+                continue
+            op = b.operands[n_tensor % len(b.operands)]
+            is_main = n_tensor == 0
+            n_tensor += 1
+            dtype, tshape = item.dtype, tuple(item.shape)
+            if is_main:
+                main_shape = tshape
+            elif op.dtype is not None and dtype.is_floating_point:
+                dtype = op.dtype
+            if op.layout == "broadcast" and not is_main and tshape:
+                tshape = (*(1,) * (len(tshape) - 1), tshape[-1]) if tshape == main_shape else (1, *tshape)
+                broadcast = True
+            value = item if item.device.type != "meta" else None
+            ins.append(self.operand(op, tshape, dtype, value, b.special if is_main else "", b.pick))
+            op_dtypes.append(dtype)
+            template.append(("t", None))
+
+        call = functools.partial(_call, fn, tuple(template))
+        text = f"{b.label}[{str(b.dtype).replace('torch.', '')}]({{args}}"
+        text += "".join(f", {k}={v!r}" for k, v in scalars.items() if not b.scalar_as_tensor) + ")"
+        mutated = ""
+        if b.mutation:
+            gm, mutated = _mutate(call, [self.value(r) for r in ins], b.mutation, b.pick)
+            call = gm
+            text += f"  # {mutated}"
+        outs = self.step(call, ins, text)
+        must = (b.kind == "form" and not b.mutation and not b.scalar_as_tensor and not broadcast
+                and b.dtype in rule.dtypes and all(d == b.dtype for d in op_dtypes))
+        built = BuiltBlock(b, drawn, must, main_shape or ())
+        first = self.value(outs[0])
+        self.chainable += [j for _, j in outs if self.vals[j].dtype.is_floating_point]
+        if b.after and first.dim() >= 1 and first.dtype.is_floating_point:
+            self._after(b.after, outs[0], first)
+        self.blocks.append(built)
+
+    def _after(self, kind: str, ref: Ref, val: torch.Tensor) -> None:
+        if kind == "matmul":
+            n = val.shape[-1]
+            w = self.leaf(_random((n, MATMUL_K), val.dtype, self.gen, self.device) / math.sqrt(max(n, 1)))
+            out = self.step(torch.matmul, [ref, w], "matmul({args})")
+        elif kind == "add":
+            other = self.random_leaf(tuple(val.shape), val.dtype)
+            out = self.step(torch.add, [ref, other], "add({args})")
+        elif kind == "relu":
+            out = self.step(torch.relu, [ref], "relu({args})")
+        else:
+            out = self.step(_scale, [ref], "{args} * 0.5")
+        self.chainable.append(out[0][1])
+
+
+def _call(fn: Callable[..., Any], template: tuple[tuple[str, Any], ...], *tensors: torch.Tensor) -> Any:
+    it = iter(tensors)
+    return fn(*[next(it) if kind == "t" else value for kind, value in template])
+
+
+def _scale(t: torch.Tensor) -> torch.Tensor:
+    return t * 0.5
+
+
+def build(spec: ProgramSpec, device: str | torch.device = "cpu") -> Program:
+    """Build ``spec`` and run it eagerly; drawn variants eager rejects are simplified."""
+    b = _Builder(spec, torch.device(device))
+    for block in spec.blocks:
+        b.block(block)
+    returned = [j for s in b.steps if s.checked for j in s.outs]
+    return Program(spec, b.args, b.steps, dict(b.vals), returned, b.blocks, b.dropped)
+
+
+# -- mutations of the traced search function ------------------------------------------
+
+_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
+_COMMUTATIVE = (aten.mul.Tensor, aten.add.Tensor, aten.maximum.default, aten.minimum.default)
+
+
+def _tensor_val(n: torch.fx.Node) -> Any:
+    v = n.meta.get("val")
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _mutate(fn: Callable[..., Any], inputs: list[torch.Tensor], mutation: str, pick: int) -> tuple[Any, str]:
+    """Trace ``fn`` to ATen (as the post-grad graph has it) and apply ``mutation``."""
+    from torch._inductor.pattern_matcher import fwd_only
+
+    try:
+        gm = fwd_only(fn, inputs)
+    except Exception as exc:  # noqa: BLE001
+        raise _Invalid(f"trace for {mutation}: {type(exc).__name__}: {exc}") from exc
+    g = gm.graph
+    output = next(n for n in g.nodes if n.op == "output")
+    outs = pytree.tree_leaves(output.args[0])
+    calls = [n for n in g.nodes if n.op == "call_function" and _tensor_val(n) is not None]
+    inner = [n for n in calls if n not in outs]
+
+    def choose(cands: list[torch.fx.Node]) -> torch.fx.Node:
+        if not cands:
+            raise _Invalid(f"nothing to apply {mutation} to")
+        return cands[pick % len(cands)]
+
+    if mutation == "returned":
+        n = choose(inner)
+        output.args = (tuple(outs) + (n,),)
+        what = f"{n.name} also returned"
+    elif mutation == "reused":
+        n = choose(inner)
+        with g.inserting_after(n):
+            use = g.call_function(aten.mul.Tensor, (n, 1.5))
+        output.args = (tuple(outs) + (use,),)
+        what = f"{n.name} also used by {use.name}"
+    elif mutation in ("reduction_dim", "keepdim_off"):
+        n = choose([r for r in calls if r.target in _REDUCTIONS and len(r.args) >= 2])
+        rank = n.args[0].meta["val"].dim()
+        dims = [d % rank if rank else d for d in n.args[1]]
+        if mutation == "reduction_dim":
+            others = [d for d in range(rank) if d not in dims]
+            if not others:
+                raise _Invalid("no other dim to reduce over")
+            new = [others[pick % len(others)]]
+            what = f"{n.name} over dim {new} instead of {list(n.args[1])}"
+            n.args = (n.args[0], new, *n.args[2:])
+        else:
+            keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+            if not keep:
+                raise _Invalid("keepdim is already off")
+            n.args = (n.args[0], n.args[1], False, *n.args[3:])
+            n.kwargs = {k: v for k, v in n.kwargs.items() if k != "keepdim"}
+            what = f"{n.name} without keepdim"
+    elif mutation == "constant":
+        cands = [(n, i) for n in calls for i, a in enumerate(n.args)
+                 if i > 0 and isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if not cands:
+            raise _Invalid("no constant to change")
+        n, i = cands[pick % len(cands)]
+        old = n.args[i]
+        new = old * 3 if isinstance(old, float) else old + 1
+        n.args = (*n.args[:i], new, *n.args[i + 1:])
+        what = f"{n.name}: constant {old!r} -> {new!r}"
+    elif mutation == "extra_cast":
+        n = choose([c for c in calls if _tensor_val(c).dtype.is_floating_point])
+        dtype = _tensor_val(n).dtype
+        low = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+        users = list(n.users)
+        with g.inserting_after(n):
+            down = g.call_function(torch.ops.prims.convert_element_type.default, (n, low))
+        with g.inserting_after(down):
+            up = g.call_function(torch.ops.prims.convert_element_type.default, (down, dtype))
+        for u in users:
+            u.replace_input_with(n, up)
+        what = f"{n.name} rounded to {low}"
+    elif mutation == "swap":
+        n = choose([c for c in calls if c.target in _COMMUTATIVE and len(c.args) >= 2
+                    and isinstance(c.args[0], torch.fx.Node) and isinstance(c.args[1], torch.fx.Node)
+                    and c.args[0] is not c.args[1]])
+        n.args = (n.args[1], n.args[0], *n.args[2:])
+        what = f"{n.name}: operands swapped"
+    else:
+        raise ValueError(f"unknown mutation {mutation!r}")
+    g.lint()
+    gm.recompile()
+    return gm, f"mutation {mutation}: {what}"
+
+
+# -- the Triton kernels on CPU --------------------------------------------------------------
+
+def op_names() -> list[str]:
+    """Every op under ``torch.ops.fusepass``."""
+    return sorted(name for name in dir(torch.ops.fusepass)
+                  if isinstance(getattr(torch.ops.fusepass, name, None), torch._ops.OpOverloadPacket))
+
+
+def cuda_impl(op: str) -> Callable[..., Any]:
+    """The CUDA implementation (the Triton launcher) registered for ``fusepass::op``."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(f"fusepass::{op}")
+    if opdef is None or "cuda" not in opdef._backend_fns:
+        raise LookupError(f"fusepass::{op} has no CUDA implementation registered with torch.library.custom_op")
+    return opdef._backend_fns["cuda"]
+
+
+@contextlib.contextmanager
+def triton_on_cpu(ops: Sequence[str] | None = None) -> Iterator[None]:
+    """Serve the ops (default: all) on CPU tensors with their CUDA implementations.
+
+    With ``TRITON_INTERPRET=1`` set before the kernels were decorated, that
+    runs the Triton kernels under the interpreter, through the same launcher
+    and fallback a GPU takes; compiled programs reach them through the
+    dispatcher as they reach the CPU bodies.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        raise RuntimeError("triton_on_cpu needs TRITON_INTERPRET=1 set before fusepass is imported")
+    with torch.library._scoped_library("fusepass", "IMPL") as lib:
+        for op in ops or op_names():
+            lib.impl(op, cuda_impl(op), "CPU")
+        yield
+
+
+# -- running and checking ---------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    program: Program
+    report: RewriteReport | None
+    failures: list[str]  # fusepass's: each one a mismatch or a broken report
+    inductor: list[str]  # plain Inductor disagrees with eager the same way (not counted against fusepass)
+    seconds: float
+
+
+def _compare(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return f"{_tstr(actual)} vs {_tstr(expected)}"
+    tol = tolerance(expected.dtype)
+    try:
+        torch.testing.assert_close(actual, expected, atol=tol.atol, rtol=tol.rtol, equal_nan=True)
+    except AssertionError as exc:
+        finite = torch.isfinite(expected) & torch.isfinite(actual)
+        err = (actual.double() - expected.double())[finite].abs().max().item() if finite.any() else float("nan")
+        first = str(exc).strip().splitlines()
+        return f"max abs error {err:.3g} ({'; '.join(first[:2])})"
+    return None
+
+
+# Inductor settings for the programs.  Random programs never hit the FX graph
+# cache, so it stays off (the pass runs every time, nothing piles up on disk).
+INDUCTOR_CONFIG: dict[str, Any] = {"fx_graph_cache": False}
+if os.environ.get("FUSEPASS_EMULATE"):
+    INDUCTOR_CONFIG["emulate_precision_casts"] = True
+
+
+def _compile_run(program: Program, options: dict[str, Any]) -> tuple[tuple[torch.Tensor, ...], RewriteReport]:
+    torch._dynamo.reset()
+    reset_reports()
+    compiled = torch.compile(program.fn(), backend="fusepass", options=options, fullgraph=True, dynamic=False)
+    with torch._inductor.config.patch(INDUCTOR_CONFIG):
+        out = compiled(*program.args)
+    return out, last_report()
+
+
+def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
+    """End to end, then step by step (each step on the compiled values of its inputs)."""
+    found = []
+    got = dict(zip(program.returned, out))
+    for j in program.returned:
+        err = _compare(got[j], program.eager[j])
+        if err:
+            found.append(f"v{j} end to end: {err}")
+    env: dict[int, torch.Tensor] = {}
+    for step in program.steps:
+        ins = [program.args[i] if k == "a" else env[i] for k, i in step.ins]
+        ref = step.fn(*ins)
+        for j, r in zip(step.outs, ref):
+            if step.checked:
+                err = _compare(got[j], r)
+                if err:
+                    found.append(f"v{j} step ({step.text.split(' = ', 1)[1][:80]}): {err}")
+                env[j] = got[j]
+            else:
+                env[j] = r
+    return found
+
+
+def run(program: Program, triton: bool | None = None) -> Outcome:
+    """Compile ``program`` with fusepass, run it once, check it against eager and check the report."""
+    t0 = time.perf_counter()
+    triton = program.spec.triton if triton is None else triton
+    on_cpu = all(a.device.type == "cpu" for a in program.args)
+    kernels = triton_on_cpu() if triton and on_cpu else contextlib.nullcontext()
+    failures: list[str] = []
+    inductor: list[str] = []
+    report = None
+    clear_kernel_fallbacks()
+    with kernels:
+        try:
+            out, report = _compile_run(program, {})
+        except Exception:  # noqa: BLE001 - fusepass must not take the program down
+            failures.append("compile or run failed:\n" + traceback.format_exc(limit=8))
+        else:
+            found = _mismatches(program, out)
+            if found:
+                # Whose is it?  Plain Inductor on the same program.
+                try:
+                    plain, _ = _compile_run(program, {"disable_rules": [r.name for r in rules()]})
+                    plain_found = _mismatches(program, plain)
+                except Exception:  # noqa: BLE001
+                    plain_found = []
+                same = {m.split(":")[0] for m in plain_found}
+                inductor += [m for m in found if m.split(":")[0] in same]
+                failures += [m for m in found if m.split(":")[0] not in same]
+            failures += _report_problems(program, report)
+        fallbacks = kernel_fallbacks()
+        if fallbacks:
+            failures.append(f"kernels fell back: {fallbacks}")
+        clear_kernel_fallbacks()
+    return Outcome(program, report, failures, inductor, time.perf_counter() - t0)
+
+
+def _report_problems(program: Program, report: RewriteReport) -> list[str]:
+    problems = []
+    for r in report.refusals:
+        if not (r.reason or "").strip():
+            problems.append(f"refusal without a reason: {r}")
+    for g in report.graphs:
+        problems += [f"note: {n}" for n in g.notes if "could not be traced" in n or "raised" in n]
+    problems += [f"refusal from a crash: {r.rule}: {r.reason}" for r in report.refusals
+                 if r.reason.startswith(("check raised", "explain raised", "replacement failed"))]
+    must = sum(1 for b in program.blocks if b.must_rewrite)
+    if len(report.hits) < must:
+        problems.append(f"{must} block(s) must be rewritten, {len(report.hits)} were; "
+                        f"refusals: {sorted(set(report.reasons()))}")
+    for b in program.blocks:
+        nm_reason = _near_miss_reason(b.spec)
+        plain = not b.spec.mutation and all(o == Operand() for o in b.spec.operands)
+        if nm_reason and plain:
+            if not any(nm_reason in r for r in report.reasons()):
+                problems.append(f"{b.spec.label}: no refusal with {nm_reason!r}; got {sorted(set(report.reasons()))}")
+    return problems
+
+
+def _near_miss_reason(b: BlockSpec) -> str:
+    if b.kind != "near-miss":
+        return ""
+    rule = next(r for r in rules() if r.name == b.rule)
+    return next(n.reason for n in rule.near_misses if n.name == b.name)
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+def reason_key(reason: str) -> str:
+    """A refusal reason without the node names, shapes and numbers of one program."""
+    s = re.sub(r"\b[a-z][a-z_]*?_\d+\b", "<node>", reason)
+    s = re.sub(r"\((?:[a-z_]+|<node>)\)", "(<node>)", s)
+    s = re.sub(r"\((?:-?\d+(?:, )?)*,?\)", "(<shape>)", s)
+    s = re.sub(r"\[(?:-?\d+(?:, )?)*\]", "[<dims>]", s)
+    s = re.sub(r"\b\d+(?:\.\d+)?(?:e[-+]?\d+)?\b", "<n>", s)
+    s = re.sub(r"users: [^)]*", "users: ...", s)
+    return s
+
+
+@dataclass
+class Stats:
+    programs: int = 0
+    blocks: int = 0
+    triton_programs: int = 0
+    kinds: Counter = field(default_factory=Counter)
+    mutations: Counter = field(default_factory=Counter)
+    dtypes: Counter = field(default_factory=Counter)
+    hidden: Counter = field(default_factory=Counter)
+    dropped: int = 0
+    must_rewrite: int = 0
+    rewrites: Counter = field(default_factory=Counter)
+    refusals: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    inductor: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, o: Outcome) -> None:
+        p = o.program
+        self.programs += 1
+        self.triton_programs += bool(p.spec.triton)
+        self.blocks += len(p.blocks)
+        self.dropped += len(p.dropped)
+        for b in p.blocks:
+            self.kinds[b.spec.label] += 1
+            self.mutations[b.spec.mutation or "none"] += 1
+            self.dtypes[str(b.spec.dtype).replace("torch.", "")] += 1
+            self.hidden[b.shape[-1] if b.shape else 1] += 1
+            self.must_rewrite += b.must_rewrite
+        if o.report is not None:
+            for h in o.report.hits:
+                self.rewrites[f"{h.rule}/{h.form}"] += 1
+            for r in o.report.refusals:
+                self.refusals[(r.rule, reason_key(r.reason))] += 1
+        if o.failures:
+            self.failures.append(p.listing() + "\n" + "\n".join(f"  !! {f}" for f in o.failures))
+        if o.inductor:
+            self.inductor.append(p.listing() + "\n" + "\n".join(f"  ?? {f}" for f in o.inductor))
+        self.seconds += o.seconds
+
+    def summary(self) -> str:
+        lines = [
+            f"fusepass differential run: {self.programs} programs ({self.triton_programs} on the Triton kernels), "
+            f"{self.blocks} blocks, {sum(self.rewrites.values())} rewrites, {sum(self.refusals.values())} refusals, "
+            f"{len(self.failures)} failing programs, {len(self.inductor)} with Inductor-only mismatches, "
+            f"{self.seconds:.0f} s",
+            f"  blocks that must be rewritten: {self.must_rewrite}; drawn variants eager rejected "
+            f"(simplified): {self.dropped}",
+            "  blocks: " + ", ".join(f"{k} {n}" for k, n in sorted(self.kinds.items())),
+            "  mutations: " + ", ".join(f"{k} {n}" for k, n in sorted(self.mutations.items())),
+            "  dtypes: " + ", ".join(f"{k} {n}" for k, n in sorted(self.dtypes.items())),
+            "  hidden sizes: " + ", ".join(f"{k} {n}" for k, n in sorted(self.hidden.items())),
+            "  rewrites: " + ", ".join(f"{k} {n}" for k, n in sorted(self.rewrites.items())),
+            "  refusals by reason:",
+        ]
+        lines += [f"    {n:5d}  {rule}: {reason}" for (rule, reason), n in self.refusals.most_common()]
+        return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""Every op under ``torch.ops.fusepass``: ``torch.library.opcheck``, the
+fallback when its kernel fails, and verify mode refusing a wrong rule.
+
+Op inputs come from the rules themselves (each form's ``replace`` run on its
+example inputs, the op calls recorded) plus a small table of layouts and
+dtypes the rules' examples do not reach.  An op that neither a rule nor the
+table gives inputs for fails here: a new op needs at least one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusepass
+from fusepass import differential
+from fusepass.kernels._common import clear_kernel_fallbacks, inject_failure, kernel_fallbacks
+from fusepass.testing import CHECK_SCALAR, assert_close, compile_and_run, registered
+
+OPS = differential.op_names()
+
+
+class _Record(TorchDispatchMode):
+    """Records every fusepass op call: (op name, args, kwargs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "fusepass":
+            self.calls.append((func._schema.name.split("::")[1], args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _bound(rule, fn):
+    return functools.partial(fn, **{name: CHECK_SCALAR for name in rule.scalars}) if rule.scalars else fn
+
+
+@functools.cache
+def rule_cases() -> dict[str, list[tuple[str, tuple, dict, tuple]]]:
+    """op -> [(case id, args, kwargs, (rule, form, dtype))] from every rule's replacements."""
+    out: dict[str, list] = {}
+    for rule in fusepass.rules():
+        for form in rule.forms:
+            for dtype in rule.dtypes:
+                torch.manual_seed(0)
+                inputs = list(rule.example_inputs(dtype))
+                with _Record() as rec:
+                    _bound(rule, form.replace)(*inputs)
+                for op, args, kwargs in rec.calls:
+                    case = f"{rule.name}-{form.name}-{str(dtype).replace('torch.', '')}"
+                    out.setdefault(op, []).append((case, args, kwargs, (rule.name, form.name, dtype)))
+    return out
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+# Layouts and dtypes the rules' example inputs do not reach: leading dims,
+# non-contiguous rows, fp64 (the ops serve it from the reference), empty rows.
+TABLE: dict[str, list[tuple[str, callable]]] = {
+    "rms_norm": [
+        ("3d-bf16-offset", lambda: (_t(2, 3, 33, dtype=torch.bfloat16), _t(33, dtype=torch.bfloat16),
+                                    1e-5, 1.0, False, torch.bfloat16)),
+        ("transposed-fp32", lambda: (_t(7, 5).t(), _t(7), 1e-6, 0.0, False, torch.float32)),
+        ("bf16-x-fp32-weight", lambda: (_t(4, 16, dtype=torch.bfloat16), _t(16), 1e-6, 0.0, True, torch.float32)),
+        ("fp64", lambda: (_t(3, 9, dtype=torch.float64), _t(9, dtype=torch.float64), 1e-6, 0.0, False,
+                          torch.float64)),
+        ("empty-rows", lambda: (_t(0, 8), _t(8), 1e-6, 0.0, False, torch.float32)),
+    ],
+    "add_rms_norm": [
+        ("3d-fp16", lambda: (_t(2, 3, 33, dtype=torch.float16), _t(2, 3, 33, dtype=torch.float16),
+                             _t(33, dtype=torch.float16), 1e-5, 0.0, True, torch.float16)),
+        ("sliced-rows-fp32", lambda: (_t(4, 19)[:, :16], _t(4, 16), _t(16), 1e-6, 1.0, False, torch.float32)),
+        ("fp64", lambda: (_t(3, 9, dtype=torch.float64), _t(3, 9, dtype=torch.float64),
+                          _t(9, dtype=torch.float64), 1e-6, 0.0, False, torch.float64)),
+    ],
+    "swiglu": [
+        ("chunked-halves-bf16", lambda: _t(6, 2 * 33, dtype=torch.bfloat16).chunk(2, -1)),
+        ("3d-fp16", lambda: (_t(2, 3, 7, dtype=torch.float16), _t(2, 3, 7, dtype=torch.float16))),
+        ("fp64", lambda: (_t(5, 9, dtype=torch.float64), _t(5, 9, dtype=torch.float64))),
+    ],
+    "geglu": [
+        ("chunked-halves-bf16-tanh", lambda: (*_t(6, 2 * 33, dtype=torch.bfloat16).chunk(2, -1), "tanh")),
+        ("3d-fp16-erf", lambda: (_t(2, 3, 7, dtype=torch.float16), _t(2, 3, 7, dtype=torch.float16), "none")),
+    ],
+}
+
+
+def opcheck_cases():
+    params = []
+    for op in OPS:
+        cases = [(f"{op}/{case}", args, kwargs) for case, args, kwargs, _ in rule_cases().get(op, [])]
+        cases += [(f"{op}/{case}", make, {}) for case, make in TABLE.get(op, [])]
+        if not cases:
+            params.append(pytest.param(op, None, None, id=f"{op}/no-inputs"))
+        params += [pytest.param(op, args, kwargs, id=case) for case, args, kwargs in cases]
+    return params
+
+
+def _clone(args):
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("op,args,kwargs", opcheck_cases())
+def test_opcheck(op, args, kwargs):
+    assert args is not None, f"fusepass::{op} has no inputs: no rule emits it and TABLE has no entry"
+    if callable(args):
+        torch.manual_seed(0)
+        args = args()
+    torch.library.opcheck(getattr(torch.ops.fusepass, op).default, _clone(args), kwargs)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck_triton_path(op):
+    """The CUDA implementation (Triton launcher, interpreted on CPU) passes opcheck too."""
+    if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
+        pytest.fail("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    first = next(iter(TABLE.get(op, [])), None)
+    assert first is not None, f"add a TABLE entry for fusepass::{op}"
+    torch.manual_seed(0)
+    args = first[1]()
+    clear_kernel_fallbacks()
+    with differential.triton_on_cpu([op]):
+        torch.library.opcheck(getattr(torch.ops.fusepass, op).default, args)
+    assert not kernel_fallbacks(), kernel_fallbacks()
+
+
+# -- a kernel that fails at run time --------------------------------------------------------
+
+def _model_for(op):
+    """(fn, inputs, rule) of a rule's search function whose rewrite emits ``op``;
+    without such a rule, a function calling the op directly."""
+    cases = rule_cases().get(op)
+    if cases:
+        rule_name, form_name, dtype = cases[0][3]
+        rule = fusepass.get_rule(rule_name)
+        form = next(f for f in rule.forms if f.name == form_name)
+        torch.manual_seed(0)
+        return _bound(rule, form.search), list(rule.example_inputs(dtype)), rule_name
+    torch.manual_seed(0)
+    args = TABLE[op][0][1]()
+    packet = getattr(torch.ops.fusepass, op)
+    return (lambda *a: packet(*a)), list(args), None
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_kernel_failure_falls_back_and_is_reported(op):
+    fn, inputs, rule = _model_for(op)
+    expected = fn(*inputs)
+    clear_kernel_fallbacks()
+    try:
+        with differential.triton_on_cpu([op]):
+            torch._dynamo.reset()
+            fusepass.reset_reports()
+            compiled = torch.compile(fn, backend="fusepass", dynamic=False)
+            # The kernel itself runs first: the fallback below is the injected failure's doing.
+            assert_close(compiled(*inputs), expected, f"{op} kernel")
+            assert not kernel_fallbacks(), kernel_fallbacks()
+            with inject_failure(op):
+                out = compiled(*inputs)
+        assert_close(out, expected, f"{op} after its kernel failed")
+        report = fusepass.last_report()
+        if rule is not None:
+            assert report.count(rule) >= 1
+        assert "injected failure" in kernel_fallbacks().get(op, "")
+        text = str(report)
+        assert "kernels that failed at run time" in text and op in text.split("kernels that failed at run time")[1]
+    finally:
+        clear_kernel_fallbacks()
+
+
+# -- verify mode refuses a wrong rule ---------------------------------------------------------------
+
+def _search(x, weight, eps):
+    h = x.to(torch.float32)
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _replace_eps_10x(x, weight, eps):
+    out = torch.promote_types(x.dtype, weight.dtype)
+    return torch.ops.fusepass.rms_norm(x, weight, eps * 10, 0.0, True, out)
+
+
+def _replace_no_weight(x, weight, eps):
+    out = torch.promote_types(x.dtype, weight.dtype)
+    return torch.ops.fusepass.rms_norm(x, torch.ones_like(weight), eps, 0.0, True, out)
+
+
+def _wrong_rule(replace):
+    return fusepass.Rule(
+        name="wrong_rms_norm",
+        forms=[fusepass.Form("hf", _search, replace)],
+        example_inputs=lambda dtype: [torch.randn(4, 16, dtype=dtype), torch.randn(16, dtype=dtype)],
+        scalars={"eps": 1e-6},
+        commutative_root=True,
+    )
+
+
+# eps = 0.01 against mean(x²) ~ 1 on the random inputs verify draws: ten times
+# that eps moves every output by ~4%, far outside any dtype's tolerance.
+EPS = 1e-2
+
+
+def _program(x, w):
+    return _search(x, w, EPS)
+
+
+@pytest.mark.parametrize("replace", [_replace_eps_10x, _replace_no_weight], ids=["eps-x10", "weight-dropped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_verify_refuses_a_wrong_rule(replace, dtype):
+    rule = _wrong_rule(replace)
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 32, dtype=dtype), torch.randn(32, dtype=dtype)
+    expected = _program(x, w)
+    with registered(rule):
+        # Without verify the wrong rule is applied, and the answer is wrong...
+        out, report = compile_and_run(_program, (x, w), rules=[rule.name])
+        assert report.count(rule.name) == 1
+        with pytest.raises(AssertionError):
+            assert_close(out, expected)
+        # ...with it, the rewrite is refused with the measured error, and the answer is right.
+        out, report = compile_and_run(_program, (x, w), rules=[rule.name], verify=True)
+    assert report.count(rule.name) == 0
+    reasons = report.reasons(rule.name)
+    assert len(reasons) == 1 and reasons[0].startswith("verification failed: max abs error"), reasons
+    measured = float(reasons[0].split("max abs error ")[1].split()[0])
+    assert measured > 1e-2, reasons[0]
+    assert_close(out, expected, "verify-refused program")
