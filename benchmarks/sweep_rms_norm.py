@@ -22,17 +22,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusepass.kernels.rms_norm import add_rms_norm_fwd, rms_norm_config, rms_norm_fwd  # noqa: E402
 
-SHAPES = [(4096, 4096), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 65536), (32, 4096), (1, 4096)]
+SHAPES = [(4096, 4096), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 65536)]
 
 
 def configs(M: int, N: int, n_sm: int):
     yield "default", {}
     if N <= 16384:
-        for bm, nw in itertools.product((1, 2, 4), (4, 8, 16, 32)):
+        for bm, nw in itertools.product((1, 2, 4), (4, 8, 16)):
             if bm * N <= 32768 and bm * N // (32 * nw) >= 4:
                 yield f"tile BM{bm} w{nw}", dict(variant="tile", block_m=bm, num_warps=nw)
     if N >= 8192:
-        for per_sm, bn, nw in itertools.product((1, 2, 4, 8), (2048, 4096, 8192, 16384), (8, 16, 32)):
+        for per_sm, bn, nw in itertools.product((1, 2, 4), (4096, 8192), (8, 16)):
             if bn <= N and bn // (32 * nw) >= 4:
                 yield f"looped P{per_sm * n_sm} BN{bn} w{nw}", dict(
                     variant="looped", num_programs=min(M, per_sm * n_sm), block_n=bn, num_warps=nw)
@@ -45,7 +45,7 @@ def main() -> None:
     bw = 2 * src.nbytes / triton.testing.do_bench(lambda: dst.copy_(src), rep=200) / 1e6
     del src, dst
     print(f"# {torch.cuda.get_device_name()}, copy {bw:.0f} GB/s")
-    for op in ("rms_norm", "add_rms_norm"):
+    for op in sys.argv[1:] or ("rms_norm",):
         for M, N in SHAPES:
             x, r = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
