@@ -62,7 +62,8 @@ def main() -> None:
                         fn = lambda: add_rms_norm_fwd(x, r, w, 1e-6, 0.0, True, torch.bfloat16, **kw)  # noqa: E731
                     out = fn()
                     out = out if op == "rms_norm" else out[0]
-                    assert torch.equal(out, ref), "config changes the result"
+                    # Another chunk width sums in another order: equal to a rounding.
+                    torch.testing.assert_close(out, ref, atol=1.6e-2, rtol=1.6e-2)
                     us = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
                 except Exception as exc:  # noqa: BLE001
                     print(f"{op} {M}x{N} {name}: {type(exc).__name__}")

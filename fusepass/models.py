@@ -17,22 +17,28 @@ MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next")
 def _config(name: str, size: str) -> Any:
     import transformers as tf
 
-    hidden, layers, inter = (64, 2, 128) if size == "tiny" else (256, 4, 704)
+    # tiny: tests; small: the demo; medium: GPU timing (a 4-layer slice of a
+    # 1B-class model: hidden 2048, 16 heads of 128).
+    hidden, layers, inter, heads, kv, vocab = {
+        "tiny": (64, 2, 128, 4, 2, 256),
+        "small": (256, 4, 704, 4, 2, 256),
+        "medium": (2048, 4, 5632, 16, 4, 32000),
+    }[size]
     common = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                  max_position_embeddings=128)
+                  num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                  max_position_embeddings=4096)
     if name == "llama":
-        return tf.LlamaForCausalLM, tf.LlamaConfig(**common, head_dim=hidden // 4)
+        return tf.LlamaForCausalLM, tf.LlamaConfig(**common, head_dim=hidden // heads)
     if name == "qwen3":
-        return tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, head_dim=hidden // 4)
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, head_dim=hidden // heads)
     if name == "gemma":
-        return tf.GemmaForCausalLM, tf.GemmaConfig(**common, head_dim=hidden // 4,
+        return tf.GemmaForCausalLM, tf.GemmaConfig(**common, head_dim=hidden // heads,
                                                     hidden_activation="gelu_pytorch_tanh")
     if name == "phi3":
         return tf.Phi3ForCausalLM, tf.Phi3Config(**common, pad_token_id=0)
     if name == "qwen3_next":
         return tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig(
-            **common, head_dim=hidden // 4, linear_num_value_heads=2, linear_num_key_heads=2,
+            **common, head_dim=hidden // heads, linear_num_value_heads=2, linear_num_key_heads=2,
             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=32,
             layer_types=["linear_attention", "full_attention"] * (layers // 2))
