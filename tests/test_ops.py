@@ -157,7 +157,7 @@ def test_kernel_failure_falls_back_and_is_reported(op):
     expected = fn(*inputs)
     clear_kernel_fallbacks()
     try:
-        with differential.triton_on_cpu([op]):
+        with differential.triton_on_cpu([op]), torch._inductor.config.patch(fx_graph_cache=False):
             torch._dynamo.reset()
             fusepass.reset_reports()
             compiled = torch.compile(fn, backend="fusepass", dynamic=False)
@@ -220,7 +220,8 @@ def test_verify_refuses_a_wrong_rule(replace, dtype):
     torch.manual_seed(0)
     x, w = torch.randn(6, 32, dtype=dtype), torch.randn(32, dtype=dtype)
     expected = _program(x, w)
-    with registered(rule):
+    # The FX graph cache off: the pass itself must run (a hit would replay its stored report).
+    with registered(rule), torch._inductor.config.patch(fx_graph_cache=False):
         # Without verify the wrong rule is applied, and the answer is wrong...
         out, report = compile_and_run(_program, (x, w), rules=[rule.name])
         assert report.count(rule.name) == 1
