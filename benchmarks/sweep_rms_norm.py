@@ -19,6 +19,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fusepass.kernels.rms_norm import add_rms_norm_fwd, rms_norm_config, rms_norm_fwd  # noqa: E402
 
@@ -42,10 +43,9 @@ def configs(M: int, N: int, n_sm: int):
 
 def main() -> None:
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    src = torch.randn(1 << 28, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    bw = 2 * src.nbytes / triton.testing.do_bench(lambda: dst.copy_(src), rep=200) / 1e6
-    del src, dst
+    from run import copy_bandwidth
+
+    bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy {bw:.0f} GB/s")
     for op in sys.argv[1:] or ("rms_norm",):
         for M, N in SHAPES:

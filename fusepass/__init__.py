@@ -10,7 +10,6 @@ and the ``fusepass`` command.  Importing fusepass registers its ops; rules
 load lazily, on the first compile.
 """
 
-from . import kernels as _kernels  # noqa: F401
 from .kernels import _load as _load_ops
 from .match import MatchInfo
 from .report import RewriteReport, last_report, reset_reports

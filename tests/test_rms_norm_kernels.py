@@ -153,7 +153,7 @@ def test_default_config(op, M, N):
 def test_looped_long_row(op):
     """N = 262151 (2**18 + 7): 65 chunks of the default 4096, the last one 7 wide."""
     x, res, w = make((3, 262151), torch.bfloat16)
-    assert K.rms_norm_config(3, 262151, 2, K._sm_count(x.device)).variant == "looped"
+    assert K.rms_norm_config(3, 262151, 2, K.sm_count(x.device)).variant == "looped"
     run_and_check(op, x, res, w, 0.0, True, torch.bfloat16)
 
 

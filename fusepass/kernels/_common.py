@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import threading
@@ -42,6 +43,19 @@ TOLERANCES: dict[torch.dtype, Tol] = {
 
 def tolerance(dtype: torch.dtype) -> Tol:
     return TOLERANCES[dtype]
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 1 elsewhere (the interpreter: fewest programs, fastest tests)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def on_device(t: torch.Tensor):
+    """Triton launches on the current device: a tensor on cuda:1 needs a guard."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 class InjectedKernelFailure(RuntimeError):

@@ -24,8 +24,6 @@ stride are copied first.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import inline_enabled, launch_traced, run_kernel
+from fusepass.kernels._common import inline_enabled, launch_traced, on_device, run_kernel, sm_count
 from fusepass.match import hint
 
 
@@ -105,11 +103,6 @@ _ELEMS_PER_THREAD = 16
 _PROGRAMS_PER_SM = 2
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: fewest programs, fastest tests
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -149,9 +142,6 @@ def _rows(t: Tensor) -> Tensor | None:
         return None
 
 
-def _device(t: Tensor):
-    # Triton launches on the current device; a tensor on cuda:1 needs a guard.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def gated_act_fwd(
@@ -194,11 +184,11 @@ def gated_act_fwd(
 
     M, N = o2.shape
     if block is None:
-        block = _launch_config(M, N, gate.element_size(), _sm_count(gate.device))
+        block = _launch_config(M, N, gate.element_size(), sm_count(gate.device))
     NB = _cdiv(N, block)
     if M * NB >= 2**31:
         raise ValueError(f"{M} x {NB} programs exceed the grid")
-    with _device(gate):
+    with on_device(gate):
         _gated_act_fwd_kernel[(M * NB,)](
             g2, u2, o2, N, NB, g2.stride(0), u2.stride(0), o2.stride(0),
             ACT=_ACTIVATIONS[activation], BN=block, num_warps=num_warps or _num_warps(block),
@@ -302,7 +292,7 @@ def _traced(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     u2 = up.contiguous().view(-1, N) if u2 is None else u2
     M = g2.shape[0]
     out = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
-    block = _launch_config(hint(M), N, gate.element_size(), _sm_count(gate.device))
+    block = _launch_config(hint(M), N, gate.element_size(), sm_count(gate.device))
     NB = _cdiv(N, block)
     res = launch_traced(
         _gated_act_fwd_kernel, (M * NB, 1, 1), ["out"],

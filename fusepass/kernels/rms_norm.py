@@ -27,7 +27,6 @@ the weight (N elements) comes from L2.  Three kernel variants share the math:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -36,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import inline_enabled, launch_traced, run_kernel
+from fusepass.kernels._common import inline_enabled, launch_traced, on_device, run_kernel, sm_count
 from fusepass.match import hint
 
 
@@ -271,16 +270,8 @@ def rms_norm_config(
     return RmsNormConfig(variant, BM, BN, num_warps or _num_warps(BM * BN), grid)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: fewest programs, fastest tests
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _device(t: Tensor):
-    # Triton launches on the current device; a tensor on cuda:1 needs a guard.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _rows(t: Tensor, N: int) -> Tensor:
@@ -339,9 +330,9 @@ def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overri
         r2 = res if res.is_contiguous() else _rows(res, N)
         sr, sh = (N if r2 is res else r2.stride(0)), N
     w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
-    cfg = rms_norm_config(M, N, x.element_size(), _sm_count(x.device), **overrides)
+    cfg = rms_norm_config(M, N, x.element_size(), sm_count(x.device), **overrides)
     args = (x2, r2, w, y, h, sx, sr, N, sh, M, N, float(eps), float(weight_offset))
-    with _device(x):
+    with on_device(x):
         if cfg.variant == "looped":
             _rms_norm_fwd_looped_kernel[(cfg.num_programs,)](
                 *args, HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
@@ -526,7 +517,7 @@ def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
     w = weight.contiguous()
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     h = torch.empty((M, N), dtype=x.dtype, device=x.device) if res is not None else x2
-    cfg = rms_norm_config(hint(M), N, x.element_size(), _sm_count(x.device))
+    cfg = rms_norm_config(hint(M), N, x.element_size(), sm_count(x.device))
     flags = dict(HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN,
                  num_warps=cfg.num_warps)
     args = (x2, r2, w, y, h, N, N, N, N, M, N, float(eps), float(weight_offset))

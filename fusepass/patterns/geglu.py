@@ -11,7 +11,6 @@ halves work as for :mod:`fusepass.patterns.swiglu`.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from fusepass.kernels.gated_act import geglu_call
