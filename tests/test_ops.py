@@ -9,8 +9,8 @@ table gives inputs for fails here: a new op needs at least one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
 
 import pytest
 import torch
@@ -118,18 +118,25 @@ def test_opcheck(op, args, kwargs):
     torch.library.opcheck(getattr(torch.ops.fusepass, op).default, _clone(args), kwargs)
 
 
+def _kernel_path(op, inputs):
+    """(context, inputs) that run ``op``'s CUDA implementation: natively on a
+    GPU, else on CPU tensors with its Triton kernel under the interpreter."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext(), [x.cuda() if isinstance(x, torch.Tensor) else x for x in inputs]
+    assert differential.interpreting(), "needs TRITON_INTERPRET=1 (conftest sets it without a GPU)"
+    return differential.triton_on_cpu([op]), list(inputs)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_opcheck_triton_path(op):
-    """The CUDA implementation (Triton launcher, interpreted on CPU) passes opcheck too."""
-    if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
-        pytest.fail("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    """The CUDA implementation (the Triton launcher) passes opcheck too."""
     first = next(iter(TABLE.get(op, [])), None)
     assert first is not None, f"add a TABLE entry for fusepass::{op}"
     torch.manual_seed(0)
-    args = first[1]()
+    path, args = _kernel_path(op, first[1]())
     clear_kernel_fallbacks()
-    with differential.triton_on_cpu([op]):
-        torch.library.opcheck(getattr(torch.ops.fusepass, op).default, args)
+    with path:
+        torch.library.opcheck(getattr(torch.ops.fusepass, op).default, tuple(args))
     assert not kernel_fallbacks(), kernel_fallbacks()
 
 
@@ -154,10 +161,11 @@ def _model_for(op):
 @pytest.mark.parametrize("op", OPS)
 def test_kernel_failure_falls_back_and_is_reported(op):
     fn, inputs, rule = _model_for(op)
+    path, inputs = _kernel_path(op, inputs)
     expected = fn(*inputs)
     clear_kernel_fallbacks()
     try:
-        with differential.triton_on_cpu([op]), torch._inductor.config.patch(fx_graph_cache=False):
+        with path, torch._inductor.config.patch(fx_graph_cache=False):
             torch._dynamo.reset()
             fusepass.reset_reports()
             compiled = torch.compile(fn, backend="fusepass", dynamic=False)
