@@ -55,7 +55,6 @@ class GraphReport:
     attempts: Counter = field(default_factory=Counter)  # rule -> places it was tried
     match_seconds: float = 0.0
     compile_seconds: float = 0.0
-    kernel_fallbacks: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,7 +72,6 @@ class GraphReport:
             attempts=Counter(d.get("attempts", {})),
             match_seconds=d.get("match_seconds", 0.0),
             compile_seconds=d.get("compile_seconds", 0.0),
-            kernel_fallbacks=d.get("kernel_fallbacks", {}),
             notes=list(d.get("notes", [])),
         )
 
@@ -125,7 +123,10 @@ class RewriteReport:
         return [r.reason for r in self.refusals if rule is None or r.rule == rule]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"graphs": [g.to_dict() for g in self.graphs]}
+        from .kernels._common import kernel_fallbacks
+
+        # Run-time fallbacks are per process, not per graph: listed once.
+        return {"graphs": [g.to_dict() for g in self.graphs], "kernel_fallbacks": kernel_fallbacks()}
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **{"indent": 2, **kwargs})
@@ -175,10 +176,9 @@ class RewriteReport:
                 headers=["rule", "count", "reason", "where"],
                 maxcolwidths=[None, None, 60, 50],
             ))
-        fallbacks = {k: v for g in self.graphs for k, v in g.kernel_fallbacks.items()}
         from .kernels._common import kernel_fallbacks
 
-        fallbacks.update(kernel_fallbacks())
+        fallbacks = kernel_fallbacks()
         if fallbacks:
             out += ["", "kernels that failed at run time (plain torch used instead):"]
             out.append(tabulate(sorted(fallbacks.items()), headers=["op", "first failure"]))

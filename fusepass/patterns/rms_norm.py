@@ -112,6 +112,12 @@ def explain(rsqrt: torch.fx.Node) -> str | None:
     sq = mean.args[0]
     if not (isinstance(sq, torch.fx.Node) and sq.target in (aten.pow.Tensor_Scalar, aten.mul.Tensor)):
         return None  # not a mean of squares: not an RMSNorm attempt
+    src = sq.args[0]
+    while isinstance(src, torch.fx.Node) and src.target == torch.ops.prims.convert_element_type.default:
+        src = src.args[0]  # the dtype the user's tensor had before the upcast
+    val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    if isinstance(val, torch.Tensor) and val.dtype not in SUPPORTED:
+        return f"input dtype {val.dtype} has no kernel (fp32/fp16/bf16 only)"
     dims, keepdim = _arg(mean, 1), _arg(mean, 2)
     if dims is not None and list(dims) != [-1]:
         return f"mean over dim {list(dims)}, not the last dim"
