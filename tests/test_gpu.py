@@ -82,3 +82,52 @@ def test_inline_kernels_launch_from_inductor_code(inline, rows):
     expected = _res_norm_mlp(x, r, w, g, u)
     for a, e in zip(out, expected):
         assert_close(a, e)
+
+
+def test_inline_compile_failure_recompiles_with_ops(monkeypatch):
+    import fusepass.backend as backend
+
+    real = backend._compile
+
+    def failing(gm, example_inputs, opts, *args, **kwargs):
+        if opts.inline_kernels:
+            raise RuntimeError("injected: inlined kernel failed to compile")
+        return real(gm, example_inputs, opts, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "_compile", failing)
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    out, codes = run_and_get_code(torch.compile(_hf_norm, backend="fusepass"), x, w)
+    report = fusepass.last_report()
+    assert report.count("rms_norm") == 1
+    assert any("inline_kernels=False" in n for n in report.graphs[0].notes), report.graphs[0].notes
+    assert "torch.ops.fusepass.rms_norm" in "\n".join(codes)
+    assert_close(out, _hf_norm(x, w))
+
+
+def test_training_on_gpu_matches_inductor_gradients():
+    torch.manual_seed(0)
+    model = models.build("llama", dtype=torch.float32, device="cuda", size="small").train()
+    ids = models.input_ids(model, batch=4, seq=64)
+
+    def grads(backend):
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        loss = torch.compile(model, backend=backend)(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    fusepass.reset_reports()
+    loss_f, g_f = grads("fusepass")
+    report = fusepass.last_report()
+    loss_i, g_i = grads("inductor")
+    assert_close(loss_f, loss_i)
+    for name in g_i:
+        torch.testing.assert_close(g_f[name], g_i[name], atol=1e-4, rtol=1e-3, msg=name)
+    # Training graphs keep their intermediates for backward: refused, with the reason.
+    assert report.count("rms_norm") + report.count("add_rms_norm") == 0
+    assert any("saved for backward" in r for r in report.reasons())
