@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx
@@ -449,6 +449,3 @@ class FusePass(CustomGraphPass):
             parts.append(uid)
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
-
-def names(rules_: Iterable[Rule]) -> list[str]:
-    return [r.name for r in rules_]
