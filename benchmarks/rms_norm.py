@@ -39,33 +39,36 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
 
 
-def _inputs(M: int, N: int):
-    def make():
-        x = torch.randn(M, N, device="cuda", dtype=DTYPE)
-        w = (1 + 0.1 * torch.randn(N, device="cuda")).to(DTYPE)  # a trained norm weight, not ones
-        return x, w
-
-    return make
-
-
-def cases(quick: bool) -> list[Case]:
+def norm_cases(op: str, eager, fused, reference, residual: bool, quick: bool) -> list[Case]:
+    """The cases of ``op`` (rms_norm or add_rms_norm) at every benchmark shape."""
     out = []
     for M, N in QUICK if quick else SHAPES:
+        def make(M=M, N=N):
+            x = torch.randn(M, N, device="cuda", dtype=DTYPE)
+            w = (1 + 0.1 * torch.randn(N, device="cuda")).to(DTYPE)  # a trained norm weight, not ones
+            return (x, torch.randn(M, N, device="cuda", dtype=DTYPE), w) if residual else (x, w)
+
         x = torch.empty(M, N, dtype=DTYPE, device="meta")
         w = torch.empty(N, dtype=DTYPE, device="meta")
+        # x (and r), w read; y (and h) written
+        moved = nbytes(x, w) + nbytes(x) + (2 * nbytes(x) if residual else 0)
         out.append(Case(
-            op="rms_norm",
+            op=op,
             shape=f"{M}x{N}" if M > 32 else f"M{M}-N{N}",
             dtype=DTYPE,
-            make_inputs=_inputs(M, N),
+            make_inputs=make,
             reference=reference,
             providers={
-                "eager": hf_rms_norm,
-                "inductor": compiled(hf_rms_norm),
-                "fusepass": fusepass_rms_norm,
-                "fusepass-compiled": compiled(hf_rms_norm, backend="fusepass"),
+                "eager": eager,
+                "inductor": compiled(eager),
+                "fusepass": fused,
+                "fusepass-compiled": compiled(eager, backend="fusepass"),
             },
-            bytes_moved=nbytes(x, w) + nbytes(x),  # x and w read, y (x's size, bf16) written
+            bytes_moved=moved,
             notes={"form": "hf", "eps": str(EPS)},
         ))
     return out
+
+
+def cases(quick: bool) -> list[Case]:
+    return norm_cases("rms_norm", hf_rms_norm, fusepass_rms_norm, reference, residual=False, quick=quick)

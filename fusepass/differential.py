@@ -63,7 +63,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .kernels._common import TOLERANCES, clear_kernel_fallbacks, kernel_fallbacks, tolerance
+from .kernels._common import clear_kernel_fallbacks, kernel_fallbacks, loosest, tolerance
 from .report import RewriteReport, last_report, reset_reports
 from .rule import Rule, rules
 
@@ -333,8 +333,8 @@ class _Builder:
                 out = _flat(fn(*values))
         except Exception as exc:  # noqa: BLE001 - eager refuses the variant
             raise _Invalid(f"{text}: {type(exc).__name__}: {exc}") from exc
-        precision = _loosest([*seen.dtypes, *(t.dtype for t in (*values, *out))]
-                             + [self.precision[r[1]] for r in ins if r[0] == "v"])
+        precision = loosest([*seen.dtypes, *(t.dtype for t in (*values, *out))]
+                            + [self.precision[r[1]] for r in ins if r[0] == "v"], default=torch.float64)
         scale = max([_magnitude(t) for t in (*values, *out)] + [self.scale[r[1]] for r in ins if r[0] == "v"],
                     default=0.0)
         first = len(self.vals)
@@ -346,8 +346,8 @@ class _Builder:
         names = ", ".join(f"v{j}" for j in outs)
         args = ", ".join(f"{k}{i}" for k, i in ins)
         self.steps.append(Step(lambda *a, _fn=fn: _flat(_fn(*a)), tuple(ins), outs,
-                               f"{names} = {text.format(args=args)}", checked, _loosest(
-                                   [*seen.dtypes, *(t.dtype for t in (*values, *out))])))
+                               f"{names} = {text.format(args=args)}", checked, loosest(
+                                   [*seen.dtypes, *(t.dtype for t in (*values, *out))], default=torch.float64)))
         return [("v", j) for j in outs]
 
     def snapshot(self) -> tuple[int, int, int, int]:
@@ -562,11 +562,6 @@ def _magnitude(t: torch.Tensor) -> float:
     return finite.abs().max().item() if finite.numel() else 0.0
 
 
-def _loosest(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    known = [d for d in dtypes if d in TOLERANCES]
-    return max(known, key=lambda d: (tolerance(d).rtol, tolerance(d).atol), default=torch.float64)
-
-
 @functools.lru_cache(maxsize=None)
 def _traces_with_tensor_scalars(search: Callable[..., Any], scalars: tuple[str, ...],
                                 example_inputs: Callable[[torch.dtype], Sequence[Any]]) -> bool:
@@ -755,7 +750,7 @@ def _compare(actual: torch.Tensor, expected: torch.Tensor, precision: torch.dtyp
     (atol scaled by ``scale``, see _mismatches), else what differs."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return f"{_tstr(actual)} vs {_tstr(expected)}"
-    tol = tolerance(_loosest([precision, expected.dtype]))
+    tol = tolerance(loosest([precision, expected.dtype], default=torch.float64))
     try:
         torch.testing.assert_close(actual, expected, atol=tol.atol * max(1.0, scale), rtol=tol.rtol, equal_nan=True)
     except AssertionError as exc:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from .kernels._common import TOLERANCES, tolerance
+from .kernels._common import loosest, tolerance
 from .report import RewriteReport, last_report, reset_reports
 from .rule import Rule
 
@@ -47,12 +47,6 @@ def compile_and_run(fn: Callable[..., Any], inputs: Sequence[Any], rules: Sequen
     compiled = torch.compile(fn, backend="fusepass", options=opts, dynamic=False)
     out = compiled(*inputs)
     return out, last_report()
-
-
-def loosest(*dtypes: torch.dtype) -> torch.dtype:
-    """The least precise of the floating dtypes (whose table entry is widest)."""
-    floats = [d for d in dtypes if d in TOLERANCES]
-    return max(floats, key=lambda d: TOLERANCES[d].atol) if floats else torch.float32
 
 
 def assert_close(actual: Any, expected: Any, what: str = "", dtype: torch.dtype | None = None) -> float:
@@ -126,6 +120,6 @@ def _check_rule(rule: Rule, dtypes: Sequence[torch.dtype] | None, device: str | 
         if nm.reason:
             assert any(nm.reason in r for r in reasons), f"{case}: expected a reason with {nm.reason!r}, got {reasons}"
         out_dtypes = [x.dtype for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)]
-        err = assert_close(out, expected, case, dtype=loosest(*in_dtypes, *out_dtypes))
+        err = assert_close(out, expected, case, dtype=loosest([*in_dtypes, *out_dtypes]))
         results.append(CheckResult(case, 0, err, reasons))
     return results

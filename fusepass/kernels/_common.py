@@ -45,6 +45,12 @@ def tolerance(dtype: torch.dtype) -> Tol:
     return TOLERANCES[dtype]
 
 
+def loosest(dtypes, default: torch.dtype = torch.float32) -> torch.dtype:
+    """The least precise of the table's dtypes among ``dtypes`` (``default`` if none is in the table)."""
+    known = [d for d in dtypes if d in TOLERANCES]
+    return max(known, key=lambda d: (TOLERANCES[d].rtol, TOLERANCES[d].atol), default=default)
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; 1 elsewhere (the interpreter: fewest programs, fastest tests)."""
