@@ -82,6 +82,10 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Opti
     pending: list[_report.GraphReport] = []
     fp = FusePass(opts, chained=user_pass, sink=pending.append, graph_id=graph_id)
     patches = {**patches, "post_grad_custom_pre_pass": fp}
+    if opts.dump_graphs:
+        # A cache hit would skip the pass and write nothing: asking for dumps
+        # means compiling afresh.
+        patches["fx_graph_cache"] = False
 
     def inner_compile(gm_: torch.fx.GraphModule, inputs_: Sequence[Any], **kwargs: Any) -> Any:
         # Called once per graph AOTAutograd hands Inductor (forward, backward).

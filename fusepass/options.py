@@ -6,7 +6,8 @@
 - ``disable_rules``: names of rules not to run;
 - ``verify``: run each match and its replacement on random inputs at compile
   time and refuse any that disagree (the measured error goes in the report);
-- ``dump_graphs``: a folder to write each graph to, before and after the pass;
+- ``dump_graphs``: a folder to write each graph to, before and after the pass
+  (Inductor's FX graph cache is bypassed for such compiles, so the pass runs);
 - ``inline_kernels`` (default on): on CUDA, put the Triton kernels themselves
   in the graph so Inductor launches them from its generated code; off, the
   graph calls the ``fusepass::`` ops through the dispatcher (as on CPU).
@@ -48,7 +49,8 @@ class Options:
         return (self.rules is None or rule in self.rules) and rule not in self.disable_rules
 
     def cache_key(self) -> tuple[Any, ...]:
-        # dump_graphs changes no output code, so it stays out of the cache key.
+        # dump_graphs changes no output code, so it stays out of the cache key
+        # (compiles that dump bypass the cache instead).
         return (self.rules, self.disable_rules, self.verify, self.inline_kernels)
 
     @classmethod
