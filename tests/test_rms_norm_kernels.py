@@ -123,6 +123,27 @@ def test_semantics(op, variant, dtype, weight_offset, cast, out):
     run_and_check(op, x, res, w, weight_offset, cast, DTYPES[out], **forced(variant, 33))
 
 
+# The launch options that change the code, not the math: the weight loaded
+# before the reduction (row, tile) and software-pipelined chunk loops (looped).
+OPTIONS = [
+    pytest.param(op, dt, M, N, kw, id=f"{op}-{dt}-M{M}-N{N}-" + "-".join(f"{k}{v}" for k, v in kw.items()))
+    for op in OPS
+    for dt in ("bf16", "fp32")
+    for M, N, kw in [
+        (5, 33, {"variant": "row", "w_first": True}),
+        (5, 33, {"variant": "tile", "block_m": 4, "w_first": True}),
+        (5, 33, {"variant": "looped", "block_n": 16, "num_programs": 2, "stages": 2}),
+        (3, 130, {"variant": "looped", "block_n": 32, "num_programs": 3, "stages": 3}),
+    ]
+]
+
+
+@pytest.mark.parametrize("op,dtype,M,N,kw", OPTIONS)
+def test_launch_options(op, dtype, M, N, kw):
+    x, res, w = make((M, N), DTYPES[dtype], seed=N)
+    run_and_check(op, x, res, w, 1.0, True, DTYPES[dtype], **kw)
+
+
 # ---------------------------------------------------------------- shapes ----
 
 # The interpreter's cost grows with M x N (bf16 casts are bit-twiddled in

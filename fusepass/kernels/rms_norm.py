@@ -58,6 +58,7 @@ def _rms_norm_fwd_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    W_FIRST: tl.constexpr = False,
 ):
     # Variants ``row`` (BM = 1) and ``tile``: BN >= N, each row is read once
     # and stays in registers between the reduction and the scaling.
@@ -75,7 +76,11 @@ def _rms_norm_fwd_kernel(
     o_m = o_m.to(tl.int64)
 
     # x and res are read exactly once: evict them first, keep w (reused by
-    # every program) in L2.
+    # every program) in L2.  W_FIRST issues w's load before the row's
+    # reduction (whose barrier the compiler does not move loads across), so
+    # its L2 latency overlaps x's; it holds w in registers meanwhile.
+    if W_FIRST:
+        b_w = tl.load(w + o_n, mask=m_n, other=0.0, eviction_policy="evict_last")
     # [BM, BN]
     p_x = x + o_m[:, None] * stride_x + o_n[None, :]
     b_x = tl.load(p_x, mask=m_mn, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -95,9 +100,38 @@ def _rms_norm_fwd_kernel(
     if CAST_BEFORE_WEIGHT:
         b_n = b_n.to(x.dtype.element_ty).to(tl.float32)
     # [BN]
-    b_w = tl.load(w + o_n, mask=m_n, other=0.0, eviction_policy="evict_last").to(tl.float32) + weight_offset
+    if not W_FIRST:
+        b_w = tl.load(w + o_n, mask=m_n, other=0.0, eviction_policy="evict_last")
+    b_w = b_w.to(tl.float32) + weight_offset
     p_y = y + o_m[:, None] * stride_y + o_n[None, :]
     tl.store(p_y, (b_n * b_w[None, :]).to(y.dtype.element_ty), mask=m_mn)
+
+
+@triton.jit
+def _looped_pass1_chunk(p_x, p_r, p_h, o_c, N, HAS_RESIDUAL: tl.constexpr):
+    # One chunk of pass 1: x (or h = x + res, written here) in fp32.  What
+    # pass 2 reads back (x, or h) is kept in L2 (evict_last).
+    m_c = o_c < N
+    if HAS_RESIDUAL:
+        b_x = tl.load(p_x + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        b_r = tl.load(p_r + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        b_h = (b_x + b_r).to(p_h.dtype.element_ty)
+        tl.store(p_h + o_c, b_h, mask=m_c, eviction_policy="evict_last")
+        return b_h.to(tl.float32)
+    else:
+        return tl.load(p_x + o_c, mask=m_c, other=0.0, eviction_policy="evict_last").to(tl.float32)
+
+
+@triton.jit
+def _looped_pass2_chunk(p_x, p_w, p_y, o_c, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT: tl.constexpr):
+    # One chunk of pass 2: re-read x (or h) from L2, its last use; normalise.
+    m_c = o_c < N
+    b_x = tl.load(p_x + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    b_n = b_x * b_rstd
+    if CAST_BEFORE_WEIGHT:
+        b_n = b_n.to(p_x.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(p_w + o_c, mask=m_c, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    tl.store(p_y + o_c, (b_n * (b_w + weight_offset)).to(p_y.dtype.element_ty), mask=m_c)
 
 
 @triton.jit
@@ -118,9 +152,14 @@ def _rms_norm_fwd_looped_kernel(
     HAS_RESIDUAL: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BN: tl.constexpr,
+    STAGES: tl.constexpr = 0,
 ):
     # Variant ``looped``: a persistent grid of a few programs per SM, each
-    # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks.
+    # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks, read twice
+    # (the second time from L2: the launcher sizes the grid so that the rows
+    # in flight fit in about half of the 50 MB L2 of an H100/H200).
+    # STAGES > 0 software-pipelines the chunk loops (tl.range's num_stages:
+    # loads run ahead through shared memory); 0 leaves them plain loops.
     # int64 rows: M * stride passes 2**31 at 8192 tokens x 262144.
     eps = tl.cast(eps, tl.float32)  # fp64 when Inductor launches it (see above)
     weight_offset = tl.cast(weight_offset, tl.float32)
@@ -132,42 +171,31 @@ def _rms_norm_fwd_looped_kernel(
         p_y = y + i_m * stride_y
         p_h = h + i_m * stride_h
 
-        # Pass 1: sum of squares.  What pass 2 reads back (x, or h) is kept
-        # in L2 (evict_last); the launcher sizes the grid so that the rows in
-        # flight fit in about half of the 50 MB L2 of an H100/H200.
+        # Pass 1: sum of squares.
         # [BN]
         b_sq = tl.zeros([BN], dtype=tl.float32)
-        for i_n in range(0, N, BN):
-            o_c = i_n + o_n
-            m_c = o_c < N
-            if HAS_RESIDUAL:
-                b_x = tl.load(p_x + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                b_r = tl.load(p_r + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                b_h = (b_x + b_r).to(h.dtype.element_ty)
-                tl.store(p_h + o_c, b_h, mask=m_c, eviction_policy="evict_last")
-                b_x = b_h.to(tl.float32)
-            else:
-                b_x = tl.load(p_x + o_c, mask=m_c, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            b_sq += b_x * b_x
+        if STAGES == 0:
+            for i_n in range(0, N, BN):
+                b_x = _looped_pass1_chunk(p_x, p_r, p_h, i_n + o_n, N, HAS_RESIDUAL)
+                b_sq += b_x * b_x
+        else:
+            for i_n in tl.range(0, N, BN, num_stages=STAGES):
+                b_x = _looped_pass1_chunk(p_x, p_r, p_h, i_n + o_n, N, HAS_RESIDUAL)
+                b_sq += b_x * b_x
         b_rstd = tl.rsqrt(tl.sum(b_sq, axis=0) / N + eps)
+
+        # Pass 2: normalise.
         if HAS_RESIDUAL:
             # Pass 2 reads h that other threads of this program may have
             # written: a block-wide barrier orders those global writes.
             tl.debug_barrier()
-
-        # Pass 2: normalise; the re-read is the last use.
-        for i_n in range(0, N, BN):
-            o_c = i_n + o_n
-            m_c = o_c < N
-            if HAS_RESIDUAL:
-                b_x = tl.load(p_h + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            else:
-                b_x = tl.load(p_x + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            b_n = b_x * b_rstd
-            if CAST_BEFORE_WEIGHT:
-                b_n = b_n.to(x.dtype.element_ty).to(tl.float32)
-            b_w = tl.load(w + o_c, mask=m_c, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            tl.store(p_y + o_c, (b_n * (b_w + weight_offset)).to(y.dtype.element_ty), mask=m_c)
+            p_x = p_h
+        if STAGES == 0:
+            for i_n in range(0, N, BN):
+                _looped_pass2_chunk(p_x, w, p_y, i_n + o_n, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT)
+        else:
+            for i_n in tl.range(0, N, BN, num_stages=STAGES):
+                _looped_pass2_chunk(p_x, w, p_y, i_n + o_n, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT)
 
 
 # ---------------------------------------------------------------- launch ----
@@ -214,6 +242,8 @@ class RmsNormConfig:
     BN: int  # columns per block (row/tile: >= N; looped: the chunk)
     num_warps: int
     num_programs: int  # the grid
+    w_first: bool = False  # row/tile: load the weight before the reduction
+    stages: int = 0  # looped: software-pipeline the chunk loops this deep (0: plain loops)
 
 
 def _num_warps(elems: int) -> int:
@@ -231,6 +261,8 @@ def rms_norm_config(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_programs: int | None = None,
+    w_first: bool | None = None,
+    stages: int | None = None,
 ) -> RmsNormConfig:
     """The launch for an [M, N] problem; any argument after ``n_sm`` overrides
     the heuristic (tests force each variant at small shapes; tuning sweeps)."""
@@ -251,7 +283,7 @@ def rms_norm_config(
         if block_n is None:
             block_n = min(BN, max(256, triton.next_power_of_2(_LOOP_BYTES_PER_SM // per_sm // element_size)))
         grid = num_programs or max(1, min(M, per_sm * n_sm))
-        return RmsNormConfig("looped", 1, block_n, num_warps or _num_warps(block_n), grid)
+        return RmsNormConfig("looped", 1, block_n, num_warps or _num_warps(block_n), grid, stages=stages or 0)
 
     if block_n is not None and block_n < N:
         raise ValueError(f"variant {variant!r} holds a whole row: block_n={block_n} < N={N}")
@@ -267,7 +299,7 @@ def rms_norm_config(
     grid = triton.cdiv(M, BM)
     if num_programs is not None and num_programs != grid:
         raise ValueError(f"variant {variant!r} launches cdiv(M, BM) = {grid} programs")
-    return RmsNormConfig(variant, BM, BN, num_warps or _num_warps(BM * BN), grid)
+    return RmsNormConfig(variant, BM, BN, num_warps or _num_warps(BM * BN), grid, w_first=bool(w_first))
 
 
 
@@ -336,12 +368,12 @@ def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overri
         if cfg.variant == "looped":
             _rms_norm_fwd_looped_kernel[(cfg.num_programs,)](
                 *args, HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                BN=cfg.BN, num_warps=cfg.num_warps,
+                BN=cfg.BN, STAGES=cfg.stages, num_warps=cfg.num_warps,
             )
         else:
             _rms_norm_fwd_kernel[(cfg.num_programs,)](
                 *args, HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                BM=cfg.BM, BN=cfg.BN, num_warps=cfg.num_warps,
+                BM=cfg.BM, BN=cfg.BN, W_FIRST=cfg.w_first, num_warps=cfg.num_warps,
             )
 
 
@@ -523,10 +555,11 @@ def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
     args = (x2, r2, w, y, h, N, N, N, N, M, N, float(eps), float(weight_offset))
     outputs = ["y", "h"] if res is not None else ["y"]
     if cfg.variant == "looped":
-        out = launch_traced(_rms_norm_fwd_looped_kernel, (cfg.num_programs, 1, 1), outputs, *args, **flags)
+        out = launch_traced(_rms_norm_fwd_looped_kernel, (cfg.num_programs, 1, 1), outputs, *args,
+                            STAGES=cfg.stages, **flags)
     else:
         grid = ((M + cfg.BM - 1) // cfg.BM, 1, 1)
-        out = launch_traced(_rms_norm_fwd_kernel, grid, outputs, *args, BM=cfg.BM, **flags)
+        out = launch_traced(_rms_norm_fwd_kernel, grid, outputs, *args, BM=cfg.BM, W_FIRST=cfg.w_first, **flags)
     y = out["y"].view(x.shape)
     return (y, out["h"].view(x.shape)) if res is not None else y
 
