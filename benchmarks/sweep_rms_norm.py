@@ -1,7 +1,7 @@
 """Time RMSNorm / add+RMSNorm launch configurations against the heuristic's pick
 and against Inductor, in one process.
 
-    python benchmarks/sweep_rms_norm.py [rms_norm] [add_rms_norm]
+    python benchmarks/sweep_rms_norm.py [rms_norm] [add_rms_norm] [--shapes 8192x8192,...] [--no-inductor]
 
 For each benchmark shape: Inductor's kernel for the same plain-torch function
 (its autotuned config printed), the heuristic's default, then alternatives:
@@ -16,13 +16,16 @@ constants in fusepass/kernels/rms_norm.py.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 import torch
+import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -53,6 +56,13 @@ def configs(M: int, N: int, n_sm: int):
     if N >= 4096 and M > 1:
         # One program per row (P = M: Inductor's looped reductions), plain and
         # pipelined chunk loops.
+        # The whole row as one chunk: Inductor's persistent reduction, which
+        # loads the row twice (the second time from L1/L2) instead of
+        # holding it in registers.
+        bn = triton.next_power_of_2(N)
+        for nw in (bn // 512, bn // 1024):
+            if 1 <= nw <= 32:
+                yield f"looped P{M} BN{bn} w{nw} s0", dict(variant="looped", num_programs=M, block_n=bn, num_warps=nw)
         for bn, nw in ((1024, 4), (2048, 8)):
             if bn < N:
                 for st in (0, 2):
@@ -85,6 +95,14 @@ def inductor_configs(cache_dir: str, seen: set[str]) -> list[str]:
 def main() -> None:
     from run import copy_bandwidth, rel_err
 
+    p = argparse.ArgumentParser()
+    p.add_argument("ops", nargs="*", default=["rms_norm"])
+    p.add_argument("--shapes", default=None, help="MxN,MxN,... (default: the benchmark shapes)")
+    p.add_argument("--no-inductor", action="store_true")
+    p.add_argument("--match", default=None, help="time only the configs whose name matches this regex (and the default)")
+    args = p.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
+
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -94,10 +112,8 @@ def main() -> None:
     seen: set[str] = set()
     inductor_configs(cache_dir(), seen)
     rows = []
-    for op in sys.argv[1:] or ("rms_norm",):
-        for M, N in SHAPES:
-            if op == "add_rms_norm" and (M, N) in ((4096, 16384), (1, 4096)):
-                continue  # met already (94%, 1.11x Inductor): time goes to the misses
+    for op in args.ops:
+        for M, N in shapes:
             x, r = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
             nbytes = (2 if op == "rms_norm" else 4) * x.nbytes + w.nbytes
@@ -113,15 +129,19 @@ def main() -> None:
                 ind = compiled(bench_add.hf_add_rms_norm)
                 ind_fn = lambda: ind(x, r, w)  # noqa: E731
                 ref = bench_add.reference(x, r, w)
-            ind_err = rel_err(ind_fn(), ref)
-            ind_us = triton.testing.do_bench_cudagraph(ind_fn, rep=50) * 1e3
-            tuned = "; ".join(inductor_configs(cache_dir(), seen)) or "-"
-            print(f"{op} {M}x{N} inductor: {ind_us:.1f} µs {pct(ind_us):.0f}% err {ind_err:.1e} [{tuned}]",
-                  flush=True)
+            ind_us = float("nan")
+            if not args.no_inductor:
+                ind_err = rel_err(ind_fn(), ref)
+                ind_us = triton.testing.do_bench_cudagraph(ind_fn, rep=50) * 1e3
+                tuned = "; ".join(inductor_configs(cache_dir(), seen)) or "-"
+                print(f"{op} {M}x{N} inductor: {ind_us:.1f} µs {pct(ind_us):.0f}% err {ind_err:.1e} [{tuned}]",
+                      flush=True)
 
             timings = []
-            default = rms_norm_config(M, N, 2, n_sm)
+            default = rms_norm_config(M, N, 2, n_sm, residual=op == "add_rms_norm")
             for name, kw in configs(M, N, n_sm):
+                if args.match and name != "default" and not re.search(args.match, name):
+                    continue
                 try:
                     if op == "rms_norm":
                         fn = lambda: rms_norm_fwd(x, w, EPS, 0.0, True, torch.bfloat16, **kw)  # noqa: E731

@@ -131,7 +131,10 @@ OPTIONS = [
     for dt in ("bf16", "fp32")
     for M, N, kw in [
         (5, 33, {"variant": "row", "w_first": True}),
+        (5, 33, {"variant": "row", "w_first": False}),
         (5, 33, {"variant": "tile", "block_m": 4, "w_first": True}),
+        (5, 33, {"variant": "tile", "block_m": 4, "w_first": False}),
+        (7, 130, {"variant": "looped"}),  # one program per row, the heuristic's chunks
         (5, 33, {"variant": "looped", "block_n": 16, "num_programs": 2, "stages": 2}),
         (3, 130, {"variant": "looped", "block_n": 32, "num_programs": 3, "stages": 3}),
     ]
@@ -252,24 +255,33 @@ def test_bad_out_is_refused():
 
 # What an H100 (132 SMs) gets at the benchmark shapes, bf16.
 H100 = [
-    # M, N, variant, BM, BN, num_warps, programs
-    (4096, 4096, "row", 1, 4096, 8, 4096),
-    (16384, 4096, "row", 1, 4096, 8, 16384),
-    (8192, 8192, "row", 1, 8192, 16, 8192),
-    (4096, 16384, "row", 1, 16384, 32, 4096),
-    (2048, 65536, "looped", 1, 8192, 16, 264),  # 264 rows x 128 KB in flight: 34 MB of L2
-    (8, 262144, "looped", 1, 16384, 32, 8),
-    (2048, 32768, "looped", 1, 4096, 8, 528),
-    (1, 4096, "row", 1, 4096, 8, 1),
-    (32, 4096, "row", 1, 4096, 8, 32),
-    (131072, 128, "tile", 32, 128, 8, 4096),  # Qwen3 q/k norm: 4096 tokens x 32 heads
-    (2048, 128, "tile", 2, 128, 1, 1024),  # 64 tokens x 32 heads: tiles shrink to fill 132 SMs
+    # residual, M, N, variant, BM, BN, num_warps, programs, w_first
+    (False, 4096, 4096, "row", 1, 4096, 8, 4096, False),
+    (False, 16384, 4096, "row", 1, 4096, 8, 16384, False),
+    (False, 8192, 8192, "row", 1, 8192, 16, 8192, False),
+    (False, 4096, 16384, "row", 1, 16384, 32, 4096, False),
+    (False, 2048, 65536, "looped", 1, 8192, 16, 264, False),  # 264 rows x 128 KB in flight: 34 MB of L2
+    (False, 8, 262144, "looped", 1, 16384, 32, 8, False),
+    (False, 2048, 32768, "looped", 1, 4096, 8, 528, False),
+    (False, 1, 4096, "row", 1, 4096, 8, 1, True),  # one wave: the weight's load overlaps x's
+    (False, 32, 4096, "row", 1, 4096, 8, 32, True),
+    (False, 32, 16384, "row", 1, 16384, 32, 32, False),  # w_first would spill
+    (False, 131072, 128, "tile", 32, 128, 8, 4096, False),  # Qwen3 q/k norm: 4096 tokens x 32 heads
+    (False, 2048, 128, "tile", 2, 128, 1, 1024, False),  # 64 tokens x 32 heads: tiles shrink to fill 132 SMs
+    (False, 64, 128, "tile", 1, 128, 1, 64, True),  # 2 tokens x 32 heads
+    # add+RMSNorm: the two-pass loop, one program per row, at 4096..8192 with many rows...
+    (True, 4096, 4096, "looped", 1, 2048, 8, 4096, False),
+    (True, 8192, 8192, "looped", 1, 2048, 8, 8192, False),
+    (True, 4096, 16384, "row", 1, 16384, 32, 4096, False),
+    (True, 32, 4096, "row", 1, 4096, 8, 32, True),  # ...not at decode sizes
+    (True, 2048, 65536, "looped", 1, 16384, 32, 132, False),  # x, res and h: 256 KB a row in flight
 ]
 
 
-@pytest.mark.parametrize("M,N,variant,BM,BN,warps,programs", H100, ids=lambda v: str(v))
-def test_heuristics_h100(M, N, variant, BM, BN, warps, programs):
-    assert K.rms_norm_config(M, N, 2, 132) == K.RmsNormConfig(variant, BM, BN, warps, programs)
+@pytest.mark.parametrize("residual,M,N,variant,BM,BN,warps,programs,w_first", H100, ids=lambda v: str(v))
+def test_heuristics_h100(residual, M, N, variant, BM, BN, warps, programs, w_first):
+    assert K.rms_norm_config(M, N, 2, 132, residual=residual) == K.RmsNormConfig(
+        variant, BM, BN, warps, programs, w_first=w_first)
 
 
 # ------------------------------------------------------------ custom ops ----

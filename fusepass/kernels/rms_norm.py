@@ -233,6 +233,23 @@ _LOOP_BYTES_PER_SM = 32 << 10
 # SM (24 MB budget, 16384-wide chunks), 178 µs at two with 8192-wide chunks,
 # the best of 18 grid/chunk/warp configurations.
 _LOOP_L2_BYTES = 48 << 20
+# add+RMSNorm at 4096 <= N <= 8192 with many rows: the two-pass loop, one
+# program per row, 2048-wide chunks (8 warps), re-reading h from L1/L2, beats
+# holding x, res and h in registers.  Measured on an H200 (Triton 3.6, CUDA
+# graphs): 4096x4096 35.9 vs 36.7 µs, 16384x4096 133.9 vs 139.5, 8192x8192
+# 136.5 vs 137.7; at M = 32 it loses (2.6 vs 1.9 µs), hence the row floor.
+# Without a residual the row kernel wins at these shapes (16.8 vs 21.4 µs at
+# 4096x4096).
+_RES_LOOP_MIN_N = 4096
+_RES_LOOP_MAX_N = 8192
+_RES_LOOP_PROGRAMS_PER_SM = 4
+_RES_LOOP_BN = 2048
+_RES_LOOP_WARPS = 8  # 8 elements per thread per chunk (4 warps: 36.7 µs at 4096x4096)
+# Loading the weight before the reduction overlaps its L2 latency with x's
+# load but holds it in registers across the reduction: a win when the grid is
+# one wave or less (decode: M = 1, 32 at N = 4096 took 1.6 / 1.8 µs against
+# 1.7 / 1.9), a loss at 16384 columns per program (it spills: 102 vs 69 µs).
+_W_FIRST_MAX_ELEMS = 8192
 
 
 @dataclass(frozen=True)
@@ -263,12 +280,16 @@ def rms_norm_config(
     num_programs: int | None = None,
     w_first: bool | None = None,
     stages: int | None = None,
+    residual: bool = False,
 ) -> RmsNormConfig:
-    """The launch for an [M, N] problem; any argument after ``n_sm`` overrides
-    the heuristic (tests force each variant at small shapes; tuning sweeps)."""
+    """The launch for an [M, N] problem (``residual``: add+RMSNorm); the
+    arguments from ``variant`` to ``stages`` override the heuristic (tests
+    force each variant at small shapes; tuning sweeps)."""
     BN = triton.next_power_of_2(N)
     if variant is None:
         if BN > _ONE_PASS_MAX_N:
+            variant = "looped"
+        elif residual and _RES_LOOP_MIN_N <= BN <= _RES_LOOP_MAX_N and M >= _RES_LOOP_PROGRAMS_PER_SM * n_sm:
             variant = "looped"
         elif BN <= _TILE_MAX_N and M > 1:
             variant = "tile"
@@ -278,11 +299,22 @@ def rms_norm_config(
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
     if variant == "looped":
-        row_bytes = N * element_size
-        per_sm = max(1, min(4, _LOOP_L2_BYTES // (n_sm * row_bytes)))
-        if block_n is None:
-            block_n = min(BN, max(256, triton.next_power_of_2(_LOOP_BYTES_PER_SM // per_sm // element_size)))
-        grid = num_programs or max(1, min(M, per_sm * n_sm))
+        if BN <= _ONE_PASS_MAX_N:
+            # Rows short enough for L1/L2 to hold many at once: one program
+            # per row, as Inductor's looped reductions run.
+            block_n = block_n or min(BN, _RES_LOOP_BN)
+            grid = num_programs or max(1, M)
+            num_warps = num_warps or max(1, min(_RES_LOOP_WARPS, block_n // 256))
+        else:
+            # Pass 2 re-reads what pass 1 read (x) or wrote (h).  With a
+            # residual a row in flight is twice the bytes (x and res read, h
+            # written and kept): 2048x65536 took 283 µs at one program per SM
+            # with 16384-wide chunks, 301 µs at two with 8192 (H200, Triton 3.6).
+            row_bytes = N * element_size * (2 if residual else 1)
+            per_sm = max(1, min(4, _LOOP_L2_BYTES // (n_sm * row_bytes)))
+            if block_n is None:
+                block_n = min(BN, max(256, triton.next_power_of_2(_LOOP_BYTES_PER_SM // per_sm // element_size)))
+            grid = num_programs or max(1, min(M, per_sm * n_sm))
         return RmsNormConfig("looped", 1, block_n, num_warps or _num_warps(block_n), grid, stages=stages or 0)
 
     if block_n is not None and block_n < N:
@@ -299,11 +331,9 @@ def rms_norm_config(
     grid = triton.cdiv(M, BM)
     if num_programs is not None and num_programs != grid:
         raise ValueError(f"variant {variant!r} launches cdiv(M, BM) = {grid} programs")
-    return RmsNormConfig(variant, BM, BN, num_warps or _num_warps(BM * BN), grid, w_first=bool(w_first))
-
-
-
-
+    if w_first is None:
+        w_first = grid <= n_sm and BM * BN <= _W_FIRST_MAX_ELEMS
+    return RmsNormConfig(variant, BM, BN, num_warps or _num_warps(BM * BN), grid, w_first=w_first)
 
 
 def _rows(t: Tensor, N: int) -> Tensor:
@@ -362,7 +392,7 @@ def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overri
         r2 = res if res.is_contiguous() else _rows(res, N)
         sr, sh = (N if r2 is res else r2.stride(0)), N
     w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
-    cfg = rms_norm_config(M, N, x.element_size(), sm_count(x.device), **overrides)
+    cfg = rms_norm_config(M, N, x.element_size(), sm_count(x.device), residual=res is not None, **overrides)
     args = (x2, r2, w, y, h, sx, sr, N, sh, M, N, float(eps), float(weight_offset))
     with on_device(x):
         if cfg.variant == "looped":
@@ -549,7 +579,7 @@ def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
     w = weight.contiguous()
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     h = torch.empty((M, N), dtype=x.dtype, device=x.device) if res is not None else x2
-    cfg = rms_norm_config(hint(M), N, x.element_size(), sm_count(x.device))
+    cfg = rms_norm_config(hint(M), N, x.element_size(), sm_count(x.device), residual=res is not None)
     flags = dict(HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN,
                  num_warps=cfg.num_warps)
     args = (x2, r2, w, y, h, N, N, N, N, M, N, float(eps), float(weight_offset))
