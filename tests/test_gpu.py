@@ -84,6 +84,29 @@ def test_inline_kernels_launch_from_inductor_code(inline, rows):
         assert_close(a, e)
 
 
+@pytest.mark.parametrize("N", [16384, 32768], ids=lambda n: f"N{n}")
+def test_long_rows_go_through_the_op(N):
+    """Rows the one-pass kernel holds are inlined; longer rows (the persistent
+    looped kernel) call the fusepass:: op from the compiled graph."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    x, r = (torch.randn(8, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+
+    def f(x, r, w):
+        h = x + r
+        return _hf_norm(h, w), h
+
+    out, codes = run_and_get_code(torch.compile(f, backend="fusepass"), x, r, w)
+    code = "\n".join(codes)
+    assert fusepass.last_report().count("add_rms_norm") == 1
+    assert ("torch.ops.fusepass.add_rms_norm" in code) == (N > 16384), code[-3000:]
+    for a, e in zip(out, f(x, r, w)):
+        assert_close(a, e)
+
+
 def test_inline_compile_failure_recompiles_with_ops(monkeypatch):
     import fusepass.backend as backend
 

@@ -596,8 +596,14 @@ def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
 
 def _inline_ok(x: Tensor, weight: Tensor, out_dtype: torch.dtype, residual: Tensor | None = None) -> bool:
     # The hidden size picks the variant and block: it must be a plain int.
-    return inline_enabled(x) and isinstance(x.shape[-1], int) and x.numel() != 0 and _kernel_handles(
-        x, weight, out_dtype, residual)
+    # Rows longer than the one-pass kernel holds (the persistent looped
+    # variant) go through the op: launched from Inductor's generated code that
+    # kernel measured slower than the same launch from the op (H200, Triton
+    # 3.6, GPU time: 2048x65536 RMSNorm 202.5 vs 177.9 µs, add+RMSNorm 295.8
+    # vs 284.8), and at such sizes the op's CPU cost hides behind the GPU's.
+    return (inline_enabled(x) and isinstance(x.shape[-1], int) and x.numel() != 0
+            and triton.next_power_of_2(x.shape[-1]) <= _ONE_PASS_MAX_N
+            and _kernel_handles(x, weight, out_dtype, residual))
 
 
 def rms_norm_call(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
