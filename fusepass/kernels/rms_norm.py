@@ -22,7 +22,12 @@ the weight (N elements) comes from L2.  Three kernel variants share the math:
               program loops over rows; pass 1 accumulates the sum of squares
               over BN-wide chunks (and writes h), pass 2 re-reads x (or h) from
               L2 and normalises.  One or a few rows per SM are in flight, so the
-              re-read hits L2 instead of going back to DRAM.
+              re-read hits L2 instead of going back to DRAM.  add+RMSNorm with
+              4096..8192 columns and many rows runs it too, one program per
+              row (as Inductor's looped reductions do).
+
+Launch choices (variant, block, warps, grid, weight-first, pipelining) come
+from :func:`rms_norm_config`, tuned with ``benchmarks/sweep_rms_norm.py``.
 """
 
 from __future__ import annotations
