@@ -64,6 +64,25 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def row_view(t: torch.Tensor, n: int) -> torch.Tensor | None:
+    """``t`` as an [M, n] view with unit column stride (any row stride: slices
+    of wider rows, broadcast rows), or None where only a copy gives one."""
+    if t.dim() == 2 and (n == 1 or t.stride(1) == 1):
+        return t  # the common case, without the ~2 µs of a view
+    if n != 1 and t.dim() and t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, n)
+    except RuntimeError:  # leading dims that do not flatten into one row stride
+        return None
+
+
+def rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`row_view`, or a contiguous [M, n] copy where no view exists."""
+    view = row_view(t, n)
+    return view if view is not None else t.contiguous().view(-1, n)
+
+
 class InjectedKernelFailure(RuntimeError):
     """Raised in place of a kernel launch when a test asks for a failure."""
 
@@ -142,8 +161,11 @@ def inline_kernels(enabled: bool) -> Iterator[None]:
 
 
 def inline_enabled(t: torch.Tensor) -> bool:
-    """True while the engine traces a replacement for a CUDA graph with inlining on."""
-    return _inline.get() and t.device.type == "cuda"
+    """True while the engine traces a replacement for a CUDA graph with inlining
+    on, for a non-empty ``t`` whose last dim (which picks a kernel's block) is a
+    plain int."""
+    return (_inline.get() and t.device.type == "cuda" and t.dim() > 0 and isinstance(t.shape[-1], int)
+            and t.numel() != 0)
 
 
 def launch_traced(kernel, grid: tuple, outputs: list[str], *args, **kwargs) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ the weight (N elements) comes from L2.  Three kernel variants share the math:
               4096..8192 columns and many rows runs it too, one program per
               row (as Inductor's looped reductions do).
 
-Launch choices (variant, block, warps, grid, weight-first, pipelining) come
+Launch choices (variant, block, warps, grid, weight-first) come
 from :func:`rms_norm_config`, tuned with ``benchmarks/sweep_rms_norm.py``.
 """
 
@@ -41,6 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import inline_enabled, launch_traced, on_device, run_kernel, sm_count
+from fusepass.kernels._common import rows as _rows  # [M, N] rows: a view where one exists, else a copy
 from fusepass.match import hint
 
 
@@ -157,14 +158,11 @@ def _rms_norm_fwd_looped_kernel(
     HAS_RESIDUAL: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BN: tl.constexpr,
-    STAGES: tl.constexpr = 0,
 ):
     # Variant ``looped``: a persistent grid of a few programs per SM, each
     # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks, read twice
     # (the second time from L2: the launcher sizes the grid so that the rows
     # in flight fit in about half of the 50 MB L2 of an H100/H200).
-    # STAGES > 0 software-pipelines the chunk loops (tl.range's num_stages:
-    # loads run ahead through shared memory); 0 leaves them plain loops.
     # int64 rows: M * stride passes 2**31 at 8192 tokens x 262144.
     eps = tl.cast(eps, tl.float32)  # fp64 when Inductor launches it (see above)
     weight_offset = tl.cast(weight_offset, tl.float32)
@@ -179,14 +177,9 @@ def _rms_norm_fwd_looped_kernel(
         # Pass 1: sum of squares.
         # [BN]
         b_sq = tl.zeros([BN], dtype=tl.float32)
-        if STAGES == 0:
-            for i_n in range(0, N, BN):
-                b_x = _looped_pass1_chunk(p_x, p_r, p_h, i_n + o_n, N, HAS_RESIDUAL)
-                b_sq += b_x * b_x
-        else:
-            for i_n in tl.range(0, N, BN, num_stages=STAGES):
-                b_x = _looped_pass1_chunk(p_x, p_r, p_h, i_n + o_n, N, HAS_RESIDUAL)
-                b_sq += b_x * b_x
+        for i_n in range(0, N, BN):
+            b_x = _looped_pass1_chunk(p_x, p_r, p_h, i_n + o_n, N, HAS_RESIDUAL)
+            b_sq += b_x * b_x
         b_rstd = tl.rsqrt(tl.sum(b_sq, axis=0) / N + eps)
 
         # Pass 2: normalise.
@@ -195,12 +188,8 @@ def _rms_norm_fwd_looped_kernel(
             # written: a block-wide barrier orders those global writes.
             tl.debug_barrier()
             p_x = p_h
-        if STAGES == 0:
-            for i_n in range(0, N, BN):
-                _looped_pass2_chunk(p_x, w, p_y, i_n + o_n, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT)
-        else:
-            for i_n in tl.range(0, N, BN, num_stages=STAGES):
-                _looped_pass2_chunk(p_x, w, p_y, i_n + o_n, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT)
+        for i_n in range(0, N, BN):
+            _looped_pass2_chunk(p_x, w, p_y, i_n + o_n, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT)
 
 
 # ---------------------------------------------------------------- launch ----
@@ -265,11 +254,15 @@ class RmsNormConfig:
     num_warps: int
     num_programs: int  # the grid
     w_first: bool = False  # row/tile: load the weight before the reduction
-    stages: int = 0  # looped: software-pipeline the chunk loops this deep (0: plain loops)
 
 
 def _num_warps(elems: int) -> int:
     return max(1, min(32, elems // (32 * _ELEMS_PER_THREAD)))
+
+
+def _long_row(N: int) -> bool:
+    """Rows the one-pass kernels cannot hold: the persistent looped kernel's."""
+    return triton.next_power_of_2(N) > _ONE_PASS_MAX_N
 
 
 @functools.lru_cache(maxsize=4096)
@@ -284,15 +277,14 @@ def rms_norm_config(
     num_warps: int | None = None,
     num_programs: int | None = None,
     w_first: bool | None = None,
-    stages: int | None = None,
     residual: bool = False,
 ) -> RmsNormConfig:
     """The launch for an [M, N] problem (``residual``: add+RMSNorm); the
-    arguments from ``variant`` to ``stages`` override the heuristic (tests
+    arguments from ``variant`` to ``w_first`` override the heuristic (tests
     force each variant at small shapes; tuning sweeps)."""
     BN = triton.next_power_of_2(N)
     if variant is None:
-        if BN > _ONE_PASS_MAX_N:
+        if _long_row(N):
             variant = "looped"
         elif residual and _RES_LOOP_MIN_N <= BN <= _RES_LOOP_MAX_N and M >= _RES_LOOP_PROGRAMS_PER_SM * n_sm:
             variant = "looped"
@@ -304,7 +296,7 @@ def rms_norm_config(
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
     if variant == "looped":
-        if BN <= _ONE_PASS_MAX_N:
+        if not _long_row(N):
             # Rows short enough for L1/L2 to hold many at once: one program
             # per row, as Inductor's looped reductions run.
             block_n = block_n or min(BN, _RES_LOOP_BN)
@@ -320,7 +312,7 @@ def rms_norm_config(
             if block_n is None:
                 block_n = min(BN, max(256, triton.next_power_of_2(_LOOP_BYTES_PER_SM // per_sm // element_size)))
             grid = num_programs or max(1, min(M, per_sm * n_sm))
-        return RmsNormConfig("looped", 1, block_n, num_warps or _num_warps(block_n), grid, stages=stages or 0)
+        return RmsNormConfig("looped", 1, block_n, num_warps or _num_warps(block_n), grid)
 
     if block_n is not None and block_n < N:
         raise ValueError(f"variant {variant!r} holds a whole row: block_n={block_n} < N={N}")
@@ -339,15 +331,6 @@ def rms_norm_config(
     if w_first is None:
         w_first = grid <= n_sm and BM * BN <= _W_FIRST_MAX_ELEMS
     return RmsNormConfig(variant, BM, BN, num_warps or _num_warps(BM * BN), grid, w_first=w_first)
-
-
-def _rows(t: Tensor, N: int) -> Tensor:
-    """``t`` as [M, N] rows with unit column stride: a view when one exists
-    (contiguous, a slice of wider rows, broadcast rows), else a copy."""
-    t2 = t.reshape(-1, N)
-    if N != 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    return t2
 
 
 def _output(out: Tensor | None, like: Tensor, dtype: torch.dtype, name: str) -> Tensor:
@@ -377,6 +360,12 @@ def _check(x: Tensor, res: Tensor | None, weight: Tensor, out_dtype: torch.dtype
 _NO_OVERRIDES: dict = {}
 
 
+def _row_args(t: Tensor, N: int) -> tuple[Tensor, int]:
+    """A non-contiguous ``t`` as kernel arguments: [M, N] rows and their stride."""
+    t2 = _rows(t, N)
+    return t2, t2.stride(0)
+
+
 def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overrides) -> None:
     """Write y (and h) from checked inputs; y and h are contiguous with x's shape.
 
@@ -389,13 +378,12 @@ def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overri
     if numel == 0:
         return
     M = numel // N
-    x2 = x if x.is_contiguous() else _rows(x, N)
-    sx = N if x2 is x else x2.stride(0)
+    x2, sx = (x, N) if x.is_contiguous() else _row_args(x, N)
     if res is None:
         r2, sr, h, sh = x2, sx, y, N
     else:
-        r2 = res if res.is_contiguous() else _rows(res, N)
-        sr, sh = (N if r2 is res else r2.stride(0)), N
+        r2, sr = (res, N) if res.is_contiguous() else _row_args(res, N)
+        sh = N
     w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
     cfg = rms_norm_config(M, N, x.element_size(), sm_count(x.device), residual=res is not None, **overrides)
     args = (x2, r2, w, y, h, sx, sr, N, sh, M, N, float(eps), float(weight_offset))
@@ -403,7 +391,7 @@ def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overri
         if cfg.variant == "looped":
             _rms_norm_fwd_looped_kernel[(cfg.num_programs,)](
                 *args, HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                BN=cfg.BN, STAGES=cfg.stages, num_warps=cfg.num_warps,
+                BN=cfg.BN, num_warps=cfg.num_warps,
             )
         else:
             _rms_norm_fwd_kernel[(cfg.num_programs,)](
@@ -590,8 +578,7 @@ def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
     args = (x2, r2, w, y, h, N, N, N, N, M, N, float(eps), float(weight_offset))
     outputs = ["y", "h"] if res is not None else ["y"]
     if cfg.variant == "looped":
-        out = launch_traced(_rms_norm_fwd_looped_kernel, (cfg.num_programs, 1, 1), outputs, *args,
-                            STAGES=cfg.stages, **flags)
+        out = launch_traced(_rms_norm_fwd_looped_kernel, (cfg.num_programs, 1, 1), outputs, *args, **flags)
     else:
         grid = ((M + cfg.BM - 1) // cfg.BM, 1, 1)
         out = launch_traced(_rms_norm_fwd_kernel, grid, outputs, *args, BM=cfg.BM, W_FIRST=cfg.w_first, **flags)
@@ -600,15 +587,12 @@ def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
 
 
 def _inline_ok(x: Tensor, weight: Tensor, out_dtype: torch.dtype, residual: Tensor | None = None) -> bool:
-    # The hidden size picks the variant and block: it must be a plain int.
     # Rows longer than the one-pass kernel holds (the persistent looped
     # variant) go through the op: launched from Inductor's generated code that
     # kernel measured slower than the same launch from the op (H200, Triton
     # 3.6, GPU time: 2048x65536 RMSNorm 202.5 vs 177.9 µs, add+RMSNorm 295.8
     # vs 284.8), and at such sizes the op's CPU cost hides behind the GPU's.
-    return (inline_enabled(x) and isinstance(x.shape[-1], int) and x.numel() != 0
-            and triton.next_power_of_2(x.shape[-1]) <= _ONE_PASS_MAX_N
-            and _kernel_handles(x, weight, out_dtype, residual))
+    return inline_enabled(x) and not _long_row(x.shape[-1]) and _kernel_handles(x, weight, out_dtype, residual)
 
 
 def rms_norm_call(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
