@@ -93,16 +93,15 @@ class CompiledForm:
         return p.fns[0]
 
 
-_compiled: dict[str, list[CompiledForm]] = {}
+# Keyed by the rule object: registering a rule under a taken name (replace=True)
+# makes a new object, so its patterns are traced afresh without the registry
+# having to tell the engine.
+_compiled: dict[int, tuple[Rule, list[CompiledForm]]] = {}
 
 # Scalar stand-ins for the trace: exactly representable in fp32 (F.rms_norm
 # rounds eps to fp32 before it reaches the graph) and unlikely to collide with
 # a real constant of the search function.
 _SCALAR_STAND_INS = [2.0**-20 * 1.171875, 2.0**-17 * 1.359375, 2.0**-13 * 1.4375, 2.0**-9 * 1.5625]
-
-
-def invalidate_patterns() -> None:
-    _compiled.clear()
 
 
 def _trace_inputs(rule: Rule, search: Any, dtype: torch.dtype) -> tuple[list[str], list[Any], dict[str, float]]:
@@ -167,8 +166,9 @@ def _relax_users(pattern: PatternExpr) -> None:
 
 
 def compile_rule(rule: Rule) -> list[CompiledForm]:
-    if rule.name in _compiled:
-        return _compiled[rule.name]
+    cached = _compiled.get(id(rule))
+    if cached is not None and cached[0] is rule:
+        return cached[1]
     out: list[CompiledForm] = []
     seen: set[str] = set()
     for form in rule.forms:
@@ -187,7 +187,7 @@ def compile_rule(rule: Rule) -> list[CompiledForm]:
                 seen.add(key)
                 _relax_users(pattern)
                 out.append(CompiledForm(rule, form, dtype, variant, pattern, argnames))
-    _compiled[rule.name] = out
+    _compiled[id(rule)] = (rule, out)
     return out
 
 

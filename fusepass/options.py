@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .rule import rules
+
 OWN_KEYS = ("rules", "disable_rules", "verify", "dump_graphs", "inline_kernels")
 
 
@@ -69,15 +71,10 @@ class Options:
         for key in ("verify", "inline_kernels"):
             if not isinstance(own[key], bool):
                 raise TypeError(f"fusepass option {key!r} takes a bool, got {own[key]!r}")
-        known = _known_rule_names()
+        known = {r.name for r in rules()}
         for key in ("rules", "disable_rules"):
             unknown = [n for n in (own[key] or ()) if n not in known]
             if unknown:
                 raise ValueError(f"fusepass option {key!r}: unknown rule(s) {unknown}; known: {sorted(known)}")
         return cls(**own), options
 
-
-def _known_rule_names() -> set[str]:
-    from .rule import rules
-
-    return {r.name for r in rules()}

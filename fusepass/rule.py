@@ -130,18 +130,12 @@ def register_rule(rule: Rule, *, replace: bool = False) -> Rule:
         if rule.name in _rules and not replace and _rules[rule.name] is not rule:
             raise ValueError(f"a rule named {rule.name!r} is already registered (pass replace=True)")
         _rules[rule.name] = rule
-    from . import engine
-
-    engine.invalidate_patterns()
     return rule
 
 
 def unregister_rule(name: str) -> None:
     with _lock:
         _rules.pop(name, None)
-    from . import engine
-
-    engine.invalidate_patterns()
 
 
 def _load_builtins() -> None:

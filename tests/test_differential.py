@@ -1,7 +1,7 @@
 """Differential tests: random programs built from every registered rule's
 blocks and near-misses, compiled with fusepass, compared with eager.
 
-See :mod:`fusepass.differential` for what a program is made of and what is
+See :mod:`fusepass.testing.differential` for what a program is made of and what is
 checked.  The seeded run is derandomized (the same programs every time) and
 sized to a few hundred programs, about seven minutes on a 2-core CPU; ``FUSEPASS_LONG=1`` runs the
 long mode (``FUSEPASS_PROGRAMS`` programs, default 600, fresh random seeds
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import seed as hypothesis_seed
 
 import fusepass
-from fusepass import differential as diff
+from fusepass.testing import differential as diff
 from fusepass.testing import registered
 
 # 200 programs of 5-10 blocks, plus the explicit ones holding every form and

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusepass
-from fusepass import differential
+from fusepass.testing import differential
 from fusepass.kernels._common import clear_kernel_fallbacks, inject_failure, kernel_fallbacks
 from fusepass.testing import CHECK_SCALAR, assert_close, compile_and_run, registered
 
@@ -91,7 +91,35 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("chunked-halves-bf16-tanh", lambda: (*_t(6, 2 * 33, dtype=torch.bfloat16).chunk(2, -1), "tanh")),
         ("3d-fp16-erf", lambda: (_t(2, 3, 7, dtype=torch.float16), _t(2, 3, 7, dtype=torch.float16), "none")),
     ],
+    "gdn_chunk": [
+        ("B2-T19-Hk2-Hv4-dk8-dv12-state-bf16", lambda: _gdn_inputs(2, 19, 2, 4, 8, 12, torch.bfloat16, True)),
+        ("B1-T5-H2-D16-fp32", lambda: _gdn_inputs(1, 5, 2, 2, 16, 16, torch.float32, False)),
+    ],
+    "gdn_recurrent": [
+        ("B2-T1-Hk2-Hv4-dk8-dv12-state-bf16", lambda: _gdn_inputs(2, 1, 2, 4, 8, 12, torch.bfloat16, True)),
+        ("B1-T3-H2-D16-fp32", lambda: _gdn_inputs(1, 3, 2, 2, 16, 16, torch.float32, False)),
+    ],
+    "dequant_matmul": [
+        ("int8-M3-N24-K32-bias-bf16", lambda: (_t(3, 32, dtype=torch.bfloat16),
+                                               torch.randint(-128, 128, (24, 32), dtype=torch.int8),
+                                               torch.rand(24, dtype=torch.bfloat16), None,
+                                               _t(24, dtype=torch.bfloat16), "int8", 0)),
+        ("int4-g32-M2x3-N16-K64-fp16", lambda: (_t(2, 3, 64, dtype=torch.float16),
+                                                torch.randint(0, 256, (16, 32), dtype=torch.uint8),
+                                                torch.rand(16, 2, dtype=torch.float16),
+                                                torch.rand(16, 2, dtype=torch.float16) * 15, None, "int4", 32)),
+    ],
 }
+
+
+def _gdn_inputs(B, T, Hk, Hv, Dk, Dv, dtype, state):
+    """q, k, v, g, beta, initial state, use_qk_l2norm, scale for the GDN ops."""
+    q, k = _t(B, T, Hk, Dk, dtype=dtype), _t(B, T, Hk, Dk, dtype=dtype)
+    v = _t(B, T, Hv, Dv, dtype=dtype)
+    g = -torch.rand(B, T, Hv)  # log decay <= 0, fp32 as the models compute it
+    beta = torch.rand(B, T, Hv, dtype=dtype)
+    s0 = _t(B, Hv, Dk, Dv) if state else None
+    return q, k, v, g, beta, s0, True, Dk ** -0.5
 
 
 def opcheck_cases():

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from .kernels._common import loosest, tolerance
-from .report import RewriteReport, last_report, reset_reports
-from .rule import Rule
+from ..kernels._common import loosest, tolerance
+from ..report import RewriteReport, last_report, reset_reports
+from ..rule import Rule
 
 # A scalar the pattern was not traced with, so matching really is by wildcard.
 CHECK_SCALAR = 3.0517578125e-05
@@ -71,7 +71,7 @@ def _bind_scalars(rule: Rule, fn: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def registered(rule: Rule) -> Iterator[None]:
     """Have ``rule`` registered for the duration (restoring what was there)."""
-    from . import rule as registry
+    from .. import rule as registry
 
     previous = next((r for r in registry.rules() if r.name == rule.name), None)
     registry.register_rule(rule, replace=True)

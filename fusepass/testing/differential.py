@@ -63,9 +63,9 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .kernels._common import clear_kernel_fallbacks, kernel_fallbacks, loosest, tolerance
-from .report import RewriteReport, last_report, reset_reports
-from .rule import Rule, rules
+from ..kernels._common import clear_kernel_fallbacks, kernel_fallbacks, loosest, tolerance
+from ..report import RewriteReport, last_report, reset_reports
+from ..rule import Rule, rules
 
 aten = torch.ops.aten
 
