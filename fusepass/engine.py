@@ -136,12 +136,15 @@ class _AnySize:
 
 def _reshapes(gm: torch.fx.GraphModule, any_size: bool) -> None:
     """``view`` -> ``reshape`` as Inductor has it in the post-grad graph, and
-    with ``any_size`` the sizes made a wildcard (fx_to_pattern ignores _AnySize)."""
+    with ``any_size`` the sizes of reshapes and expands (a ``bmm``'s broadcast
+    operands) made a wildcard (fx_to_pattern ignores _AnySize)."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (aten.view.default, aten.reshape.default):
+        if node.op != "call_function":
+            continue
+        if node.target in (aten.view.default, aten.reshape.default):
             node.target = aten.reshape.default
-            if any_size:
-                node.args = (node.args[0], _AnySize())
+        if any_size and node.target in (aten.reshape.default, aten.expand.default):
+            node.args = (node.args[0], _AnySize())
 
 
 def _swap_last_commutative(gm: torch.fx.GraphModule) -> bool:

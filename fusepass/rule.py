@@ -85,8 +85,9 @@ class Rule:
     # differential tests to draw odd, huge and empty sizes.  None: the shapes
     # of ``example_inputs(dtype)``, with every tensor shaped like the main
     # operand taking the new shape and every other tensor whose last dim is the
-    # hidden size (a weight) taking the new hidden size.
-    sized_inputs: Callable[[torch.dtype, tuple[int, ...]], Sequence[Any]] | None = None
+    # hidden size (a weight) taking the new hidden size.  A dict maps the
+    # search functions' argument names to inputs (forms with other arguments).
+    sized_inputs: Callable[[torch.dtype, tuple[int, ...]], Sequence[Any] | dict[str, Any]] | None = None
     # The sizes given to ``reshape``/``view`` in the traced patterns match any
     # sizes: one pattern then covers every leading shape flattened around a
     # matmul and every group view of a weight.  ``check`` must prove from the

@@ -11,7 +11,9 @@ so one pattern serves both.  Forms, as the post-grad graph has them:
   (``F.linear``, ``x @ W.t()``, ``torch.matmul``);
 - ``scale_after``: ``mm(x, permute(q')) * s`` with 2-D x; ``scale_after_nd``: the
   same between the reshapes that flatten and unflatten x's leading dims;
-  a bias added after the scale stays an add beside the op.
+  a bias added after the scale stays an add beside the op;
+- ``*_bmm``: 3-D x whose leading dims do not flatten without a copy (a
+  transposed or expanded activation): ``bmm(expand(x), expand(permute(W)))``.
 
 3-D and larger activations reach the scale-before forms as
 ``reshape -> mm -> reshape``; the reshapes stay and the op takes the 2-D
@@ -98,11 +100,20 @@ def example_inputs_nd(dtype):
     return [x.reshape(2, 2, K_EX), *rest]
 
 
+def example_inputs_bmm(dtype):
+    """3-D x whose leading dims do not flatten without a copy (here transposed):
+    ``torch.matmul`` then broadcasts the weight and calls ``bmm``."""
+    x, *rest = example_inputs(dtype)
+    return [x.reshape(2, 2, K_EX).transpose(0, 1), *rest]
+
+
 def sized_inputs(dtype, shape):
     """x of ``shape`` (K its last dim), an int8 [N_EX, K] weight, per-channel scale and bias."""
-    K = shape[-1] if shape else 1
-    return [torch.randn(shape or (1,), dtype=dtype), torch.randint(-127, 128, (N_EX, K), dtype=torch.int8),
-            channel_scale(N_EX, K, dtype), torch.randn(N_EX, dtype=dtype)]
+    # K = 1 (tiny M) reaches the post-grad graph as a multiply on CPU: Inductor decomposes such an mm.
+    K = max(shape[-1] if shape else 1, 2)
+    shape = (*shape[:-1], K)
+    return dict(x=torch.randn(shape or (1,), dtype=dtype), weight=torch.randint(-127, 128, (N_EX, K), dtype=torch.int8),
+                scale=channel_scale(N_EX, K, dtype), bias=torch.randn(N_EX, dtype=dtype))
 
 
 # -- checks shared by the dequant_matmul rules ---------------------------------------
@@ -231,12 +242,12 @@ def explain_for(node: torch.fx.Node, packed: bool) -> str | None:
     src, unpacked = quantized_source(node.args[i_w])
     if src is None or unpacked != packed:
         return None
-    x = _val(node.args[i_x])
-    if isinstance(x, torch.Tensor) and x.dtype not in SUPPORTED:
-        return f"activation dtype {x.dtype} has no kernel (fp32/fp16/bf16 only)"
     w = node.args[i_w]
     if w.target == prims.convert_element_type.default and w.args[0].target == aten.permute.default:
         return None  # torchao's form: fusepass.patterns.dequant_matmul_torchao explains it
+    x = _val(node.args[i_x])
+    if isinstance(x, torch.Tensor) and x.dtype not in SUPPORTED:
+        return f"activation dtype {x.dtype} has no kernel (fp32/fp16/bf16 only)"
     if w.target != aten.permute.default:
         return (f"the dequantized weight of {src.name} {shape_str(_val(src))} reaches the matmul without a "
                 "transpose: stored [K, N], which the kernel cannot read")
@@ -325,6 +336,8 @@ RULE = Rule(
         Form("scale_before_bias", search_before_bias, replace_before_bias),
         Form("scale_after", search_after, replace_before),
         Form("scale_after_nd", search_after, replace_before, example_inputs=example_inputs_nd),
+        Form("scale_before_bmm", search_before, replace_before, example_inputs=example_inputs_bmm),
+        Form("scale_after_bmm", search_after, replace_before, example_inputs=example_inputs_bmm),
     ],
     example_inputs=example_inputs,
     sized_inputs=sized_inputs,

@@ -67,7 +67,17 @@ def _forms():
         Form("symmetric", sym, lambda x, packed, scale: call(x, packed, scale), example_inputs=lambda dt: _sym(dt)),
         Form("symmetric_bias", sym_bias, lambda x, packed, scale, bias: call(x, packed, scale, None, bias),
              example_inputs=lambda dt: _sym(dt)),
+        # 3-D x that does not flatten without a copy: bmm (see dequant_matmul).
+        Form("asymmetric_bmm", asym, lambda x, packed, scale, zero: call(x, packed, scale, zero),
+             example_inputs=lambda dt: _bmm(example_inputs(dt))),
+        Form("symmetric_bmm", sym, lambda x, packed, scale: call(x, packed, scale),
+             example_inputs=lambda dt: _bmm(_sym(dt))),
     ]
+
+
+def _bmm(inputs):
+    x, *rest = inputs
+    return [x.reshape(2, 2, -1).transpose(0, 1), *rest]
 
 
 def _weights(dtype, n, k, group, gen=None):
@@ -90,12 +100,12 @@ def _sym(dtype):
 
 def sized_inputs(dtype, shape):
     """x of ``shape`` with K rounded up to a multiple of 32 (int4 needs whole groups);
-    the group the largest of 128/64/32 that divides K.  Zero and bias are given
-    for every form: a form takes the leading ones its search names."""
+    the group the largest of 128/64/32 that divides K."""
     k = max(32, -(-(shape[-1] if shape else 1) // 32) * 32)
     group = next(g for g in (128, 64, 32) if k % g == 0)
     packed, scale, zero = _weights(dtype, N_EX, k, group)
-    return [torch.randn(*shape[:-1], k, dtype=dtype), packed, scale, zero, torch.randn(N_EX, dtype=dtype)]
+    return dict(x=torch.randn(*shape[:-1], k, dtype=dtype), packed=packed, scale=scale, zero=zero,
+                bias=torch.randn(N_EX, dtype=dtype))
 
 
 def _group_view(m: MatchInfo) -> torch.Tensor | None:

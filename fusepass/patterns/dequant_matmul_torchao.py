@@ -39,9 +39,10 @@ def example_inputs(dtype):
 
 
 def sized_inputs(dtype, shape):
-    K = shape[-1] if shape else 1
-    return [torch.randn(shape or (1,), dtype=dtype), torch.randint(-127, 128, (N_EX, K), dtype=torch.int8),
-            dm.channel_scale(N_EX, K)[:, None]]
+    K = max(shape[-1] if shape else 1, 2)  # see dequant_matmul.sized_inputs
+    shape = (*shape[:-1], K)
+    return dict(x=torch.randn(shape or (1,), dtype=dtype), weight=torch.randint(-127, 128, (N_EX, K), dtype=torch.int8),
+                scale=dm.channel_scale(N_EX, K)[:, None])
 
 
 def check(m: MatchInfo) -> str | None:
