@@ -5,13 +5,15 @@
     print(fusepass.last_report())
 
 Public surface: :func:`last_report`, :func:`reset_reports`, :class:`Rule`,
-:class:`Form`, :class:`NearMiss`, :func:`register_rule`, :mod:`fusepass.testing`
-and the ``fusepass`` command.  Importing fusepass registers its ops; rules
+:class:`Form`, :class:`NearMiss`, :func:`register_rule`, :func:`quantize`
+(weight-only int8/int4/fp8 linears whose forward the rules fuse),
+:mod:`fusepass.testing` and the ``fusepass`` command.  Importing fusepass registers its ops; rules
 load lazily, on the first compile.
 """
 
 from .kernels import _load as _load_ops
 from .match import MatchInfo
+from .quantize import quantize
 from .report import RewriteReport, last_report, reset_reports
 from .rule import Form, NearMiss, Rule, get_rule, register_rule, rules, unregister_rule
 
@@ -27,6 +29,7 @@ __all__ = [
     "Rule",
     "get_rule",
     "last_report",
+    "quantize",
     "register_rule",
     "reset_reports",
     "rules",

@@ -1,6 +1,6 @@
 """The ``fusepass`` command.
 
-    fusepass demo [--model llama] [--dtype float32] [--device cpu|cuda] [--json report.json]
+    fusepass demo [--model llama] [--dtype float32] [--device cpu|cuda] [--quantize int8|int4|fp8] [--json report.json]
     fusepass rules
 
 ``demo`` builds a small random-weight ``transformers`` model, compiles it with
@@ -41,6 +41,9 @@ def demo(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype]
     print(f"fusepass demo: {args.model} ({args.size}), {args.dtype} on {device}, torch {torch.__version__}")
     model = models.build(args.model, dtype=dtype, device=device, size=args.size)
+    if args.quantize:
+        # Weight-only quantization of every linear but lm_head: the dequant_matmul rules' forms.
+        print(fusepass.quantize(model, args.quantize, group_size=args.group_size))
     ids = models.input_ids(model, batch=args.batch, seq=args.seq)
 
     fusepass.reset_reports()
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
     d.add_argument("--batch", type=int, default=2)
     d.add_argument("--seq", type=int, default=16)
+    d.add_argument("--quantize", choices=["int8", "int4", "fp8"], default=None,
+                   help="quantize the linear layers first (fusepass.quantize) to show the dequant_matmul rules")
+    d.add_argument("--group-size", type=int, default=32, help="int4 group size (default 32)")
     d.add_argument("--json", default=None, help="also write the report as JSON here")
     d.add_argument("--no-time", dest="time", action="store_false", help="skip the GPU timing")
     d.set_defaults(func=demo)

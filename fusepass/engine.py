@@ -104,9 +104,9 @@ _compiled: dict[int, tuple[Rule, list[CompiledForm]]] = {}
 _SCALAR_STAND_INS = [2.0**-20 * 1.171875, 2.0**-17 * 1.359375, 2.0**-13 * 1.4375, 2.0**-9 * 1.5625]
 
 
-def _trace_inputs(rule: Rule, search: Any, dtype: torch.dtype) -> tuple[list[str], list[Any], dict[str, float]]:
-    argnames = list(inspect.signature(search).parameters)
-    examples = list(rule.example_inputs(dtype))
+def _trace_inputs(rule: Rule, form: Form, dtype: torch.dtype) -> tuple[list[str], list[Any], dict[str, float]]:
+    argnames = list(inspect.signature(form.search).parameters)
+    examples = rule.inputs(form, dtype)
     workaround = {name: _SCALAR_STAND_INS[i] for i, name in enumerate(rule.scalars)}
     args, it = [], iter(examples)
     for name in argnames:
@@ -128,6 +128,23 @@ def _functional(gm: torch.fx.GraphModule) -> None:
         if functional is not None:
             node.target = functional
     gm.recompile()
+
+
+class _AnySize:
+    """Stands for the sizes of a reshape in a traced pattern (``Rule.any_reshape``)."""
+
+
+def _reshapes(gm: torch.fx.GraphModule, any_size: bool) -> None:
+    """``view`` -> ``reshape`` as Inductor has it in the post-grad graph, and
+    with ``any_size`` the sizes of reshapes and expands (a ``bmm``'s broadcast
+    operands) made a wildcard (fx_to_pattern ignores _AnySize)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in (aten.view.default, aten.reshape.default):
+            node.target = aten.reshape.default
+        if any_size and node.target in (aten.reshape.default, aten.expand.default):
+            node.args = (node.args[0], _AnySize())
 
 
 def _swap_last_commutative(gm: torch.fx.GraphModule) -> bool:
@@ -173,14 +190,16 @@ def compile_rule(rule: Rule) -> list[CompiledForm]:
     seen: set[str] = set()
     for form in rule.forms:
         for dtype in rule.dtypes:
-            argnames, args, workaround = _trace_inputs(rule, form.search, dtype)
+            argnames, args, workaround = _trace_inputs(rule, form, dtype)
             for variant in ("", "swapped") if rule.commutative_root else ("",):
                 gm = fwd_only(form.search, args)
                 _functional(gm)
                 normalize(gm.graph)
                 if variant and not _swap_last_commutative(gm):
                     continue
-                pattern = fx_to_pattern(gm, argnames=argnames, scalar_workaround=workaround)
+                _reshapes(gm, rule.any_reshape)  # last: the graph no longer runs after it
+                pattern = fx_to_pattern(gm, argnames=argnames, scalar_workaround=workaround,
+                                        ignore_types=(_AnySize,))
                 key = repr(pattern)
                 if key in seen:  # e.g. fp32 traces of forms that differ only in casts
                     continue
@@ -274,11 +293,12 @@ def _verify(cf: CompiledForm, m: Match, args: list[Any]) -> str | None:
         if not isinstance(val, torch.Tensor):
             return val
         shape = [hint(s) for s in val.shape]
-        if val.dtype.is_floating_point:
-            return torch.randn(shape, dtype=val.dtype, device=val.device)
+        if val.dtype.is_floating_point:  # fp8 has no randn of its own
+            return torch.randn(shape, device=val.device).to(val.dtype)
         if val.dtype == torch.bool:
             return torch.rand(shape, device=val.device) > 0.5
-        return torch.randint(-8, 8, shape, dtype=val.dtype, device=val.device)
+        low = 0 if val.dtype == torch.uint8 else -8
+        return torch.randint(low, low + 16, shape, dtype=val.dtype, device=val.device)
 
     with unset_fake_temporarily(), torch.no_grad():
         concrete = [real(a) for a in args]

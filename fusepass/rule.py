@@ -7,7 +7,8 @@ A rule is the same thing whether fusepass ships it or a user writes it:
   the same thing with one fused op.  Each form is traced once per dtype in
   ``dtypes`` into an ATen pattern with Inductor's pattern machinery.
 - ``example_inputs(dtype)``: small inputs for that trace (scalars named in
-  ``scalars`` become wildcards, so ``eps=1e-6`` matches any eps).
+  ``scalars`` become wildcards, so ``eps=1e-6`` matches any eps); a form whose
+  arguments differ (fewer of them, another rank) brings its own.
 - ``check(match)``: ``None`` to accept a structural match, or a short reason
   to refuse it.  Reasons reach the report.
 - ``anchor`` / ``explain``: the op that marks a place where the rule *could*
@@ -42,6 +43,9 @@ class Form:
     name: str
     search: Callable[..., Any]
     replace: Callable[..., Any]
+    # Inputs for this form's trace where the rule's do not fit it (None: the
+    # rule's ``example_inputs``, as many as ``search`` takes).
+    example_inputs: Callable[[torch.dtype], Sequence[Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,14 +85,27 @@ class Rule:
     # differential tests to draw odd, huge and empty sizes.  None: the shapes
     # of ``example_inputs(dtype)``, with every tensor shaped like the main
     # operand taking the new shape and every other tensor whose last dim is the
-    # hidden size (a weight) taking the new hidden size.
-    sized_inputs: Callable[[torch.dtype, tuple[int, ...]], Sequence[Any]] | None = None
+    # hidden size (a weight) taking the new hidden size.  A dict maps the
+    # search functions' argument names to inputs (forms with other arguments).
+    sized_inputs: Callable[[torch.dtype, tuple[int, ...]], Sequence[Any] | dict[str, Any]] | None = None
+    # The sizes given to ``reshape``/``view`` in the traced patterns match any
+    # sizes: one pattern then covers every leading shape flattened around a
+    # matmul and every group view of a weight.  ``check`` must prove from the
+    # matched values that the reshapes mean what the search function meant.
+    any_reshape: bool = False
+
+    def inputs(self, form: Form, dtype: torch.dtype) -> list[Any]:
+        """Example inputs for ``form`` in ``dtype``: one per argument of its ``search`` not in ``scalars``."""
+        examples = list((form.example_inputs or self.example_inputs)(dtype))
+        wanted = [p for p in inspect.signature(form.search).parameters if p not in self.scalars]
+        return examples[:len(wanted)]
 
     def sources(self) -> str:
         """Source text of everything that decides what the rule does (for the cache key)."""
         parts = [self.name, repr(sorted(self.scalars.items())), repr(self.dtypes), str(self.priority)]
+        parts.append(f"any_reshape={self.any_reshape}")
         for fn in [self.example_inputs, self.check, self.explain] + [
-            f for form in self.forms for f in (form.search, form.replace)
+            f for form in self.forms for f in (form.search, form.replace, form.example_inputs)
         ]:
             if fn is None:
                 continue
@@ -110,6 +127,9 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.rms_norm",
     "fusepass.patterns.swiglu",
     "fusepass.patterns.geglu",
+    "fusepass.patterns.dequant_matmul",
+    "fusepass.patterns.dequant_matmul_int4",
+    "fusepass.patterns.dequant_matmul_torchao",
 )
 
 _lock = threading.Lock()

@@ -50,7 +50,7 @@ def rule_cases() -> dict[str, list[tuple[str, tuple, dict, tuple]]]:
         for form in rule.forms:
             for dtype in rule.dtypes:
                 torch.manual_seed(0)
-                inputs = list(rule.example_inputs(dtype))
+                inputs = rule.inputs(form, dtype)
                 with _Record() as rec:
                     _bound(rule, form.replace)(*inputs)
                 for op, args, kwargs in rec.calls:
@@ -179,7 +179,7 @@ def _model_for(op):
         rule = fusepass.get_rule(rule_name)
         form = next(f for f in rule.forms if f.name == form_name)
         torch.manual_seed(0)
-        return _bound(rule, form.search), list(rule.example_inputs(dtype)), rule_name
+        return _bound(rule, form.search), rule.inputs(form, dtype), rule_name
     torch.manual_seed(0)
     args = TABLE[op][0][1]()
     packet = getattr(torch.ops.fusepass, op)

@@ -98,7 +98,7 @@ def _check_rule(rule: Rule, dtypes: Sequence[torch.dtype] | None, device: str | 
     for form in rule.forms:
         for dtype in dtypes or rule.dtypes:
             case = f"{rule.name}/{form.name}/{str(dtype).replace('torch.', '')}"
-            inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in rule.example_inputs(dtype)]
+            inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in rule.inputs(form, dtype)]
             fn = _bind_scalars(rule, form.search)
             expected = fn(*inputs)
             out, report = compile_and_run(fn, inputs, rules=[rule.name])

@@ -121,10 +121,12 @@ class ProgramSpec:
     triton: bool = False  # on CPU: run the ops' Triton kernels (interpreted) instead of their torch bodies
 
 
-def catalogue() -> list[tuple[str, str, str]]:
-    """(rule, kind, name) of every form and near-miss of every registered rule."""
+def catalogue(only: Sequence[str] | None = None) -> list[tuple[str, str, str]]:
+    """(rule, kind, name) of every form and near-miss of every registered rule (or of the rules ``only`` names)."""
     out = []
     for rule in rules():
+        if only is not None and rule.name not in only:
+            continue
         out += [(rule.name, "form", f.name) for f in rule.forms]
         out += [(rule.name, "near-miss", nm.name) for nm in rule.near_misses]
     return out
@@ -139,11 +141,11 @@ def catalogue_programs(per_program: int = 8, dtype: torch.dtype = torch.float32)
 
 # -- hypothesis strategies -------------------------------------------------------
 
-def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10):
-    """The Hypothesis strategy of programs over the rules registered now."""
+def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10, only: Sequence[str] | None = None):
+    """The Hypothesis strategy of programs over the rules registered now (or the rules ``only`` names)."""
     from hypothesis import strategies as st
 
-    kinds = catalogue()
+    kinds = catalogue(only)
     forms = [k for k in kinds if k[1] == "form"]
     misses = [k for k in kinds if k[1] == "near-miss"] or forms
     hidden = HIDDEN + (LARGE_HIDDEN if large else ())
@@ -267,7 +269,8 @@ def _random(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, devi
         return t.to(dtype=dtype, device=device)
     if dtype == torch.bool:
         return (torch.rand(tuple(shape), generator=gen) > 0.5).to(device)
-    return torch.randint(-8, 8, tuple(shape), generator=gen, dtype=dtype).to(device)
+    low = 0 if dtype == torch.uint8 else -8
+    return torch.randint(low, low + 16, tuple(shape), generator=gen, dtype=dtype).to(device)
 
 
 @contextlib.contextmanager
@@ -397,11 +400,11 @@ class _Builder:
             fits = [j for j in self.chainable if self.vals[j].shape == shape and self.vals[j].dtype == dtype]
             if fits:
                 return ("v", fits[-1 - pick % min(3, len(fits))]), "chain"
-        if op.source == "matmul" and shape and dtype.is_floating_point:
+        if op.source == "matmul" and shape and dtype in FLOATS:
             a = self.random_leaf((*shape[:-1], MATMUL_K), dtype, special=special)
             w = self.leaf(_random((MATMUL_K, shape[-1]), dtype, self.gen, self.device) / math.sqrt(MATMUL_K))
             return self.step(torch.matmul, [a, w], "matmul({args})")[0], "matmul"
-        if op.source == "add" and dtype.is_floating_point:
+        if op.source == "add" and dtype in FLOATS:
             a = self.random_leaf(shape, dtype, op.layout, special=special)
             b = self.random_leaf(shape, dtype)
             return self.step(torch.add, [a, b], "add({args})")[0], "add"
@@ -448,7 +451,10 @@ class _Builder:
             argnames = list(inspect.signature(fn).parameters)
             if rule.sized_inputs is not None:
                 with _seeded(seed):
-                    raw = list(rule.sized_inputs(b.dtype, shape))
+                    sized = rule.sized_inputs(b.dtype, shape)
+                # A mapping names the inputs: forms whose arguments differ take theirs.
+                raw = [sized[n] for n in argnames if n not in rule.scalars] if isinstance(sized, dict) \
+                    else list(sized)
             else:
                 raw = default_sized_inputs(rule, b.dtype, shape)
             scalars = {name: b.scalar for name in rule.scalars}
@@ -459,7 +465,8 @@ class _Builder:
         # Operands, in the order of the search function's arguments.
         template: list[tuple[str, Any]] = []  # ("t", None): the next tensor operand; ("c", value)
         ins: list[Ref] = []
-        op_dtypes: list[torch.dtype] = []
+        mixed = False  # an operand in another dtype than the rule's inputs give it
+        stored_strided = False  # a stored (integer, fp8) weight not in its own layout
         broadcast = False
         features: list[str] = []
         it = iter(raw)
@@ -483,7 +490,7 @@ class _Builder:
             dtype, tshape = item.dtype, tuple(item.shape)
             if is_main:
                 main_shape = tshape
-            elif op.dtype is not None and dtype.is_floating_point:
+            elif op.dtype is not None and dtype in FLOATS:
                 dtype = op.dtype
             if op.layout == "broadcast" and not is_main and tshape:
                 tshape = (*(1,) * (len(tshape) - 1), tshape[-1]) if tshape == main_shape else (1, *tshape)
@@ -491,13 +498,15 @@ class _Builder:
             value = item if item.device.type != "meta" else None
             ref, source = self.operand(op, tshape, dtype, value, b.special if is_main else "", b.pick)
             ins.append(ref)
-            op_dtypes.append(dtype)
+            mixed |= dtype != item.dtype
             features.append(f"source {source}")
             if source == "leaf" and self.layout != "contiguous":
                 features.append(f"layout {self.layout}")
+                # Kernels read float operands at any stride; packed weights only as stored.
+                stored_strided |= dtype not in FLOATS
             if tshape != tuple(item.shape):
                 features.append("layout broadcast")
-            if dtype != b.dtype:
+            if dtype != item.dtype:
                 features.append("mixed dtypes")
             template.append(("t", None))
 
@@ -511,7 +520,9 @@ class _Builder:
             text += f"  # {mutated}"
         outs = self.step(call, ins, text)
         must = (b.kind == "form" and not b.mutation and not b.scalar_as_tensor and not broadcast
-                and b.dtype in rule.dtypes and all(d == b.dtype for d in op_dtypes))
+                and b.dtype in rule.dtypes and not mixed and not stored_strided)
+        if stored_strided:
+            features.append("stored weight strided")
         if b.special:
             features.append(f"value {b.special}")
         if b.scalar_as_tensor and b.kind == "form" and rule.scalars:

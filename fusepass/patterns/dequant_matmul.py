@@ -1,0 +1,351 @@
+"""Weight-only quantized linear, per output channel (int8, fp8) -> ``fusepass::dequant_matmul``.
+
+    y = x @ (q.to(x.dtype) * scale[:, None]).T (+ bias)     scale before the matmul
+    y = (x @ q.to(x.dtype).T) * scale                      scale after (gpt-fast)
+    q int8 [N, K] or float8_e4m3fn [N, K], scale [N], bias [N], x [..., K] fp32/fp16/bf16
+
+The weight's dtype picks the op's format: both dequantize with one convert,
+so one pattern serves both.  Forms, as the post-grad graph has them:
+
+- ``scale_before`` / ``scale_before_bias``: ``mm`` / ``addmm(bias, x, permute(q' * s[:, None]))``
+  (``F.linear``, ``x @ W.t()``, ``torch.matmul``);
+- ``scale_after``: ``mm(x, permute(q')) * s`` with 2-D x; ``scale_after_nd``: the
+  same between the reshapes that flatten and unflatten x's leading dims;
+  a bias added after the scale stays an add beside the op;
+- ``*_bmm``: 3-D x whose leading dims do not flatten without a copy (a
+  transposed or expanded activation): ``bmm(expand(x), expand(permute(W)))``.
+
+3-D and larger activations reach the scale-before forms as
+``reshape -> mm -> reshape``; the reshapes stay and the op takes the 2-D
+view.  Any M, dynamic M included.  The product accumulates in fp32 and
+rounds once, so it agrees with both orders of rounding within the dtype table.
+
+:mod:`fusepass.patterns.dequant_matmul_int4` (packed 4-bit groups) and
+:mod:`fusepass.patterns.dequant_matmul_torchao` (torchao's int8 subclass)
+share the checks below.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from fusepass.match import MatchInfo, hint, same, shape_str
+from fusepass.rule import Form, NearMiss, Rule
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+N_EX, K_EX = 24, 40  # example sizes: N != K, so a resized K cannot be taken for N
+
+
+def _op():
+    return torch.ops.fusepass.dequant_matmul
+
+
+# -- searches and replacements ------------------------------------------------------
+
+def _dequant(weight, scale, dtype):
+    return weight.to(dtype) * scale[:, None]
+
+
+def search_before(x, weight, scale):
+    return x @ _dequant(weight, scale, x.dtype).t()
+
+
+def search_before_bias(x, weight, scale, bias):
+    return F.linear(x, _dequant(weight, scale, x.dtype), bias)
+
+
+def search_after(x, weight, scale):
+    return F.linear(x, weight.to(x.dtype)) * scale
+
+
+def _call(x, weight, scale, bias=None):
+    # Per channel: one group spanning the row.  Small operands are made
+    # contiguous here (a no-op when they are); the weight must be (see check).
+    return _op()(x, weight, scale.reshape(-1).contiguous(), None,
+                 None if bias is None else bias.contiguous(), FORMATS[weight.dtype], weight.shape[-1])
+
+
+def replace_before(x, weight, scale):
+    return _call(x, weight, scale)
+
+
+def replace_before_bias(x, weight, scale, bias):
+    return _call(x, weight, scale, bias)
+
+
+def channel_scale(n: int, k: int, dtype=torch.float32) -> torch.Tensor:
+    """Scales that make the dequantized rows' norms O(1), so x @ W.T is O(1).
+
+    Eager rounds the dequantized weight to the activation dtype before the
+    matmul, the op does not: their difference grows like sqrt(K) * |W| * ulp,
+    and against outputs of size ~7 (scales of 1/64, K 40) it measured 2.3e-3
+    in fp16, over the table's atol of 2e-3, on an element near zero.  With
+    O(1) outputs it is about a tenth of the table.
+    """
+    return ((0.5 + torch.rand(n)) / (73 * max(k, 1) ** 0.5)).to(dtype)  # int8 codes: rms 73
+
+
+def example_inputs(dtype):
+    return [torch.randn(4, K_EX, dtype=dtype), torch.randint(-127, 128, (N_EX, K_EX), dtype=torch.int8),
+            channel_scale(N_EX, K_EX, dtype), torch.randn(N_EX, dtype=dtype)]
+
+
+def example_inputs_nd(dtype):
+    x, *rest = example_inputs(dtype)
+    return [x.reshape(2, 2, K_EX), *rest]
+
+
+def example_inputs_bmm(dtype):
+    """3-D x whose leading dims do not flatten without a copy (here transposed):
+    ``torch.matmul`` then broadcasts the weight and calls ``bmm``."""
+    x, *rest = example_inputs(dtype)
+    return [x.reshape(2, 2, K_EX).transpose(0, 1), *rest]
+
+
+def sized_inputs(dtype, shape):
+    """x of ``shape`` (K its last dim), an int8 [N_EX, K] weight, per-channel scale and bias."""
+    # K = 1 (tiny M) reaches the post-grad graph as a multiply on CPU: Inductor decomposes such an mm.
+    K = max(shape[-1] if shape else 1, 2)
+    shape = (*shape[:-1], K)
+    return dict(x=torch.randn(shape or (1,), dtype=dtype), weight=torch.randint(-127, 128, (N_EX, K), dtype=torch.int8),
+                scale=channel_scale(N_EX, K, dtype), bias=torch.randn(N_EX, dtype=dtype))
+
+
+# -- checks shared by the dequant_matmul rules ---------------------------------------
+
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """[N, K] stored row after row (strides (K, 1)), proved without specialising a size."""
+    return t.dim() == 2 and (same(t.shape[1], 1) or same(t.stride(1), 1)) and (
+        same(t.shape[0], 1) or same(t.stride(0), t.shape[1]))
+
+
+def check_activation(x: torch.Tensor) -> str | None:
+    if x.dtype not in SUPPORTED:
+        return f"activation dtype {x.dtype} has no kernel (fp32/fp16/bf16 only)"
+    if x.device.type not in ("cuda", "cpu"):
+        return f"no fusepass kernel for device {x.device.type}"
+    return None
+
+
+def check_weight(w: torch.Tensor, what: str = "quantized weight") -> str | None:
+    if w.dim() != 2:
+        return f"{what} is {w.dim()}-D {shape_str(w)}, not [N, K]"
+    if not rows_contiguous(w):
+        return (f"{what} {shape_str(w)} has strides {tuple(w.stride())}: not stored [N, K] row after row "
+                "(a transposed or strided weight), which the kernel cannot read")
+    return None
+
+
+def check_vector(t: torch.Tensor | None, n, what: str) -> str | None:
+    """``t`` holds one value per output channel: (N,), or (1, ..., N) broadcast along the rows."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return f"{what} is a {type(t).__name__}, not a tensor"
+    if t.dim() == 0 or not same(t.shape[-1], n) or not all(same(s, 1) for s in t.shape[:-1]):
+        return f"{what} shape {shape_str(t)} is not ({n},): one value per output channel"
+    if not t.dtype.is_floating_point:
+        return f"{what} dtype {t.dtype} is not a float"
+    return None
+
+
+def check_output(m: MatchInfo, x: torch.Tensor, n) -> str | None:
+    out = m.output_val
+    if out.dtype != x.dtype:
+        return f"the result is {out.dtype}, the activation {x.dtype} (a {out.dtype} scale or bias promotes it)"
+    want = (*x.shape[:-1], n)
+    if out.dim() != len(want) or not all(same(a, b) for a, b in zip(out.shape, want)):
+        return f"the result {shape_str(out)} is not the activation's leading dims times N {want}"
+    return None
+
+
+def plan(m: MatchInfo, x: torch.Tensor, n, k, fmt: str, group_size) -> str | None:
+    """Where dequantize + cuBLAS is faster than the kernel at this shape, keep it.
+
+    HOOK(dequant_matmul_plan): wire ``fusepass.kernels.dequant_matmul.dequant_matmul_plan(
+    M, N, K, fmt, group_size, dtype, device) -> str`` here; when it answers that
+    dequantize + cuBLAS wins, return the refusal below so the report says
+    "kept dequant + cuBLAS".  M is ``hint(prod(x.shape[:-1]))`` (with dynamic
+    M, the size hint of the first call).  Until then every match takes the op.
+    """
+    del m, x, n, k, fmt, group_size
+    return None
+    # rows = hint(math.prod(x.shape[:-1]))
+    # if dequant_matmul_plan(rows, hint(n), hint(k), fmt, hint(group_size), x.dtype, x.device) != "kernel":
+    #     return f"kept dequant + cuBLAS: faster at M={rows} N={hint(n)} K={hint(k)} {fmt} (measured)"
+
+
+def check(m: MatchInfo) -> str | None:
+    x, w = m.val("x"), m.val("weight")
+    if w.dtype not in FORMATS:
+        return f"weight dtype {w.dtype} is not a format fusepass knows (int8, float8_e4m3fn per channel)"
+    n, k = w.shape[0], w.shape[-1]
+    bias = m.val("bias") if "bias" in m.inputs else None
+    reason = (check_activation(x) or check_weight(w) or check_vector(m.val("scale"), n, "scale")
+              or check_vector(bias, n, "bias") or check_output(m, x, n))
+    if reason:
+        return reason
+    if not same(x.shape[-1], k):
+        return f"activation has {x.shape[-1]} features, the weight {k}"
+    return plan(m, x, n, k, FORMATS[w.dtype], k)
+
+
+# -- near-misses (the places where no form applies: explain) ---------------------------
+
+# Ops a dequantize goes through between the stored weight and the matmul.
+_DEQUANT_OPS = {aten.permute.default, aten.reshape.default, aten.view.default, aten.mul.Tensor, aten.sub.Tensor,
+                aten.add.Tensor, aten.div.Tensor, aten.unsqueeze.default, aten.expand.default, aten.clone.default,
+                aten.cat.default, aten.bitwise_and.Scalar, aten.__rshift__.Scalar, aten.t.default,
+                aten.bitwise_right_shift.Tensor_Scalar, prims.convert_element_type.default}
+_QUANTIZED = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+_UNPACK = (aten.bitwise_and.Scalar, aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar)
+
+
+def quantized_source(weight: torch.fx.Node, depth: int = 16) -> tuple[torch.fx.Node | None, bool]:
+    """(the integer / fp8 tensor a matmul's float weight operand was dequantized
+    from, or None; whether nibbles were unpacked on the way)."""
+    todo, seen, unpacked, found = [weight], set(), False, None
+    while todo and depth:
+        depth -= 1
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op != "call_function" or n.target not in _DEQUANT_OPS:
+            continue
+        unpacked |= n.target in _UNPACK
+        if n.target == prims.convert_element_type.default and found is None:
+            src = _val(n.args[0])
+            if isinstance(src, torch.Tensor) and src.dtype in _QUANTIZED:
+                found = n.args[0]
+        todo += [a for a in n.all_input_nodes]
+    return found, unpacked
+
+
+def explain_for(node: torch.fx.Node, packed: bool) -> str | None:
+    """Why a matmul on a dequantized weight was not taken (None: not one, or
+    one for the other rule: ``packed`` says which, int4 or per channel)."""
+    i_x, i_w = (1, 2) if node.target == aten.addmm.default else (0, 1)
+    if len(node.args) <= i_w:
+        return None
+    src, unpacked = quantized_source(node.args[i_w])
+    if src is None or unpacked != packed:
+        return None
+    w = node.args[i_w]
+    if w.target == prims.convert_element_type.default and w.args[0].target == aten.permute.default:
+        return None  # torchao's form: fusepass.patterns.dequant_matmul_torchao explains it
+    x = _val(node.args[i_x])
+    if isinstance(x, torch.Tensor) and x.dtype not in SUPPORTED:
+        return f"activation dtype {x.dtype} has no kernel (fp32/fp16/bf16 only)"
+    if w.target != aten.permute.default:
+        return (f"the dequantized weight of {src.name} {shape_str(_val(src))} reaches the matmul without a "
+                "transpose: stored [K, N], which the kernel cannot read")
+    for n in _chain(node.args[i_w], src):
+        if len(n.users) > 1:
+            return f"the dequantized weight ({n.name}) is also used outside the matmul, by " + \
+                ", ".join(u.name for u in n.users)
+    return (f"a matmul on a weight dequantized from {_val(src).dtype} {shape_str(_val(src))} in a form fusepass "
+            "does not know (see fusepass.patterns.dequant_matmul)")
+
+
+def _chain(start: torch.fx.Node, stop: torch.fx.Node) -> list[torch.fx.Node]:
+    out, todo = [], [start]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n is stop or n in out or n.op != "call_function":
+            continue
+        out.append(n)
+        todo += list(n.all_input_nodes)
+    return out
+
+
+def explain(node: torch.fx.Node) -> str | None:
+    return explain_for(node, packed=False)
+
+
+# -- near-misses ------------------------------------------------------------------------
+
+def _nm_per_token_scale(x, w, s):
+    return F.linear(x, w.to(x.dtype)) * s[:, :1]  # a scale per row of x, not per channel
+
+
+def _nm_scale_one(x, w, s):
+    return x @ (w.to(x.dtype) * s[:1, None]).t()  # one scale for the whole tensor
+
+
+def _nm_weight_kn(x, w, s):
+    return x @ (w.to(x.dtype) * s[:, None])  # weight stored [K, N]
+
+
+def _nm_transposed_storage(x, w, s):
+    return x @ (w.t().contiguous().t().to(x.dtype) * s[:, None]).t()
+
+
+def _nm_dequant_reused(x, w, s):
+    wd = w.to(x.dtype) * s[:, None]
+    return x @ wd.t(), wd.sum()
+
+
+def _nm_fp64(x, w, s):
+    return x @ (w.to(x.dtype) * s[:, None]).t()
+
+
+def _inputs_square(dtype):
+    n = 16
+    return [torch.randn(n, n, dtype=dtype), torch.randint(-127, 128, (n, n), dtype=torch.int8),
+            channel_scale(n * n, n, dtype).reshape(n, n)]
+
+
+def _inputs_kn(dtype):
+    return [torch.randn(4, K_EX, dtype=dtype), torch.randint(-127, 128, (K_EX, N_EX), dtype=torch.int8),
+            channel_scale(K_EX, N_EX, dtype)]
+
+
+def _inputs_fp64(dtype):
+    return example_inputs(torch.float64)[:3]
+
+
+def _inputs3(dtype):
+    return example_inputs(dtype)[:3]
+
+
+NEAR_MISSES = [
+    NearMiss("per-token scale", _nm_per_token_scale, _inputs_square, "scale shape (16, 1) is not (16,)"),
+    NearMiss("one scale for all", _nm_scale_one, _inputs3, "scale shape (1) is not (24,)"),
+    NearMiss("weight stored [K, N]", _nm_weight_kn, _inputs_kn, "without a transpose"),
+    NearMiss("transposed storage", _nm_transposed_storage, _inputs3, "not stored [N, K] row after row"),
+    NearMiss("dequantized weight reused", _nm_dequant_reused, _inputs3, "also used outside"),
+    NearMiss("fp64 activations", _nm_fp64, _inputs_fp64, "float64 has no kernel"),
+]
+
+RULE = Rule(
+    name="dequant_matmul",
+    forms=[
+        Form("scale_before", search_before, replace_before),
+        Form("scale_before_bias", search_before_bias, replace_before_bias),
+        Form("scale_after", search_after, replace_before),
+        Form("scale_after_nd", search_after, replace_before, example_inputs=example_inputs_nd),
+        Form("scale_before_bmm", search_before, replace_before, example_inputs=example_inputs_bmm),
+        Form("scale_after_bmm", search_after, replace_before, example_inputs=example_inputs_bmm),
+    ],
+    example_inputs=example_inputs,
+    sized_inputs=sized_inputs,
+    check=check,
+    anchor=(aten.mm.default, aten.addmm.default),
+    explain=explain,
+    commutative_root=True,
+    any_reshape=True,
+    near_misses=NEAR_MISSES,
+    doc=__doc__,
+)
