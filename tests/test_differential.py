@@ -52,7 +52,9 @@ def _assert_clean(stats: diff.Stats) -> None:
                                 + "\n\n".join(stats.failures[:5]))
     # Inductor-only disagreements are not fusepass's, but they are rare and
     # each one is worth a look (they hide whatever fusepass does to that value).
-    assert len(stats.inductor) <= max(1, stats.programs // 10), "\n\n".join(stats.inductor[:3])
+    # Known Inductor bugs (diff.KNOWN_INDUCTOR_BUGS) are listed, not counted.
+    unexplained = stats.unexplained_inductor()
+    assert len(unexplained) <= max(1, stats.programs // 10), "\n\n".join(unexplained[:3])
 
 
 def test_seeded_programs_match_eager():

@@ -203,6 +203,8 @@ class Step:
     # The least precise float dtype the step computes in (inputs, intermediates,
     # outputs): an fp64 output of an fp32 computation is compared as fp32.
     precision: torch.dtype = torch.float64
+    # An absolute error any order of summation may make: see _Dtypes.
+    floor: float = 0.0
 
 
 @dataclass
@@ -225,6 +227,7 @@ class Program:
     dropped: list[str]  # drawn variants that were not valid programs
     precision: dict[int, torch.dtype]  # per value: the least precise dtype of every step it depends on
     scale: dict[int, float]  # per value: the largest finite magnitude of every value it depends on
+    floor: dict[int, float]  # per value: the largest summation-order error floor of every step it depends on
 
     def fn(self) -> Callable[..., tuple[torch.Tensor, ...]]:
         steps, returned = self.steps, self.returned
@@ -315,6 +318,7 @@ class _Builder:
         self.vals: dict[int, torch.Tensor] = {}
         self.precision: dict[int, torch.dtype] = {}  # per value, over every step it depends on
         self.scale: dict[int, float] = {}  # per value: the largest finite magnitude of every value it depends on
+        self.floor: dict[int, float] = {}  # per value: the summation-order error floor it inherits
         self.chainable: list[int] = []  # values later blocks may take as operands
         self.blocks: list[BuiltBlock] = []
         self.layout = "contiguous"
@@ -340,17 +344,21 @@ class _Builder:
                             + [self.precision[r[1]] for r in ins if r[0] == "v"], default=torch.float64)
         scale = max([_magnitude(t) for t in (*values, *out)] + [self.scale[r[1]] for r in ins if r[0] == "v"],
                     default=0.0)
+        floor = seen.floor(precision)
+        floor = max([floor] + [self.floor[r[1]] for r in ins if r[0] == "v"])
         first = len(self.vals)
         outs = tuple(range(first, first + len(out)))
         for j, t in zip(outs, out):
             self.vals[j] = t
             self.precision[j] = precision
             self.scale[j] = scale
+            self.floor[j] = floor
         names = ", ".join(f"v{j}" for j in outs)
         args = ", ".join(f"{k}{i}" for k, i in ins)
         self.steps.append(Step(lambda *a, _fn=fn: _flat(_fn(*a)), tuple(ins), outs,
                                f"{names} = {text.format(args=args)}", checked, loosest(
-                                   [*seen.dtypes, *(t.dtype for t in (*values, *out))], default=torch.float64)))
+                                   [*seen.dtypes, *(t.dtype for t in (*values, *out))], default=torch.float64),
+                               seen.floor(precision)))
         return [("v", j) for j in outs]
 
     def snapshot(self) -> tuple[int, int, int, int]:
@@ -360,7 +368,7 @@ class _Builder:
         a, s, v, c = snap
         del self.args[a:], self.steps[s:], self.chainable[c:]
         for j in [j for j in self.vals if j >= v]:
-            del self.vals[j], self.precision[j], self.scale[j]
+            del self.vals[j], self.precision[j], self.scale[j], self.floor[j]
 
     # operands
 
@@ -551,19 +559,43 @@ class _Builder:
         self.chainable.append(out[0][1])
 
 
+# Unit roundoff per dtype, for the summation floor below.
+_UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
 class _Dtypes(TorchDispatchMode):
-    """The float dtypes every op computes in."""
+    """The float dtypes every op computes in, and the size of its contractions.
+
+    A matmul's K-term sums come out differently in another order (a blocked
+    kernel, a scale applied before the sum or after it) by about the unit
+    roundoff times sum_k |a_k b_k|, whatever the output: where the terms
+    cancel, that is far above the table's atol.  A seeded run measured 0.131
+    on an fp32 quantized linear with K = 65537 (sum |a b| ~ 5e6, u * that =
+    0.3).  ``floor`` gives four units of roundoff of the largest such sum; a
+    wrong weight, scale or group is off by the output's own magnitude.
+    """
+
+    _CONTRACTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
 
     def __init__(self) -> None:
         super().__init__()
         self.dtypes: set[torch.dtype] = set()
+        self.terms = 0.0  # the largest sum_k |a_k b_k| of any contraction
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves((args, kwargs, out)):
             if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
                 self.dtypes.add(t.dtype)
+        if func in self._CONTRACTIONS:
+            a, b = args[-2], args[-1]
+            if a.numel() and b.numel() and a.dtype.is_floating_point:
+                sums = torch.nan_to_num(a.double().abs(), posinf=0.0) @ torch.nan_to_num(b.double().abs(), posinf=0.0)
+                self.terms = max(self.terms, sums.max().item())
         return out
+
+    def floor(self, precision: torch.dtype) -> float:
+        return 4 * _UNIT_ROUNDOFF.get(precision, 2.0**-8) * self.terms
 
 
 def _magnitude(t: torch.Tensor) -> float:
@@ -609,7 +641,7 @@ def build(spec: ProgramSpec, device: str | torch.device = "cpu") -> Program:
         b.block(block)
     returned = [j for s in b.steps if s.checked for j in s.outs]
     return Program(spec, b.args, b.steps, dict(b.vals), returned, b.blocks, b.dropped, dict(b.precision),
-                   dict(b.scale))
+                   dict(b.scale), dict(b.floor))
 
 
 # -- mutations of the traced search function ------------------------------------------
@@ -756,14 +788,17 @@ class Outcome:
     seconds: float
 
 
-def _compare(actual: torch.Tensor, expected: torch.Tensor, precision: torch.dtype, scale: float = 1.0) -> str | None:
+def _compare(actual: torch.Tensor, expected: torch.Tensor, precision: torch.dtype, scale: float = 1.0,
+             floor: float = 0.0) -> str | None:
     """``None`` if ``actual`` is ``expected`` within the table for ``precision``
-    (atol scaled by ``scale``, see _mismatches), else what differs."""
+    (atol scaled by ``scale``, see _mismatches, and at least ``floor``, see
+    _Dtypes), else what differs."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return f"{_tstr(actual)} vs {_tstr(expected)}"
     tol = tolerance(loosest([precision, expected.dtype], default=torch.float64))
     try:
-        torch.testing.assert_close(actual, expected, atol=tol.atol * max(1.0, scale), rtol=tol.rtol, equal_nan=True)
+        torch.testing.assert_close(actual, expected, atol=max(tol.atol * max(1.0, scale), floor), rtol=tol.rtol,
+                                   equal_nan=True)
     except AssertionError as exc:
         finite = torch.isfinite(expected) & torch.isfinite(actual)
         err = (actual.double() - expected.double())[finite].abs().max().item() if finite.any() else float("nan")
@@ -821,7 +856,8 @@ def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
     got = dict(zip(program.returned, out))
     for j in program.returned:
         half = program.precision[j] in (torch.float16, torch.bfloat16)
-        err = _compare(got[j], program.eager[j], program.precision[j], program.scale[j] if half else 1.0)
+        err = _compare(got[j], program.eager[j], program.precision[j], program.scale[j] if half else 1.0,
+                       program.floor[j])
         if err:
             found.append(f"v{j} end to end: {err}")
     env: dict[int, torch.Tensor] = {}
@@ -830,7 +866,7 @@ def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
         ref = step.fn(*ins)
         for j, r in zip(step.outs, ref):
             if step.checked:
-                err = _compare(got[j], r, step.precision)
+                err = _compare(got[j], r, step.precision, floor=step.floor)
                 if err:
                     found.append(f"v{j} step ({step.text.split(' = ', 1)[1][:80]}): {err}")
                 env[j] = got[j]
@@ -990,7 +1026,34 @@ class Stats:
         ]
         lines += [f"    {n:5d}  {rule}: {reason}" for (rule, reason), n in self.refusals.most_common()]
         if self.inductor:
-            lines.append("  Inductor-only mismatches (plain Inductor disagrees with eager the same way):")
-            lines += [f"    {line.strip()[:160]}" for text in self.inductor[:5]
-                      for line in text.splitlines() if line.startswith("  ??")]
+            lines.append("  Inductor-only mismatches (plain Inductor disagrees with eager the same way), by last line:")
+            last = Counter(_last_line(text) for text in self.inductor)
+            lines += [f"    {n:5d}  {line[:160]}" + (" (known: see KNOWN_INDUCTOR_BUGS)" if known_inductor_bug(line) else "")
+                      for line, n in last.most_common()]
         return "\n".join(lines)
+
+    def unexplained_inductor(self) -> list[str]:
+        """Inductor-only mismatches that are not a known Inductor bug."""
+        return [text for text in self.inductor if not known_inductor_bug(text)]
+
+
+# Inductor failures with a known cause outside fusepass: a program plain
+# Inductor cannot compile or run is not held against the threshold on
+# Inductor-only mismatches (it is still listed in the summary).
+KNOWN_INDUCTOR_BUGS = {
+    # Inductor's CPU lowering of an int8 weight-only matmul (mm of x and
+    # int8 -> float weights times a scale) calls _weight_int8pack_mm, which
+    # requires a contiguous weight; the quantized-linear near-misses with a
+    # transposed or strided int8 weight hit it (torch 2.13, CPU; 5 of 206
+    # seeded programs).
+    "_weight_int8pack_mm_cpu : expect B to be contiguous": "Inductor CPU int8 weight-only mm on a strided weight",
+}
+
+
+def known_inductor_bug(text: str) -> str | None:
+    return next((why for sig, why in KNOWN_INDUCTOR_BUGS.items() if sig in text), None)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
