@@ -38,7 +38,7 @@ from fusepass.match import hint
 
 @triton.jit
 def _act(b_z, ACT: tl.constexpr):
-    # b_z fp32.  z -> -inf: exp(-z) = inf, so silu gives -0 and sigmoid 0, as torch.
+    # b_z fp32.  A large negative z: exp(-z) = inf, silu -0, sigmoid 0; z = -inf: silu NaN; as torch.
     if ACT == "silu":
         return b_z / (1.0 + tl.exp(-b_z))
     else:
