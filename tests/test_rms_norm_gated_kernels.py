@@ -249,3 +249,60 @@ def test_hybrid_model_gated_norm_is_one_op_per_gdn_layer(name):
     assert not any("mixed dtypes" in r for r in report.reasons()), report.reasons()
     assert not any("linear_attn" in h.where for h in report.hits if h.rule != "rms_norm_gated")
     assert_close(actual, expected, f"{name} bf16 logits")
+
+
+# ---------------------------------------------------------------- on a GPU ----
+
+def _hf_gated(x, z, w):
+    """transformers' Qwen3_5RMSNormGated.forward, weight as an argument."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    h = w * h.to(x.dtype)
+    return (h * torch.nn.functional.silu(z.to(torch.float32))).to(x.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 4096, 16384], ids=lambda t: f"T{t}-H32-D128")
+def test_gpu_real_sizes_kernel_and_compiled(tokens):
+    """Qwen3.5-9B shapes: the op's kernel, and the kernel inlined into
+    Inductor's code by a fusepass compile, against fp64 and against eager."""
+    M, N = tokens * 32, 128
+    x, z, w = make((M, N), torch.bfloat16)
+    run_and_check(x, z, w, True, "silu")
+    expected = _hf_gated(x, z, w)
+    t = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(K.rms_norm_gated_fwd(x, z, w, EPS), expected, atol=t.atol, rtol=t.rtol)
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    clear_kernel_fallbacks()
+    out = torch.compile(_hf_gated, backend="fusepass", dynamic=False)(x, z, w)
+    assert fusepass.last_report().count("rms_norm_gated") == 1, str(fusepass.last_report())
+    torch.testing.assert_close(out, expected, atol=t.atol, rtol=t.rtol)
+    assert not kernel_fallbacks()
+
+
+@pytest.mark.gpu
+def test_gpu_dynamic_tokens_share_one_graph():
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    fn = torch.compile(_hf_gated, backend="fusepass", dynamic=True)
+    t = TOLERANCES[torch.bfloat16]
+    for tokens in (3, 100, 1000):
+        x, z, w = make((tokens * 32, 128), torch.bfloat16, seed=tokens)
+        torch.testing.assert_close(fn(x, z, w), _hf_gated(x, z, w), atol=t.atol, rtol=t.rtol)
+    assert fusepass.last_report().count("rms_norm_gated") >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_gpu_hybrid_model(name):
+    model = _hybrid(name, torch.bfloat16).cuda()
+    ids = torch.randint(0, 256, (4, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=True):
+        expected = model(ids).logits
+        actual = torch.compile(model, backend="fusepass")(ids).logits
+    report = fusepass.last_report()
+    assert report.count("rms_norm_gated") == model.config.layer_types.count("linear_attention"), str(report)
+    assert_close(actual, expected, f"{name} bf16 logits on GPU")
