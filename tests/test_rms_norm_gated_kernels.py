@@ -71,9 +71,9 @@ def run_and_check(x, z, w, cast_before_weight, activation, **overrides):
     out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
     y = K.rms_norm_gated_fwd(x, z, w, EPS, cast_before_weight, activation, out=out, **overrides)
     assert y is out
-    ref = reference64(x.cpu(), z.cpu(), w.cpu(), cast_before_weight, activation)
+    ref = reference64(x, z, w, cast_before_weight, activation)  # on x's device: fp64 is fast on a GPU
     t = TOLERANCES[x.dtype]
-    torch.testing.assert_close(y.cpu().double(), ref, atol=t.atol, rtol=t.rtol)
+    torch.testing.assert_close(y.double(), ref, atol=t.atol, rtol=t.rtol)
 
 
 # ------------------------------------------------------------- semantics ----
@@ -203,6 +203,8 @@ transformers = pytest.importorskip("transformers")
 def _hybrid(name: str, dtype: torch.dtype):
     """A 2-layer hybrid model, hidden 64: one Gated DeltaNet layer, one full-attention layer."""
     tf = transformers
+    if not hasattr(tf, "Qwen3_5TextConfig") or not hasattr(tf, "Qwen3NextConfig"):
+        pytest.skip(f"transformers {tf.__version__} has no Qwen3-Next / Qwen3.5")
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
                   linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,

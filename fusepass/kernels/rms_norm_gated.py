@@ -50,13 +50,12 @@ def _gate_and_store(b_n, b_w, p_z, p_y, mask, CAST_BEFORE_WEIGHT: tl.constexpr,
                     ROUND_PRODUCT: tl.constexpr, ACT: tl.constexpr):
     # b_n: the normalised rows in fp32; b_w: the weight in fp32, broadcast.
     # y has x's dtype: its element type is the rounding to x's dtype.
-    X_DTYPE: tl.constexpr = p_y.dtype.element_ty
     if CAST_BEFORE_WEIGHT:
-        b_n = b_n.to(X_DTYPE).to(tl.float32)
+        b_n = b_n.to(p_y.dtype.element_ty).to(tl.float32)
     b_p = b_n * b_w
     if ROUND_PRODUCT:
         # weight * n.to(x.dtype) is a half-precision multiply when w has x's dtype.
-        b_p = b_p.to(X_DTYPE).to(tl.float32)
+        b_p = b_p.to(p_y.dtype.element_ty).to(tl.float32)
     b_z = tl.load(p_z, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     tl.store(p_y, (b_p * _act(b_z, ACT)).to(p_y.dtype.element_ty), mask=mask)
 
