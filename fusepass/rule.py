@@ -17,7 +17,8 @@ A rule is the same thing whether fusepass ships it or a user writes it:
   returns ``None`` when the place is not an attempt at all.
 
 Rules run in ``priority`` order (higher first): ``add_rms_norm`` must see the
-residual add before ``rms_norm`` takes the norm alone.
+residual add before ``rms_norm`` takes the norm alone, ``rms_norm_gated`` the
+whole gated norm before either of them or ``swiglu`` takes a part.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Rule:
 
 
 BUILTIN_RULE_MODULES = (
+    "fusepass.patterns.rms_norm_gated",
     "fusepass.patterns.add_rms_norm",
     "fusepass.patterns.rms_norm",
     "fusepass.patterns.swiglu",

@@ -75,6 +75,17 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
                           torch.float64)),
         ("empty-rows", lambda: (_t(0, 8), _t(8), 1e-6, 0.0, False, torch.float32)),
     ],
+    "rms_norm_gated": [
+        ("3d-bf16-cast-silu", lambda: (_t(2, 3, 33, dtype=torch.bfloat16), _t(2, 3, 33, dtype=torch.bfloat16),
+                                       _t(33, dtype=torch.bfloat16), 1e-6, True, "silu")),
+        ("sliced-gate-fp16-sigmoid", lambda: (_t(4, 16, dtype=torch.float16), _t(4, 19, dtype=torch.float16)[:, :16],
+                                              _t(16, dtype=torch.float16), 1e-5, False, "sigmoid")),
+        ("bf16-x-fp32-weight", lambda: (_t(5, 16, dtype=torch.bfloat16), _t(5, 16, dtype=torch.bfloat16), _t(16),
+                                        1e-6, True, "silu")),
+        ("fp64", lambda: (_t(3, 9, dtype=torch.float64), _t(3, 9, dtype=torch.float64), _t(9, dtype=torch.float64),
+                          1e-6, True, "silu")),
+        ("empty-rows", lambda: (_t(0, 8), _t(0, 8), _t(8), 1e-6, False, "silu")),
+    ],
     "add_rms_norm": [
         ("3d-fp16", lambda: (_t(2, 3, 33, dtype=torch.float16), _t(2, 3, 33, dtype=torch.float16),
                              _t(33, dtype=torch.float16), 1e-5, 0.0, True, torch.float16)),

@@ -4,8 +4,8 @@ implementations. Importing a module registers its ops."""
 
 import importlib
 
-OP_MODULES = ("fusepass.kernels.rms_norm", "fusepass.kernels.gated_act", "fusepass.kernels.gdn",
-              "fusepass.kernels.dequant_matmul")
+OP_MODULES = ("fusepass.kernels.rms_norm", "fusepass.kernels.rms_norm_gated", "fusepass.kernels.gated_act",
+              "fusepass.kernels.gdn", "fusepass.kernels.dequant_matmul")
 
 
 def _load() -> None:
