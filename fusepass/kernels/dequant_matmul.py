@@ -101,11 +101,11 @@ def _dequant_gemv_kernel(
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT).
-    # EVEN_K: K_SPLIT * SPLIT == K and BK divides K_SPLIT, so no load along K
+    # EVEN_K: the slices cover K exactly and BK divides K_SPLIT, so no load along K
     # is masked and the loads stay 16-byte vectors.
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -197,7 +197,7 @@ def _dequant_gemv_kernel(
         acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
 
     m_o = (o_m[:, None] < M) & m_n[None, :]
-    if SPLIT == 1:
+    if not PARTIAL:
         if HAS_BIAS:
             acc += tl.load(bias + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
         tl.store(out + o_m[:, None] * N + o_n[None, :], acc.to(out.dtype.element_ty), mask=m_o)
@@ -211,7 +211,7 @@ def _dequant_mm_kernel(
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # Tiles in groups of GROUP_M row blocks, so that consecutive programs
@@ -286,7 +286,7 @@ def _dequant_mm_kernel(
 
     m_o = m_m[:, None] & m_n[None, :]
     o_o = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-    if SPLIT == 1:
+    if not PARTIAL:
         if HAS_BIAS:
             acc += tl.load(bias + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
         tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
@@ -295,12 +295,12 @@ def _dequant_mm_kernel(
 
 
 @triton.jit
-def _splitk_reduce_kernel(part, bias, out, M, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(part, bias, out, M, N, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_o = o < M * N
     acc = tl.load(part + o, mask=m_o, other=0)
-    for i_s in tl.static_range(1, SPLIT):
-        acc += tl.load(part + i_s * M * N + o, mask=m_o, other=0)
+    for i_s in range(1, SPLIT):
+        acc += tl.load(part + (i_s * M).to(tl.int64) * N + o, mask=m_o, other=0)
     if HAS_BIAS:
         acc += tl.load(bias + o % N, mask=m_o, other=0).to(tl.float32)
     tl.store(out + o, acc.to(out.dtype.element_ty), mask=m_o)
@@ -397,17 +397,17 @@ def _workspace(split: int, M: int, N: int, like: Tensor) -> Tensor:
     return torch.empty((split, M, N), dtype=torch.float32, device=like.device)
 
 
-def _reduce(part: Tensor, bias: Tensor | None, out: Tensor, M: int, N: int, split: int) -> None:
-    block = 1024
-    _splitk_reduce_kernel[(_cdiv(M * N, block),)](
-        part, bias if bias is not None else part, out, M, N, SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block,
-        num_warps=4)
+def _run(kernel, grid, warmup: bool, *args, **meta) -> None:
+    if warmup:  # compile only (the tuner compiles its candidates in parallel first)
+        kernel.warmup(*args, grid=grid, **meta)
+    else:
+        kernel[grid](*args, **meta)
 
 
 def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
-            fmt: str, G: int, cfg: Config) -> None:
+            fmt: str, G: int, cfg: Config, warmup: bool = False) -> None:
     """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``; all operands as the op checked them,
-    x with unit column stride, w with unit column stride, scale / zero / bias contiguous."""
+    x and w with unit column stride, scale / zero / bias contiguous."""
     M, K = x.shape
     N = w.shape[0]
     if fmt == "fp8":  # loaded as bytes (a masked load's fill value cannot be cast to fp8) and bitcast
@@ -415,9 +415,11 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     if cfg.kind == "cublas":
         wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
         bn, bk = (16, min(G, 256)) if fmt == "int4" else (16, 256)
-        _dequant_kernel[(_cdiv(N, bn), _cdiv(K, bk))](
-            w, scale, zero if zero is not None else scale, wd, N, K, w.stride(0), scale.stride(0),
-            FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, BN=bn, BK=bk, num_warps=4)
+        _run(_dequant_kernel, (_cdiv(N, bn), _cdiv(K, bk)), warmup,
+             w, scale, zero if zero is not None else scale, wd, N, K, w.stride(0), scale.stride(0),
+             FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, BN=bn, BK=bk, num_warps=4)
+        if warmup:
+            return
         if bias is None:
             torch.mm(x, wd.t(), out=out)
         else:
@@ -427,16 +429,19 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     part = _workspace(split, M, N, x) if split > 1 else out
     args = (x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
             M, N, K, k_split, x.stride(0), w.stride(0), scale.stride(0) if fmt == "int4" else 1)
-    meta = dict(FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, SPLIT=split,
+    meta = dict(FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
                 EVEN_K=even, BN=cfg.BN, BK=cfg.BK, num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.kind == "gemv":
-        _dequant_gemv_kernel[(_cdiv(N, cfg.BN), split)](*args, BM=_pow2(M), **meta)
+        _run(_dequant_gemv_kernel, (_cdiv(N, cfg.BN), split), warmup, *args, BM=_pow2(M), **meta)
     else:
         grid = (_cdiv(M, cfg.BM) * _cdiv(N, cfg.BN), split)
-        _dequant_mm_kernel[grid](*args, BM=cfg.BM, GROUP_M=_GROUP_M,
-                                 DOT_F32=x.dtype == torch.float32 or not x.is_cuda, **meta)
+        _run(_dequant_mm_kernel, grid, warmup, *args, BM=cfg.BM, GROUP_M=_GROUP_M,
+             DOT_F32=x.dtype == torch.float32 or not x.is_cuda, **meta)
     if split > 1:
-        _reduce(part, bias, out, M, N, split)
+        block = 1024
+        _run(_splitk_reduce_kernel, (_cdiv(M * N, block),), warmup,
+             part, bias if bias is not None else part, out, M, N, split, HAS_BIAS=bias is not None, BLOCK=block,
+             num_warps=4)
 
 
 def _valid(cfg: Config, M: int, K: int, fmt: str, G: int, dtype: torch.dtype) -> bool:
@@ -607,6 +612,28 @@ def _time_us(fn, reps: int = 10) -> float:
     return best
 
 
+def _precompile(compile_one, cands: list[Config]) -> None:
+    """Compile the candidates on a thread pool (the Triton compiler's C++ passes
+    and ptxas run in parallel); where Triton has no asynchronous compile mode,
+    the timing loop compiles them one by one instead."""
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return
+    try:
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            with AsyncCompileMode(pool, ignore_errors=True):
+                for cfg in cands:
+                    try:
+                        compile_one(cfg)
+                    except Exception:  # noqa: BLE001 - reported by the timing loop
+                        pass
+    except Exception as exc:  # noqa: BLE001 - an optimisation only
+        log.info("fusepass: parallel compile of dequant_matmul configs failed: %s", exc)
+
+
 def tune(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype, weight: Tensor, scale: Tensor,
          zero: Tensor | None, candidates: list[Config] | None = None) -> tuple[Config, list[tuple[Config, float]]]:
     """Time the candidate configs at M rows of random x against this weight; (fastest, all times in µs)."""
@@ -616,6 +643,7 @@ def tune(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype, 
     cands = candidates or _candidates(M, N, K, fmt, group_size, dtype, sm_count(device))
     times: list[tuple[Config, float]] = []
     with on_device(weight):
+        _precompile(lambda cfg: _launch(x, weight, scale, zero, None, out, fmt, group_size, cfg, warmup=True), cands)
         for cfg in cands:
             try:
                 us = _time_us(lambda: _launch(x, weight, scale, zero, None, out, fmt, group_size, cfg))
