@@ -176,24 +176,25 @@ def _dequant_gemv_kernel(
                 acc1 += b_w * b_x[None, :]
             acc += tl.sum(acc1, axis=1)[None, :]
         else:
+            # A few rows of x: the same deferred sum over [BM, BN, BK] (the
+            # plans keep BM * BN * BK to 64 fp32 registers per thread).  Rows
+            # past M read row M - 1; their sums are never stored.
+            acc3 = tl.zeros([BM, BN, BK], dtype=tl.float32)
+            p_xm = x + tl.minimum(o_m, M - 1)[:, None] * stride_xm
             for k0 in range(k_lo, k_hi, BK):
-                m_k = k0 + o_k < k_hi
                 if EVEN_K:
                     b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                    b_x = tl.load(p_xm + (k0 + o_k)[None, :]).to(tl.float32)
                 else:
+                    m_k = k0 + o_k < k_hi
                     b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+                    b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
                 if FMT == "int8":
                     b_w = _int8_to_f32(b_q)
                 else:
                     b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                for m in tl.static_range(BM):
-                    p_x = x + tl.minimum(m, M - 1) * stride_xm + k0 + o_k
-                    if EVEN_K:
-                        b_x = tl.load(p_x).to(tl.float32)
-                    else:
-                        b_x = tl.load(p_x, mask=m_k, other=0).to(tl.float32)
-                    b_p = tl.sum(b_w * b_x[None, :], axis=1)
-                    acc += tl.where(o_m[:, None] == m, b_p[None, :], 0.0)
+                acc3 += b_w[None, :, :] * b_x[:, None, :]
+            acc += tl.sum(acc3, axis=2)
         acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
 
     m_o = (o_m[:, None] < M) & m_n[None, :]
@@ -213,6 +214,7 @@ def _dequant_mm_kernel(
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+    PERM: tl.constexpr,
 ):
     # Tiles in groups of GROUP_M row blocks, so that consecutive programs
     # share weight tiles in L2 when M spans several blocks.
@@ -244,27 +246,52 @@ def _dequant_mm_kernel(
         BKP: tl.constexpr = BK // 2
         o_kp = tl.arange(0, BKP)
         o_t = tl.arange(0, 2)
+        # PERM: one dot of depth BK with the tile's K order permuted, which a
+        # dot does not see: position p holds byte p % BKP, nibble p // BKP
+        # (low nibbles first, then high), and x is gathered in that order.  The
+        # weight bytes are read twice (the second time from L1), no registers
+        # are shuffled.
+        o_p = tl.arange(0, BK)
+        o_pb = o_p % BKP
+        o_ps = (o_p // BKP) * 4
+        o_px = 2 * o_pb + o_p // BKP
         for k0 in range(k_lo, k_hi, BK):
-            o_x = k0 + 2 * o_kp[None, :, None] + o_t[None, None, :]  # [1, BKP, 2]
-            if EVEN_K:
-                b_x = tl.load(p_xm[:, None, None] + o_x, mask=m_m[:, None, None], other=0)
+            if PERM:
+                if EVEN_K:
+                    b_x = tl.load(p_xm[:, None] + (k0 + o_px)[None, :], mask=m_m[:, None], other=0)
+                else:
+                    b_x = tl.load(p_xm[:, None] + (k0 + o_px)[None, :],
+                                  mask=m_m[:, None] & (k0 + o_px < k_hi)[None, :], other=0)
+                b_q = tl.load(p_wn[None, :] + (k0 // 2 + o_pb)[:, None], mask=m_n[None, :], other=0)  # [BK, BN]
+                b_v = (((b_q.to(tl.int32) >> o_ps[:, None]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                if HAS_ZERO:
+                    b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                else:
+                    b_z = 8.0
+                b_w = ((b_v - 8388608.0) * b_s - b_z * b_s).to(dt)
+                acc = _dot(b_x, b_w, acc, DOT_F32)
             else:
-                b_x = tl.load(p_xm[:, None, None] + o_x, mask=m_m[:, None, None] & (o_x < k_hi), other=0)
-            b_xe, b_xo = tl.split(b_x)  # [BM, BKP]
-            # [BKP, BN]: the transposed tile, loaded along K (unit stride).  A
-            # group never straddles k_hi (G | K_SPLIT), so no K mask is needed.
-            b_q = tl.load(p_wn[None, :] + (k0 // 2 + o_kp)[:, None], mask=m_n[None, :], other=0)
-            b_lo, b_hi = _nibbles_to_f32(b_q)
-            b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
-            if HAS_ZERO:
-                b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
-            else:
-                b_z = 8.0
-            b_zs = b_z * b_s
-            b_lo = (b_lo * b_s - b_zs).to(dt)
-            b_hi = (b_hi * b_s - b_zs).to(dt)
-            acc = _dot(b_xe, b_lo, acc, DOT_F32)
-            acc = _dot(b_xo, b_hi, acc, DOT_F32)
+                o_x = k0 + 2 * o_kp[None, :, None] + o_t[None, None, :]  # [1, BKP, 2]
+                if EVEN_K:
+                    b_x = tl.load(p_xm[:, None, None] + o_x, mask=m_m[:, None, None], other=0)
+                else:
+                    b_x = tl.load(p_xm[:, None, None] + o_x, mask=m_m[:, None, None] & (o_x < k_hi), other=0)
+                b_xe, b_xo = tl.split(b_x)  # [BM, BKP]
+                # [BKP, BN]: the transposed tile, loaded along K (unit stride).  A
+                # group never straddles k_hi (G | K_SPLIT), so no K mask is needed.
+                b_q = tl.load(p_wn[None, :] + (k0 // 2 + o_kp)[:, None], mask=m_n[None, :], other=0)
+                b_lo, b_hi = _nibbles_to_f32(b_q)
+                b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                if HAS_ZERO:
+                    b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                else:
+                    b_z = 8.0
+                b_zs = b_z * b_s
+                b_lo = (b_lo * b_s - b_zs).to(dt)
+                b_hi = (b_hi * b_s - b_zs).to(dt)
+                acc = _dot(b_xe, b_lo, acc, DOT_F32)
+                acc = _dot(b_xo, b_hi, acc, DOT_F32)
     else:
         # int8 and fp8 values are exact in bf16 and fp16: the dot is exact in
         # the weight and the per-row scale goes on the fp32 result.
@@ -355,12 +382,14 @@ class Config:
     split: int = 1  # K slices wanted (the launcher rounds to whole BK tiles)
     warps: int = 4
     stages: int = 1
+    perm: int = 0  # int4 mm: one dot over a permuted K order instead of two over split x
 
     def label(self) -> str:
         if self.kind == "cublas":
             return "cublas"
         bm = f"BM{self.BM}-" if self.kind == "mm" else ""
-        return f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}"
+        perm = "-perm" if self.perm else ""
+        return f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}{perm}"
 
 
 CUBLAS = Config("cublas")
@@ -436,7 +465,7 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     else:
         grid = (_cdiv(M, cfg.BM) * _cdiv(N, cfg.BN), split)
         _run(_dequant_mm_kernel, grid, warmup, *args, BM=cfg.BM, GROUP_M=_GROUP_M,
-             DOT_F32=x.dtype == torch.float32 or not x.is_cuda, **meta)
+             DOT_F32=x.dtype == torch.float32 or not x.is_cuda, PERM=bool(cfg.perm) and fmt == "int4", **meta)
     if split > 1:
         block = 1024
         _run(_splitk_reduce_kernel, (_cdiv(M * N, block),), warmup,
@@ -466,7 +495,7 @@ def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_s
     if M <= _GEMV_MAX_M:
         bk = 1024 if fmt == "int4" else 512
         bk = max(bk, G) if fmt == "int4" else bk
-        bn = 8
+        bn = 8 if fmt == "int4" or M == 1 else max(1, 8 // _pow2(M))
         return Config("gemv", BN=bn, BK=bk, split=_auto_split(_cdiv(N, bn), K, bk, n_sm), warps=4)
     if dtype == torch.float32 or M > 256:
         return CUBLAS
@@ -489,9 +518,17 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         # Weight bytes per row per tile: 512 (int8 / fp8) is one warp of
         # 16-byte loads on one row; int4 the same bytes hold 1024 values.
         per_byte = 2 if fmt == "int4" else 1
-        for bn, kbytes, warps in ((8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4), (16, 256, 4)):
+        bm = _pow2(M)
+        shapes = ((8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (2, 1024, 4),
+                  (2, 512, 4), (1, 1024, 4))
+        for bn, kbytes, warps in shapes:
             bk = max(kbytes * per_byte, G if fmt == "int4" else 1)
-            if M > 2 and bn * kbytes > 4096 * warps // 4:  # per-row FMAs unrolled M times: fewer registers
+            # int8 / fp8 keep a [BM, BN, BK] fp32 sum: at most 64 registers per thread.
+            if fmt != "int4" and bm * bn * bk > 64 * 32 * warps:
+                continue
+            if fmt == "int4" and M > 2 and bn * kbytes > 4096 * warps // 4:  # per-row loop unrolled M times
+                continue
+            if M == 1 and bn < 4:
                 continue
             auto = _auto_split(_cdiv(N, bn), K, bk, n_sm)
             for split in sorted({1, auto}):
@@ -499,7 +536,9 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         if M >= 4 and dtype != torch.float32:
             for bn in (64, 128):
                 bk = min(64, G) if fmt == "int4" else 64
-                add(Config("mm", BM=16, BN=bn, BK=bk, split=_auto_split(_cdiv(N, bn), K, bk, n_sm), stages=4))
+                for perm in ((0, 1) if fmt == "int4" else (0,)):
+                    add(Config("mm", BM=16, BN=bn, BK=bk, split=_auto_split(_cdiv(N, bn), K, bk, n_sm), stages=4,
+                               perm=perm))
         return out
     if dtype == torch.float32:
         return [CUBLAS]
@@ -513,7 +552,8 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
             bk = min(bk, G)
         progs = _cdiv(M, bm) * _cdiv(N, bn)
         for split in sorted({1, _auto_split(progs, K, bk, n_sm)}):
-            add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages))
+            for perm in ((0, 1) if fmt == "int4" else (0,)):
+                add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))
     if M >= 64:
         add(CUBLAS)
     return out
