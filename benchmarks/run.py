@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tabulate import tabulate  # noqa: E402
 
-OPS = ["rms_norm", "add_rms_norm", "rms_norm_gated", "swiglu", "geglu"]
+OPS = ["rms_norm", "add_rms_norm", "rms_norm_gated", "swiglu", "geglu", "dequant_matmul"]
 
 
 def copy_bandwidth() -> float:

@@ -17,17 +17,774 @@ The product accumulates in fp32 with the scale applied to the fp32 result
 (or to the dequantised tile), so it agrees within the dtype table with both
 source forms the rules match: scale before the matmul (``x @ (q * s).T``) and
 after (``(x @ q.T) * s``).
+
+Three ways to run it on CUDA, chosen per (GPU, format, group, M bucket, N, K)
+by timing them once (``dequant_matmul_plan``):
+
+- ``gemv``: M <= 8.  A weight stream: each program owns BN output rows and a
+  slice of K (split-K fills the SMs when N / BN is small), loads the weight
+  tile once, dequantises in registers and multiplies it into every row of x
+  with fp32 FMAs.  Partial sums of a split go to an fp32 workspace that a
+  second small kernel sums, adds the bias to and casts.
+- ``mm``: M up to a few hundred.  Tensor cores: the weight tile is
+  dequantised to x's dtype in the main loop and fed to ``tl.dot``.
+- ``cublas``: large M, where the product is compute-bound: one Triton pass
+  writes the dequantised weight in x's dtype, then ``torch.mm``.
+
+The op receives the user's weight on every call (a functional op cannot keep
+a repacked copy), so every kernel reads the layouts above as they are.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import run_kernel
+from fusepass.kernels._common import on_device, rows, run_kernel, sm_count
+
+log = logging.getLogger("fusepass")
 
 FORMATS = ("int8", "int4", "fp8")
 _WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ------------------------------------------------------------------ kernels ----
+#
+# Integer -> fp32 without I2F: an integer u in [0, 2**23) or'ed (added) into
+# the bits of 2.0**23 is the float 2**23 + u, exactly; one integer op and one
+# FADD instead of a conversion, which Hopper issues at 16 per clock per SM
+# against 128 FADDs.  At 3 TB/s of int8 weights a GEMV converts 23 K values
+# per microsecond per SM, 81% of the I2F rate: the conversion would bound it.
+# int8: v + 128 in [0, 256), so bits = v + 0x4B000080 and 2**23 + 128 comes off.
+
+
+@triton.jit
+def _int8_to_f32(b_q):
+    return (b_q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _nibbles_to_f32(b_q):
+    """uint8 bytes -> (low nibble, high nibble) as fp32 in [0, 15]."""
+    b_i = b_q.to(tl.int32)
+    b_lo = ((b_i & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    b_hi = (((b_i >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return b_lo, b_hi
+
+
+@triton.jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    # F32: fp32 activations ("ieee": exact, no TF32), and the interpreter,
+    # whose bf16 dot returns garbage (Triton 3.9, CPU: max error 2e10 on a
+    # 16x16 product); the operands are already rounded to x's dtype, so fp32
+    # products of them are what the tensor cores compute.
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _dequant_gemv_kernel(
+    x, w, scale, zero, bias, out, part,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT).
+    # EVEN_K: the slices cover K exactly and BK divides K_SPLIT, so no load along K
+    # is masked and the loads stay 16-byte vectors.
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    o_m = tl.arange(0, BM)
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    p_wn = w + o_n.to(tl.int64) * stride_wn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+
+    if FMT == "int4":
+        # Packed bytes as [BN, NG, GP]: NG groups of GP bytes each.  x comes as
+        # (even, odd) column pairs split in registers, so the nibbles are never
+        # interleaved.  Zero folding: sum_k (v - z) x = sum_k v x - z sum_k x,
+        # the second sum shared by all BN rows: 3 instructions per weight
+        # value (LOP, FADD, FFMA) plus per-group work.
+        GP: tl.constexpr = G // 2
+        NG: tl.constexpr = BK // G
+        o_g = tl.arange(0, NG)
+        o_j = tl.arange(0, GP)
+        o_t = tl.arange(0, 2)
+        for k0 in range(k_lo, k_hi, BK):
+            o_kp = k0 // 2 + o_g[:, None] * GP + o_j[None, :]  # [NG, GP] packed columns
+            o_grp = k0 // G + o_g  # [NG]
+            m_grp = o_grp * G < k_hi
+            if EVEN_K:
+                b_q = tl.load(p_wn[:, None, None] + o_kp[None, :, :], mask=m_n[:, None, None], other=0)
+            else:
+                b_q = tl.load(p_wn[:, None, None] + o_kp[None, :, :],
+                              mask=m_n[:, None, None] & m_grp[None, :, None], other=0)
+            b_lo, b_hi = _nibbles_to_f32(b_q)  # [BN, NG, GP]
+            m_s = m_n[:, None] & m_grp[None, :]
+            b_s = tl.load(scale + o_n[:, None] * stride_sn + o_grp[None, :], mask=m_s, other=0).to(tl.float32)
+            if HAS_ZERO:
+                b_z = tl.load(zero + o_n[:, None] * stride_sn + o_grp[None, :], mask=m_s, other=0).to(tl.float32)
+            else:
+                b_z = 8.0
+            for m in tl.static_range(BM):
+                # Rows past M read row M - 1 (their sums are never stored): no row mask.
+                p_x = x + tl.minimum(m, M - 1) * stride_xm + 2 * o_kp[:, :, None] + o_t[None, None, :]  # [NG, GP, 2]
+                if EVEN_K:
+                    b_x = tl.load(p_x).to(tl.float32)
+                else:
+                    b_x = tl.load(p_x, mask=m_grp[:, None, None], other=0).to(tl.float32)
+                b_xe, b_xo = tl.split(b_x)
+                b_d = tl.sum(b_lo * b_xe[None, :, :] + b_hi * b_xo[None, :, :], axis=2)  # [BN, NG]
+                b_xs = tl.sum(b_xe + b_xo, axis=1)  # [NG]
+                b_p = tl.sum(b_s * (b_d - b_z * b_xs[None, :]), axis=1)  # [BN]
+                acc += tl.where(o_m[:, None] == m, b_p[None, :], 0.0)
+    else:
+        o_k = tl.arange(0, BK)
+        if BM == 1:
+            # One row of x: accumulate products elementwise and reduce across
+            # the K lanes once at the end, not once per tile.
+            acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                if EVEN_K:
+                    b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                    b_x = tl.load(x + k0 + o_k).to(tl.float32)
+                else:
+                    m_k = k0 + o_k < k_hi
+                    b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+                    b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
+                if FMT == "int8":
+                    b_w = _int8_to_f32(b_q)
+                else:
+                    b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                acc1 += b_w * b_x[None, :]
+            acc += tl.sum(acc1, axis=1)[None, :]
+        else:
+            # A few rows of x: the same deferred sum over [BM, BN, BK] (the
+            # plans keep BM * BN * BK to 64 fp32 registers per thread).  Rows
+            # past M read row M - 1; their sums are never stored.
+            acc3 = tl.zeros([BM, BN, BK], dtype=tl.float32)
+            p_xm = x + tl.minimum(o_m, M - 1)[:, None] * stride_xm
+            for k0 in range(k_lo, k_hi, BK):
+                if EVEN_K:
+                    b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                    b_x = tl.load(p_xm + (k0 + o_k)[None, :]).to(tl.float32)
+                else:
+                    m_k = k0 + o_k < k_hi
+                    b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+                    b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
+                if FMT == "int8":
+                    b_w = _int8_to_f32(b_q)
+                else:
+                    b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                acc3 += b_w[None, :, :] * b_x[:, None, :]
+            acc += tl.sum(acc3, axis=2)
+        acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+
+    m_o = (o_m[:, None] < M) & m_n[None, :]
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(bias + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+        tl.store(out + o_m[:, None] * N + o_n[None, :], acc.to(out.dtype.element_ty), mask=m_o)
+    else:
+        tl.store(part + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :], acc, mask=m_o)
+
+
+@triton.jit
+def _dequant_mm_kernel(
+    x, w, scale, zero, bias, out, part,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+    PERM: tl.constexpr,
+):
+    # Tiles in groups of GROUP_M row blocks, so that consecutive programs
+    # share weight tiles in L2 when M spans several blocks.
+    i_mn, i_s = tl.program_id(0), tl.program_id(1)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    width = GROUP_M * n_n
+    first_m = (i_mn // width) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    i_m = first_m + (i_mn % width) % size_m
+    i_n = (i_mn % width) // size_m
+
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_m = o_m < M
+    m_n = o_n < N
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    p_xm = x + o_m.to(tl.int64) * stride_xm
+    p_wn = w + o_n.to(tl.int64) * stride_wn
+    dt = x.dtype.element_ty
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+
+    if FMT == "int4":
+        # BK divides G: one scale (and zero) per output row per tile.  The
+        # low nibbles multiply the even columns of x and the high nibbles the
+        # odd ones: two dots of depth BK / 2, x split in registers, the
+        # weight tile never interleaved.
+        BKP: tl.constexpr = BK // 2
+        o_kp = tl.arange(0, BKP)
+        o_t = tl.arange(0, 2)
+        # PERM: one dot of depth BK with the tile's K order permuted, which a
+        # dot does not see: position p holds byte p % BKP, nibble p // BKP
+        # (low nibbles first, then high), and x is gathered in that order.  The
+        # weight bytes are read twice (the second time from L1), no registers
+        # are shuffled.
+        o_p = tl.arange(0, BK)
+        o_pb = o_p % BKP
+        o_ps = (o_p // BKP) * 4
+        o_px = 2 * o_pb + o_p // BKP
+        for k0 in range(k_lo, k_hi, BK):
+            if PERM:
+                if EVEN_K:
+                    b_x = tl.load(p_xm[:, None] + (k0 + o_px)[None, :], mask=m_m[:, None], other=0)
+                else:
+                    b_x = tl.load(p_xm[:, None] + (k0 + o_px)[None, :],
+                                  mask=m_m[:, None] & (k0 + o_px < k_hi)[None, :], other=0)
+                b_q = tl.load(p_wn[None, :] + (k0 // 2 + o_pb)[:, None], mask=m_n[None, :], other=0)  # [BK, BN]
+                b_v = (((b_q.to(tl.int32) >> o_ps[:, None]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                if HAS_ZERO:
+                    b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                else:
+                    b_z = 8.0
+                b_w = ((b_v - 8388608.0) * b_s - b_z * b_s).to(dt)
+                acc = _dot(b_x, b_w, acc, DOT_F32)
+            else:
+                o_x = k0 + 2 * o_kp[None, :, None] + o_t[None, None, :]  # [1, BKP, 2]
+                if EVEN_K:
+                    b_x = tl.load(p_xm[:, None, None] + o_x, mask=m_m[:, None, None], other=0)
+                else:
+                    b_x = tl.load(p_xm[:, None, None] + o_x, mask=m_m[:, None, None] & (o_x < k_hi), other=0)
+                b_xe, b_xo = tl.split(b_x)  # [BM, BKP]
+                # [BKP, BN]: the transposed tile, loaded along K (unit stride).  A
+                # group never straddles k_hi (G | K_SPLIT), so no K mask is needed.
+                b_q = tl.load(p_wn[None, :] + (k0 // 2 + o_kp)[:, None], mask=m_n[None, :], other=0)
+                b_lo, b_hi = _nibbles_to_f32(b_q)
+                b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                if HAS_ZERO:
+                    b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                else:
+                    b_z = 8.0
+                b_zs = b_z * b_s
+                b_lo = (b_lo * b_s - b_zs).to(dt)
+                b_hi = (b_hi * b_s - b_zs).to(dt)
+                acc = _dot(b_xe, b_lo, acc, DOT_F32)
+                acc = _dot(b_xo, b_hi, acc, DOT_F32)
+    else:
+        # int8 and fp8 values are exact in bf16 and fp16: the dot is exact in
+        # the weight and the per-row scale goes on the fp32 result.
+        o_k = tl.arange(0, BK)
+        for k0 in range(k_lo, k_hi, BK):
+            if EVEN_K:
+                b_x = tl.load(p_xm[:, None] + (k0 + o_k)[None, :], mask=m_m[:, None], other=0)
+                b_q = tl.load(p_wn[None, :] + (k0 + o_k)[:, None], mask=m_n[None, :], other=0)
+            else:
+                m_k = k0 + o_k < k_hi
+                b_x = tl.load(p_xm[:, None] + (k0 + o_k)[None, :], mask=m_m[:, None] & m_k[None, :], other=0)
+                b_q = tl.load(p_wn[None, :] + (k0 + o_k)[:, None], mask=m_n[None, :] & m_k[:, None], other=0)
+            if FMT == "int8":
+                b_w = _int8_to_f32(b_q).to(dt)
+            else:
+                b_w = b_q.to(tl.float8e4nv, bitcast=True).to(dt)
+            acc = _dot(b_x, b_w, acc, DOT_F32)
+        acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+
+    m_o = m_m[:, None] & m_n[None, :]
+    o_o = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(bias + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+        tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
+    else:
+        tl.store(part + i_s.to(tl.int64) * M * N + o_o, acc, mask=m_o)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part, bias, out, M, N, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_o = o < M * N
+    acc = tl.load(part + o, mask=m_o, other=0)
+    for i_s in range(1, SPLIT):
+        acc += tl.load(part + (i_s * M).to(tl.int64) * N + o, mask=m_o, other=0)
+    if HAS_BIAS:
+        acc += tl.load(bias + o % N, mask=m_o, other=0).to(tl.float32)
+    tl.store(out + o, acc.to(out.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def _dequant_kernel(w, scale, zero, out, N, K, stride_wn, stride_sn,
+                    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # [N, K] weight in out's dtype, for the cuBLAS path.  int4: BK divides G.
+    i_n, i_k = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    k0 = i_k * BK
+    p_o = out + o_n.to(tl.int64)[:, None] * K
+    if FMT == "int4":
+        BKP: tl.constexpr = BK // 2
+        o_kp = tl.arange(0, BKP)
+        m = m_n[:, None] & (k0 + 2 * o_kp < K)[None, :]
+        b_q = tl.load(w + o_n.to(tl.int64)[:, None] * stride_wn + (k0 // 2 + o_kp)[None, :], mask=m, other=0)
+        b_lo, b_hi = _nibbles_to_f32(b_q)
+        b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+        if HAS_ZERO:
+            b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+        else:
+            b_z = 8.0
+        b_w = tl.join((b_lo - b_z) * b_s, (b_hi - b_z) * b_s)  # [BN, BKP, 2]: column 2j, 2j + 1
+        o_k = k0 + 2 * o_kp[None, :, None] + tl.arange(0, 2)[None, None, :]
+        tl.store(p_o[:, :, None] + o_k, b_w.to(out.dtype.element_ty), mask=m[:, :, None])
+    else:
+        o_k = k0 + tl.arange(0, BK)
+        m = m_n[:, None] & (o_k < K)[None, :]
+        b_q = tl.load(w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :], mask=m, other=0)
+        if FMT == "int8":
+            b_w = _int8_to_f32(b_q)
+        else:
+            b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b_w *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
+        tl.store(p_o + o_k[None, :], b_w.to(out.dtype.element_ty), mask=m)
+
+
+# ----------------------------------------------------------------- launch ----
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way to run the product.  kind: "gemv", "mm" or "cublas"."""
+
+    kind: str
+    BN: int = 0
+    BK: int = 0
+    BM: int = 0  # mm only; gemv takes BM = next power of two >= M
+    split: int = 1  # K slices wanted (the launcher rounds to whole BK tiles)
+    warps: int = 4
+    stages: int = 1
+    perm: int = 0  # int4 mm: one dot over a permuted K order instead of two over split x
+
+    def label(self) -> str:
+        if self.kind == "cublas":
+            return "cublas"
+        bm = f"BM{self.BM}-" if self.kind == "mm" else ""
+        perm = "-perm" if self.perm else ""
+        return f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}{perm}"
+
+
+CUBLAS = Config("cublas")
+# M buckets of the plan table: a plan measured at the bucket's M serves every
+# M in (bucket / 2, bucket]; above the last one, M itself is the key.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_GEMV_MAX_M = 8  # the GEMV's per-row FMA loop is unrolled M times
+_GROUP_M = 8
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def m_bucket(M: int) -> int:
+    for b in BUCKETS:
+        if M <= b:
+            return b
+    return M
+
+
+def _k_split(K: int, BK: int, split: int) -> tuple[int, int, bool]:
+    """(K per slice, slices, whether every slice is whole BK tiles ending at K)."""
+    k_split = _cdiv(_cdiv(K, max(1, split)), BK) * BK
+    n = _cdiv(K, k_split)
+    return k_split, n, k_split * n == K
+
+
+def _workspace(split: int, M: int, N: int, like: Tensor) -> Tensor:
+    return torch.empty((split, M, N), dtype=torch.float32, device=like.device)
+
+
+def _run(kernel, grid, warmup: bool, *args, **meta) -> None:
+    if warmup:  # compile only (the tuner compiles its candidates in parallel first)
+        kernel.warmup(*args, grid=grid, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
+            fmt: str, G: int, cfg: Config, warmup: bool = False) -> None:
+    """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``; all operands as the op checked them,
+    x and w with unit column stride, scale / zero / bias contiguous."""
+    M, K = x.shape
+    N = w.shape[0]
+    if fmt == "fp8":  # loaded as bytes (a masked load's fill value cannot be cast to fp8) and bitcast
+        w = w.view(torch.uint8)
+    if cfg.kind == "cublas":
+        wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
+        bn, bk = (16, min(G, 256)) if fmt == "int4" else (16, 256)
+        _run(_dequant_kernel, (_cdiv(N, bn), _cdiv(K, bk)), warmup,
+             w, scale, zero if zero is not None else scale, wd, N, K, w.stride(0), scale.stride(0),
+             FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, BN=bn, BK=bk, num_warps=4)
+        if warmup:
+            return
+        if bias is None:
+            torch.mm(x, wd.t(), out=out)
+        else:
+            torch.addmm(bias.to(x.dtype), x, wd.t(), out=out)
+        return
+    k_split, split, even = _k_split(K, cfg.BK, cfg.split)
+    part = _workspace(split, M, N, x) if split > 1 else out
+    args = (x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
+            M, N, K, k_split, x.stride(0), w.stride(0), scale.stride(0) if fmt == "int4" else 1)
+    meta = dict(FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
+                EVEN_K=even, BN=cfg.BN, BK=cfg.BK, num_warps=cfg.warps, num_stages=cfg.stages)
+    if cfg.kind == "gemv":
+        _run(_dequant_gemv_kernel, (_cdiv(N, cfg.BN), split), warmup, *args, BM=_pow2(M), **meta)
+    else:
+        grid = (_cdiv(M, cfg.BM) * _cdiv(N, cfg.BN), split)
+        _run(_dequant_mm_kernel, grid, warmup, *args, BM=cfg.BM, GROUP_M=_GROUP_M,
+             DOT_F32=x.dtype == torch.float32 or not x.is_cuda, PERM=bool(cfg.perm) and fmt == "int4", **meta)
+    if split > 1:
+        block = 1024
+        _run(_splitk_reduce_kernel, (_cdiv(M * N, block),), warmup,
+             part, bias if bias is not None else part, out, M, N, split, HAS_BIAS=bias is not None, BLOCK=block,
+             num_warps=4)
+
+
+def _valid(cfg: Config, M: int, K: int, fmt: str, G: int, dtype: torch.dtype) -> bool:
+    if cfg.kind == "cublas":
+        return True
+    if cfg.kind == "gemv":
+        return M <= _GEMV_MAX_M and (fmt != "int4" or cfg.BK % G == 0)
+    # mm: tensor cores need 16-deep dots of 16-bit operands (fp32 runs the
+    # "ieee" dot: exact, but no faster than the cuBLAS path, which the plan
+    # takes instead), and an int4 tile within one group.
+    return dtype != torch.float32 and (fmt != "int4" or (G % cfg.BK == 0 and cfg.BK >= 32))
+
+
+def _auto_split(programs: int, K: int, BK: int, n_sm: int) -> int:
+    """K slices that bring ``programs`` to about four per SM (one slice when N alone does)."""
+    want = max(1, (4 * n_sm) // max(1, programs))
+    return max(1, min(want, K // BK, 16))
+
+
+def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_sm: int) -> Config:
+    """The plan when there is no measured one (no table entry, tuning off, CUDA-graph capture, the interpreter)."""
+    if M <= _GEMV_MAX_M:
+        bk = 1024 if fmt == "int4" else 512
+        bk = max(bk, G) if fmt == "int4" else bk
+        bn = 8 if fmt == "int4" or M == 1 else max(1, 8 // _pow2(M))
+        return Config("gemv", BN=bn, BK=bk, split=_auto_split(_cdiv(N, bn), K, bk, n_sm), warps=4)
+    if dtype == torch.float32 or M > 256:
+        return CUBLAS
+    bm = min(64, max(16, _pow2(M)))
+    bk = min(64, G) if fmt == "int4" else 64
+    bn = 64 if M <= 64 else 128
+    progs = _cdiv(M, bm) * _cdiv(N, bn)
+    return Config("mm", BM=bm, BN=bn, BK=bk, split=_auto_split(progs, K, bk, n_sm), warps=4, stages=3)
+
+
+def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_sm: int) -> list[Config]:
+    """The few configs the tuner times for one key (each a Triton compile on first use: keep it short)."""
+    out: list[Config] = []
+
+    def add(cfg: Config) -> None:
+        if _valid(cfg, M, K, fmt, G, dtype) and cfg not in out:
+            out.append(cfg)
+
+    if M <= _GEMV_MAX_M:
+        # Weight bytes per row per tile: 512 (int8 / fp8) is one warp of
+        # 16-byte loads on one row; int4 the same bytes hold 1024 values.
+        per_byte = 2 if fmt == "int4" else 1
+        bm = _pow2(M)
+        shapes = ((8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (2, 1024, 4),
+                  (2, 512, 4), (1, 1024, 4))
+        for bn, kbytes, warps in shapes:
+            bk = max(kbytes * per_byte, G if fmt == "int4" else 1)
+            # int8 / fp8 keep a [BM, BN, BK] fp32 sum: at most 64 registers per thread.
+            if fmt != "int4" and bm * bn * bk > 64 * 32 * warps:
+                continue
+            if fmt == "int4" and M > 2 and bn * kbytes > 4096 * warps // 4:  # per-row loop unrolled M times
+                continue
+            if M == 1 and bn < 4:
+                continue
+            auto = _auto_split(_cdiv(N, bn), K, bk, n_sm)
+            for split in sorted({1, auto}):
+                add(Config("gemv", BN=bn, BK=bk, split=split, warps=warps))
+        if M >= 4 and dtype != torch.float32:
+            for bn in (64, 128):
+                bk = min(64, G) if fmt == "int4" else 64
+                for perm in ((0, 1) if fmt == "int4" else (0,)):
+                    add(Config("mm", BM=16, BN=bn, BK=bk, split=_auto_split(_cdiv(N, bn), K, bk, n_sm), stages=4,
+                               perm=perm))
+        return out
+    if dtype == torch.float32:
+        return [CUBLAS]
+    bm_small = min(64, max(16, _pow2(M)))
+    shapes = [(bm_small, 64, 64, 4, 4), (bm_small, 128, 64, 4, 3), (bm_small, 64, 128, 4, 3),
+              (bm_small, 128, 128, 8, 3)]
+    if M >= 128:
+        shapes += [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 3), (128, 128, 128, 8, 3)]
+    for bm, bn, bk, warps, stages in shapes:
+        if fmt == "int4":
+            bk = min(bk, G)
+        progs = _cdiv(M, bm) * _cdiv(N, bn)
+        for split in sorted({1, _auto_split(progs, K, bk, n_sm)}):
+            for perm in ((0, 1) if fmt == "int4" else (0,)):
+                add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))
+    if M >= 64:
+        add(CUBLAS)
+    return out
+
+
+# -- plans: measured once per key, cached in memory and in a JSON file ----------
+#
+# The key is (GPU name, format, group, M bucket, N, K); fp16 and bf16 share
+# it (same bytes, same instructions), fp32 has its own.  A default table
+# measured on an H100 ships beside this file; plans measured on the user's
+# machine go to FUSEPASS_DEQUANT_MATMUL_CACHE (default
+# ~/.cache/fusepass/dequant_matmul.json, "" to keep them in memory only) and
+# win over the shipped ones.  FUSEPASS_DEQUANT_MATMUL_TUNE=0 turns tuning off.
+
+_SHIPPED = Path(__file__).with_name("dequant_matmul_plans.json")
+_plans: dict[str, dict] | None = None
+_plans_lock = threading.Lock()
+
+
+def _cache_path() -> Path | None:
+    env = os.environ.get("FUSEPASS_DEQUANT_MATMUL_CACHE")
+    if env is not None:
+        return Path(env) if env else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fusepass" / "dequant_matmul.json"
+
+
+def _read(path: Path | None) -> dict[str, dict]:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return dict(json.loads(path.read_text()).get("plans", {}))
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("fusepass: ignoring unreadable plan file %s (%s)", path, exc)
+        return {}
+
+
+def _load_plans() -> dict[str, dict]:
+    global _plans
+    with _plans_lock:
+        if _plans is None:
+            _plans = {**_read(_SHIPPED), **_read(_cache_path())}
+        return _plans
+
+
+def _save_plan(key: str, cfg: Config, us: float) -> None:
+    entry = {**asdict(cfg), "us": round(us, 2)}
+    with _plans_lock:
+        assert _plans is not None
+        _plans[key] = entry
+        path = _cache_path()
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = _read(path)
+            data[key] = entry
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"plans": dict(sorted(data.items()))}, indent=0))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("fusepass: could not save the dequant_matmul plan to %s (%s)", path, exc)
+
+
+@functools.cache
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def plan_key(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype, device: torch.device) -> str:
+    prec = "fp32" if dtype == torch.float32 else "16bit"
+    g = f"g{group_size}" if fmt == "int4" else "gc"
+    return f"{_gpu_name(device)}|{fmt}-{g}|{prec}|M{m_bucket(M)}|N{N}|K{K}"
+
+
+def _tuning_allowed(device: torch.device) -> bool:
+    return (device.type == "cuda" and os.environ.get("FUSEPASS_DEQUANT_MATMUL_TUNE", "1") != "0"
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _time_us(fn, reps: int = 10) -> float:
+    """GPU time of one call: a sleep kernel first lets the host queue all the
+    launches, so host overhead does not pad the small kernels' times."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda._sleep(1_000_000)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
+
+
+def _precompile(compile_one, cands: list[Config]) -> None:
+    """Compile the candidates on a thread pool (the Triton compiler's C++ passes
+    and ptxas run in parallel); where Triton has no asynchronous compile mode,
+    the timing loop compiles them one by one instead."""
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return
+    try:
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            with AsyncCompileMode(pool, ignore_errors=True):
+                for cfg in cands:
+                    try:
+                        compile_one(cfg)
+                    except Exception:  # noqa: BLE001 - reported by the timing loop
+                        pass
+    except Exception as exc:  # noqa: BLE001 - an optimisation only
+        log.info("fusepass: parallel compile of dequant_matmul configs failed: %s", exc)
+
+
+def tune(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype, weight: Tensor, scale: Tensor,
+         zero: Tensor | None, candidates: list[Config] | None = None) -> tuple[Config, list[tuple[Config, float]]]:
+    """Time the candidate configs at M rows of random x against this weight; (fastest, all times in µs)."""
+    device = weight.device
+    x = torch.randn(M, K, dtype=dtype, device=device)
+    out = torch.empty(M, N, dtype=dtype, device=device)
+    cands = candidates or _candidates(M, N, K, fmt, group_size, dtype, sm_count(device))
+    times: list[tuple[Config, float]] = []
+    with on_device(weight):
+        _precompile(lambda cfg: _launch(x, weight, scale, zero, None, out, fmt, group_size, cfg, warmup=True), cands)
+        for cfg in cands:
+            try:
+                us = _time_us(lambda: _launch(x, weight, scale, zero, None, out, fmt, group_size, cfg))
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is skipped
+                log.info("fusepass: dequant_matmul config %s failed: %s", cfg.label(), exc)
+                continue
+            times.append((cfg, us))
+    if not times:
+        raise RuntimeError(f"no dequant_matmul config ran for M{M} N{N} K{K} {fmt}")
+    return min(times, key=lambda t: t[1])[0], times
+
+
+def _from_entry(entry: dict) -> Config:
+    return Config(**{k: v for k, v in entry.items() if k in Config.__dataclass_fields__})
+
+
+def _plan(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, device: torch.device,
+          weight: Tensor | None = None, scale: Tensor | None = None, zero: Tensor | None = None) -> Config:
+    n_sm = sm_count(device)
+    if device.type != "cuda":  # the interpreter
+        return _heuristic(M, N, K, fmt, G, dtype, n_sm)
+    key = plan_key(M, N, K, fmt, G, dtype, device)
+    entry = _load_plans().get(key)
+    if entry is not None:
+        cfg = _from_entry(entry)
+        if _valid(cfg, M, K, fmt, G, dtype):
+            return cfg
+    if not _tuning_allowed(device):
+        return _heuristic(M, N, K, fmt, G, dtype, n_sm)
+    if weight is None:  # asked at compile time: time on a random weight of the shape
+        weight, scale, zero = _random_weight(N, K, fmt, G, device)
+    bucket = m_bucket(M)
+    best, times = tune(bucket, N, K, fmt, G, dtype, weight, scale, zero)
+    us = dict((c, t) for c, t in times)[best]
+    log.info("fusepass: dequant_matmul %s -> %s (%.1f µs)", key, best.label(), us)
+    _save_plan(key, best, us)
+    return best
+
+
+def _random_weight(N: int, K: int, fmt: str, G: int, device: torch.device):
+    if fmt == "int4":
+        w = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=device)
+        s = torch.rand(N, K // G, device=device, dtype=torch.bfloat16)
+        return w, s, torch.full_like(s, 8.0)
+    s = torch.rand(N, device=device, dtype=torch.bfloat16)
+    if fmt == "int8":
+        return torch.randint(-128, 128, (N, K), dtype=torch.int8, device=device), s, None
+    return torch.randn(N, K, device=device).to(torch.float8_e4m3fn), s, None
+
+
+_PLAN_NAMES = {"gemv": "gemv", "mm": "tensor-core", "cublas": "dequant+cublas"}
+
+
+def dequant_matmul_plan(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype,
+                        device: torch.device | str) -> str:
+    """How the op runs this shape: "gemv" or "tensor-core" (fused kernels),
+    "dequant+cublas" (the weight dequantised, then ``torch.mm``: kept where it
+    measures faster), or "reference" (fp64 and other dtypes, non-CUDA devices
+    run plain torch).  Looks the plan up and, on a CUDA device with no plan
+    yet, measures it (a few Triton compiles and timings, once per key)."""
+    device = torch.device(device)
+    if dtype not in _KERNEL_DTYPES:
+        return "reference"
+    if device.type != "cuda":
+        return "reference"
+    return _PLAN_NAMES[_plan(max(1, M), N, K, fmt, group_size, dtype, device).kind]
+
+
+def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
+                       fmt: str, group_size: int, *, config: Config | None = None) -> Tensor:
+    """The op's CUDA body: ``config`` overrides the plan (tests, sweeps)."""
+    if x.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"no kernel for {x.dtype} activations")
+    K = x.shape[-1]
+    N = weight.shape[0]
+    out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand_as(out) if bias is not None else torch.zeros((), dtype=x.dtype))
+    x2 = rows(x, K)
+    if x2.stride(1) != 1:  # a broadcast row of x (stride 0): one copy
+        x2 = x2.contiguous()
+    # The rules refuse weights the kernels cannot read in place; any that
+    # reach the op anyway are copied (correct, one extra pass over them).
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    scale = scale.contiguous()
+    zero = zero.contiguous() if zero is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    M = x2.shape[0]
+    G = group_size if fmt == "int4" else 0
+    cfg = config or _plan(M, N, K, fmt, G, x.dtype, x.device, weight, scale, zero)
+    if not _valid(cfg, M, K, fmt, G, x.dtype):
+        raise ValueError(f"config {cfg.label()} cannot run M{M} K{K} {fmt} g{G} {x.dtype}")
+    with on_device(x):
+        _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg)
+    return out
+
+
+# --------------------------------------------------------------- reference ----
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
@@ -84,16 +841,18 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
 
 
 # ----------------------------------------------------------------------- op ----
-# The CUDA implementation is the Triton kernels (issue: quantized linears);
-# until they exist the CUDA path runs the reference too.
+
+
+def _reference_out(x, weight, scale, zero, bias, fmt, group_size) -> Tensor:
+    return dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size).contiguous()
 
 
 @torch.library.custom_op("fusepass::dequant_matmul", mutates_args=())
 def dequant_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
                    group_size: int) -> Tensor:
-    """x @ dequant(weight)^T + bias, [..., N] contiguous in x's dtype."""
+    """x @ dequant(weight)^T + bias, [..., N] contiguous in x's dtype.  This body serves CPU and every non-CUDA device."""
     _check(x, weight, scale, zero, bias, fmt, group_size)
-    return dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size).contiguous()
+    return _reference_out(x, weight, scale, zero, bias, fmt, group_size)
 
 
 @dequant_matmul.register_fake
@@ -105,5 +864,10 @@ def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size):
 @dequant_matmul.register_kernel("cuda")
 def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size):
     _check(x, weight, scale, zero, bias, fmt, group_size)
-    ref = lambda: dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size).contiguous()  # noqa: E731
-    return run_kernel("dequant_matmul", ref, ref)
+    if x.dtype not in _KERNEL_DTYPES:  # fp64: the reference
+        return _reference_out(x, weight, scale, zero, bias, fmt, group_size)
+    return run_kernel(
+        "dequant_matmul",
+        lambda: dequant_matmul_fwd(x, weight, scale, zero, bias, fmt, group_size),
+        lambda: _reference_out(x, weight, scale, zero, bias, fmt, group_size),
+    )

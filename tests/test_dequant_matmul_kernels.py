@@ -1,0 +1,252 @@
+"""dequant_matmul kernels (fusepass/kernels/dequant_matmul.py) against the fp32
+dequantize-then-matmul reference.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 on CPU tensors, so
+shapes stay tiny: N = 24 is not a multiple of the row blocks, K = 128 spans
+several tiles and groups.  Every path is forced with an explicit config
+(GEMV, GEMV split-K, tensor-core, tensor-core split-K and permuted-K,
+dequant + mm); outputs are poisoned with NaN first so unwritten elements show.
+Output magnitudes are kept near 1: the dtype table is an absolute plus a
+relative bound, and the tensor-core path rounds the dequantised int4 weight
+to x's dtype (2**-9 relative in bf16) as the model's own dequant form does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fusepass.kernels import dequant_matmul as dm
+from fusepass.kernels._common import TOLERANCES
+from fusepass.testing import differential
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# id -> (fmt, group, asymmetric)
+FORMATS = {
+    "int8": ("int8", 0, False),
+    "int4-g32": ("int4", 32, True),
+    "int4-g64-sym": ("int4", 64, False),
+    "int4-g128": ("int4", 128, True),
+    "fp8": ("fp8", 0, False),
+}
+PATHS = {
+    "gemv": dm.Config("gemv", BN=8, BK=128, split=1),
+    "gemv-splitk": dm.Config("gemv", BN=16, BK=128, split=3),  # 3 slices of K = 384: the last one masked
+    "mm": dm.Config("mm", BM=16, BN=16, BK=32, split=1),
+    "mm-splitk": dm.Config("mm", BM=16, BN=16, BK=32, split=2),
+    "mm-perm": dm.Config("mm", BM=16, BN=16, BK=32, split=2, perm=1),
+    "cublas": dm.CUBLAS,
+}
+
+
+def _inputs(M, N, K, fmt, group, asym, dtype, bias=True, seed=0, lead=()):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=gen).to(dtype)
+    if fmt == "int4":
+        w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
+        s = (torch.rand(N, K // group, generator=gen) + 0.5) / (4 * K ** 0.5)
+        z = (torch.rand(N, K // group, generator=gen) * 15).to(dtype) if asym else None
+    elif fmt == "int8":
+        w = torch.randint(-128, 128, (N, K), generator=gen, dtype=torch.int8)
+        s = (torch.rand(N, generator=gen) + 0.5) / (64 * K ** 0.5)
+        z = None
+    else:
+        w = (torch.randn(N, K, generator=gen) * 64).to(torch.float8_e4m3fn)
+        s = (torch.rand(N, generator=gen) + 0.5) / (64 * K ** 0.5)
+        z = None
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    return x, w, s.to(dtype), z, b
+
+
+def _assert_close(out, x, w, s, z, b, fmt, group):
+    ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
+    tol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol)
+
+
+def _run(x, w, s, z, b, fmt, group, cfg):
+    """The launcher into a NaN-poisoned output (and workspace, see _poisoned_workspace)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    out = torch.full((x2.shape[0], w.shape[0]), float("nan"), dtype=x.dtype)
+    dm._launch(x2, w, s, z, b, out, fmt, group if fmt == "int4" else 0, cfg)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_workspace(monkeypatch):
+    real = dm._workspace
+    monkeypatch.setattr(dm, "_workspace", lambda *a: real(*a).fill_(float("nan")))
+
+
+def _cases():
+    for path, cfg in PATHS.items():
+        for fid, (fmt, group, asym) in FORMATS.items():
+            for did, dtype in DTYPES.items():
+                if cfg.kind == "mm" and dtype == torch.float32:
+                    continue  # fp32 takes the GEMV or the cuBLAS path (see _valid)
+                if cfg.perm and fmt != "int4":
+                    continue
+                ms = (1, 3, 8) if cfg.kind == "gemv" else (3, 17)
+                for M in ms:
+                    if dtype == torch.float16 and M == 8:
+                        continue  # one BM = 8 case per dtype pair is enough
+                    bias = (M + len(fid)) % 2 == 0
+                    yield pytest.param(cfg, fmt, group, asym, dtype, M, bias,
+                                       id=f"{path}-{fid}-{did}-M{M}-{'bias' if bias else 'nobias'}")
+
+
+@pytest.mark.parametrize("cfg,fmt,group,asym,dtype,M,bias", list(_cases()))
+def test_path_matches_reference(cfg, fmt, group, asym, dtype, M, bias):
+    K = 384 if cfg.split == 3 else 128
+    x, w, s, z, b = _inputs(M, 24, K, fmt, group, asym, dtype, bias)
+    out = _run(x, w, s, z, b, fmt, group, cfg)
+    _assert_close(out, x, w, s, z, b, fmt, group)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_k_not_a_multiple_of_the_tile(fmt):
+    # K = 96: int8 tiles of 64 leave a masked half tile; int4 g32 has 3 groups.
+    group = 32 if fmt == "int4" else 0
+    for cfg in (dm.Config("gemv", BN=8, BK=64, split=1), dm.Config("gemv", BN=8, BK=64, split=2),
+                dm.Config("mm", BM=16, BN=16, BK=32, split=2)):
+        x, w, s, z, b = _inputs(5, 24, 96, fmt, group, True, torch.bfloat16)
+        _assert_close(_run(x, w, s, z, b, fmt, group, cfg), x, w, s, z, b, fmt, group)
+
+
+# -- the op: layouts, dtypes and sizes the launcher sees through dequant_matmul_fwd --------
+
+
+def _op(*args):
+    with differential.triton_on_cpu(["dequant_matmul"]):
+        return torch.ops.fusepass.dequant_matmul(*args)
+
+
+@pytest.mark.parametrize("M", [0, 1, 5, 17])
+def test_op_leading_dims_and_heuristic_plan(M):
+    # The plan on a non-CUDA device is the heuristic: GEMV up to M = 8, tensor cores above.
+    x, w, s, z, b = _inputs(M, 24, 128, "int4", 32, True, torch.bfloat16, lead=(2,))
+    out = _op(x, w, s, z, b, "int4", 32)
+    assert out.shape == (2, M, 24)
+    if M:
+        _assert_close(out, x, w, s, z, b, "int4", 32)
+
+
+def test_op_non_contiguous_x_and_weight():
+    x, w, s, _, b = _inputs(6, 24, 64, "int8", 0, False, torch.float16)
+    xt = x.t().contiguous().t()  # column-major: stride along K is not 1 -> copied
+    assert xt.stride(-1) != 1
+    wide = torch.zeros(24, 80, dtype=torch.int8)
+    wide[:, :64] = w
+    ws = wide[:, :64]  # rows with a stride: read in place
+    out = _op(xt, ws, s, None, b, "int8", 0)
+    _assert_close(out, x, w, s, None, b, "int8", 0)
+    wt = w.t().contiguous().t()  # column-major weight: copied
+    _assert_close(_op(x, wt, s, None, b, "int8", 0), x, w, s, None, b, "int8", 0)
+    xb = x[:1].expand(6, 64)  # broadcast rows (stride 0 along M)
+    _assert_close(_op(xb, w, s, None, None, "int8", 0), xb.contiguous(), w, s, None, None, "int8", 0)
+
+
+def test_op_fp64_is_the_reference():
+    x, w, s, _, b = _inputs(3, 24, 64, "fp8", 0, False, torch.float64)
+    out = _op(x, w, s, None, b, "fp8", 0)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, dm.dequant_matmul_reference(x, w, s, None, b, "fp8", 0))
+
+
+def test_op_runs_the_kernel_not_the_fallback():
+    from fusepass.kernels._common import clear_kernel_fallbacks, kernel_fallbacks
+
+    clear_kernel_fallbacks()
+    x, w, s, z, b = _inputs(4, 24, 64, "int4", 64, False, torch.bfloat16)
+    _op(x, w, s, z, b, "int4", 64)
+    assert "dequant_matmul" not in kernel_fallbacks()
+
+
+# -- plans ---------------------------------------------------------------------------------
+
+
+def test_buckets_and_keys():
+    assert [dm.m_bucket(m) for m in (1, 2, 3, 8, 9, 1024, 1025, 4096)] == [1, 2, 4, 8, 16, 1024, 1025, 4096]
+    k1 = dm.plan_key(3, 4096, 4096, "int4", 128, torch.bfloat16, torch.device("cpu"))
+    k2 = dm.plan_key(4, 4096, 4096, "int4", 128, torch.float16, torch.device("cpu"))
+    k3 = dm.plan_key(4, 4096, 4096, "int4", 128, torch.float32, torch.device("cpu"))
+    assert k1 == k2 != k3
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 0), ("int4", 32), ("int4", 128), ("fp8", 0)])
+def test_every_candidate_and_default_is_runnable(fmt, group):
+    for M in (1, 2, 3, 8, 9, 64, 300, 5000):
+        for dtype in DTYPES.values():
+            for K in (4096, 14336):
+                cands = dm._candidates(M, 4096, K, fmt, group, dtype, 132)
+                assert cands and all(dm._valid(c, M, K, fmt, group, dtype) for c in cands)
+                assert dm._valid(dm._heuristic(M, 4096, K, fmt, group, dtype, 132), M, K, fmt, group, dtype)
+
+
+def test_shipped_plans_are_valid():
+    plans = dm._read(dm._SHIPPED)
+    for key, entry in plans.items():
+        gpu, fmt_g, prec, m, n, k = key.split("|")
+        fmt, g = fmt_g.split("-")
+        group = int(g[1:]) if fmt == "int4" else 0
+        dtype = torch.float32 if prec == "fp32" else torch.bfloat16
+        cfg = dm._from_entry(entry)
+        assert dm._valid(cfg, int(m[1:]), int(k[1:]), fmt, group, dtype), key
+
+
+def test_plan_file_round_trip(tmp_path, monkeypatch):
+    path = tmp_path / "plans.json"
+    monkeypatch.setenv("FUSEPASS_DEQUANT_MATMUL_CACHE", str(path))
+    monkeypatch.setattr(dm, "_plans", None)
+    dm._load_plans()
+    cfg = dm.Config("mm", BM=16, BN=64, BK=64, split=4, stages=3, perm=1)
+    dm._save_plan("GPU|int4-g128|16bit|M16|N8|K64", cfg, 12.5)
+    saved = json.loads(path.read_text())["plans"]["GPU|int4-g128|16bit|M16|N8|K64"]
+    assert dm._from_entry(saved) == cfg and saved["us"] == 12.5
+    monkeypatch.setattr(dm, "_plans", None)
+    assert dm._from_entry(dm._load_plans()["GPU|int4-g128|16bit|M16|N8|K64"]) == cfg
+
+
+def test_plan_query_off_cuda():
+    assert dm.dequant_matmul_plan(1, 64, 64, "int8", 0, torch.bfloat16, "cpu") == "reference"
+    assert dm.dequant_matmul_plan(1, 64, 64, "int8", 0, torch.float64, "cuda") == "reference"
+
+
+# -- GPU, real sizes -----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,group,asym", [("int8", 0, False), ("int4", 128, True), ("int4", 32, False),
+                                            ("fp8", 0, False)])
+def test_gpu_real_sizes_every_path(fmt, group, asym):
+    N, K = 4096, 4096
+    paths = [dm.Config("gemv", BN=8, BK=512 * (2 if fmt == "int4" else 1), split=1),
+             dm.Config("gemv", BN=16, BK=512 * (2 if fmt == "int4" else 1), split=4, warps=8),
+             dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=1, stages=3),
+             dm.Config("mm", BM=64, BN=128, BK=min(64, group or 64), split=3, stages=3),
+             dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=2, stages=3, perm=1),
+             dm.CUBLAS]
+    for cfg in paths:
+        for M, dtype in ((1, torch.bfloat16), (5, torch.float16), (77, torch.bfloat16), (3, torch.float32)):
+            if not dm._valid(cfg, M, K, fmt, group, dtype):
+                continue
+            x, w, s, z, b = (t.cuda() if t is not None else None
+                             for t in _inputs(M, N, K, fmt, group, asym, dtype))
+            out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+            dm._launch(x, w, s, z, b, out, fmt, group, cfg)
+            _assert_close(out, x, w, s, z, b, fmt, group)
+    # and through the op with its measured plan, inside a CUDA graph
+    x, w, s, z, b = (t.cuda() if t is not None else None for t in _inputs(16, N, K, fmt, group, asym, torch.bfloat16))
+    expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, b, fmt, group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.fusepass.dequant_matmul(x, w, s, z, b, fmt, group)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(out, x, w, s, z, b, fmt, group)
+    torch.testing.assert_close(out, expected)
