@@ -27,10 +27,13 @@ share the checks below.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx
 import torch.nn.functional as F
 
+from fusepass.kernels.dequant_matmul import dequant_matmul_plan
 from fusepass.match import MatchInfo, hint, same, shape_str
 from fusepass.rule import Form, NearMiss, Rule
 
@@ -165,19 +168,24 @@ def check_output(m: MatchInfo, x: torch.Tensor, n) -> str | None:
 
 
 def plan(m: MatchInfo, x: torch.Tensor, n, k, fmt: str, group_size) -> str | None:
-    """Where dequantize + cuBLAS is faster than the kernel at this shape, keep it.
+    """Where dequantize + cuBLAS measures faster than the fused kernels at this
+    shape, keep the graph's own dequantize + matmul for Inductor, and say so.
 
-    HOOK(dequant_matmul_plan): wire ``fusepass.kernels.dequant_matmul.dequant_matmul_plan(
-    M, N, K, fmt, group_size, dtype, device) -> str`` here; when it answers that
-    dequantize + cuBLAS wins, return the refusal below so the report says
-    "kept dequant + cuBLAS".  M is ``hint(prod(x.shape[:-1]))`` (with dynamic
-    M, the size hint of the first call).  Until then every match takes the op.
+    Only for a CUDA graph whose M is static: with a dynamic M the op is taken,
+    and it picks its path per call (dequantize + cuBLAS included) from the
+    same plans.  The plan comes from ``dequant_matmul_plan`` (the shipped
+    table, or one measurement per shape on a GPU it has no plan for).
     """
-    del m, x, n, k, fmt, group_size
+    del m
+    if x.device.type != "cuda":
+        return None
+    sizes = (*x.shape[:-1], n, k, group_size)
+    if not all(isinstance(v, int) for v in sizes):
+        return None
+    rows = math.prod(x.shape[:-1])
+    if dequant_matmul_plan(rows, n, k, fmt, group_size, x.dtype, x.device) == "dequant+cublas":
+        return f"kept dequant + cuBLAS: measured faster than the fused kernels at M={rows} N={n} K={k} ({fmt})"
     return None
-    # rows = hint(math.prod(x.shape[:-1]))
-    # if dequant_matmul_plan(rows, hint(n), hint(k), fmt, hint(group_size), x.dtype, x.device) != "kernel":
-    #     return f"kept dequant + cuBLAS: faster at M={rows} N={hint(n)} K={hint(k)} {fmt} (measured)"
 
 
 def check(m: MatchInfo) -> str | None:
