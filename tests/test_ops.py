@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusepass
 from fusepass.testing import differential
-from fusepass.kernels._common import clear_kernel_fallbacks, inject_failure, kernel_fallbacks
+from fusepass.kernels._common import clear_kernel_fallbacks, inject_failure, kernel_fallbacks, loosest
 from fusepass.testing import CHECK_SCALAR, assert_close, compile_and_run, registered
 
 OPS = differential.op_names()
@@ -201,7 +201,10 @@ def test_kernel_failure_falls_back_and_is_reported(op):
             # compile-time retry, tested in test_gpu.py).
             compiled = torch.compile(fn, backend="fusepass", dynamic=False, options={"inline_kernels": False})
             # The kernel itself runs first: the fallback below is the injected failure's doing.
-            assert_close(compiled(*inputs), expected, f"{op} kernel")
+            # Compared at the precision of the least precise input: GDN's fp32
+            # state computed from bf16 inputs carries bf16 rounding.
+            precision = loosest(x.dtype for x in inputs if isinstance(x, torch.Tensor))
+            assert_close(compiled(*inputs), expected, f"{op} kernel", dtype=precision)
             assert not kernel_fallbacks(), kernel_fallbacks()
             with inject_failure(op):
                 out = compiled(*inputs)

@@ -605,7 +605,7 @@ def gdn_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     if initial_state is None:
         S = torch.zeros(B, Hv, Dk, Dv, dtype=compute_dtype, device=v.device)
     else:
-        S = initial_state.to(compute_dtype)
+        S = initial_state.to(compute_dtype, copy=True)  # T = 0 returns it: never the caller's tensor
     o = torch.empty(B, Hv, T, Dv, dtype=compute_dtype, device=v.device)
     for t in range(T):
         S = S * g[:, :, t].exp()[..., None, None]
@@ -639,6 +639,10 @@ def _fake(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_stat
     out = v.new_empty((B, T, Hv, Dv), dtype=q.dtype)
     state = v.new_empty((B, Hv, Dk, Dv), dtype=torch.float32)
     return out, state
+
+
+def _compute_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _unit_lower_inverse(A: Tensor, block: int = 16) -> Tensor:
@@ -732,7 +736,7 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   use_qk_l2norm: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Recurrent GDN (decode, short T): (o [B, T, H_v, d_v] in q's dtype, final state fp32)."""
     _check(q, k, v, g, beta, initial_state)
-    return gdn_reference(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    return gdn_reference(q, k, v, g, beta, initial_state, use_qk_l2norm, scale, _compute_dtype(q))
 
 
 @gdn_recurrent.register_fake
@@ -755,7 +759,7 @@ def _gdn_chunk_cuda(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
 def _gdn_recurrent_cuda(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
     _check(q, k, v, g, beta, initial_state)
     args = (q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
-    fallback = lambda: gdn_reference(*args)  # noqa: E731
+    fallback = lambda: gdn_reference(*args, _compute_dtype(q))  # noqa: E731
     if not kernel_supported(q, k, v, g, beta, initial_state):
         return fallback()
     return run_kernel("gdn_recurrent", lambda: gdn_recurrent_fwd(*args), fallback)
