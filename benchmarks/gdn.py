@@ -217,6 +217,7 @@ def main(argv=None) -> int:
                     sweep_rows.append([case.shape, str(cfg), "-", "-", f"error {type(exc).__name__}: {str(exc)[:60]}"])
                     continue
                 sweep_rows.append([case.shape, str(cfg), f"{med:.1f}", f"{graph:.1f}", f"{err:.2e}"])
+                print("  sweep", *sweep_rows[-1][1:], flush=True)
         del inputs, ref
         torch.cuda.empty_cache()
 
