@@ -147,6 +147,25 @@ def _time(fn, args, graph=True):
     return ms * 1e3, None if gms is None else gms * 1e3
 
 
+def _breakdown(fn, args, reps: int = 5) -> str:
+    """GPU time per kernel of one call (torch.profiler), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn(*args)
+        torch.cuda.synchronize()
+    times = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t and evt.key and not evt.key.startswith(("ProfilerStep", "cuda")):
+            times[evt.key] = t / reps
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:8]
+    return ", ".join(f"{k[:40]} {v:.0f}" for k, v in top)
+
+
 def main(argv=None) -> int:
     import triton
     from tabulate import tabulate
@@ -157,7 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--inductor", default="all", help="comma-separated case ids (or 'decode') to compile with Inductor")
     p.add_argument("--eager", default="all", help="case ids timed with the eager HF loop")
     p.add_argument("--shapes", default="all")
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep", default="", help="case ids (or 'all', 'decode') to sweep launch choices at")
+    p.add_argument("--breakdown", action="store_true", help="GPU time per kernel (torch.profiler)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     sel = lambda spec, opt: opt == "all" or spec[0] in opt.split(",") or (  # noqa: E731
@@ -165,7 +185,8 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     bw = copy_bandwidth()
-    env = f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  commit {commit()}"
+    sha = os.environ.get("FUSEPASS_COMMIT") or commit()
+    env = f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  commit {sha}"
     print(f"# {env}\n# copy bandwidth {bw:.0f} GB/s", flush=True)
     rows, sweep_rows = [], []
     for spec in PREFILL + DECODE:
@@ -194,19 +215,23 @@ def main(argv=None) -> int:
                 rows.append([case.shape, name, "-", "-", "-", f"error {type(exc).__name__}"])
                 continue
             print(f"  {name}: err {err:.2e} median {med:.1f} µs graph {graph} first call {first:.1f} s", flush=True)
+            if args.breakdown and name in ("fla", "fusepass"):
+                try:
+                    print(f"    kernels (µs): {_breakdown(fn, inputs)}", flush=True)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"    no breakdown: {type(exc).__name__}: {str(exc)[:100]}")
             rows.append([case.shape, name, f"{med:.1f}", "-" if graph is None else f"{graph:.1f}",
                          "-" if floor is None or graph is None else f"{graph / floor:.2f}", f"{err:.2e}"])
         if floor is not None:
             rows.append([case.shape, "floor: state r+w at copy bw", "-", f"{floor:.1f}", "1.00", "-"])
-        if args.sweep:
+        if args.sweep and sel(spec, args.sweep):
             decode = spec[0].startswith("decode")
             if decode:
-                configs = [dict(block_v=bv, num_warps=nw) for bv in (16, 32, 64, 128) for nw in (2, 4, 8)]
+                configs = [dict(block_v=bv, num_warps=nw) for bv in (32, 64, 128) for nw in (4, 8)]
                 launch = gdn.gdn_recurrent_fwd
             else:
-                configs = [dict(fuse_output=f, block_v=bv, num_warps=nw)
-                           for f in (True, False) for bv in (32, 64) for nw in (4, 8)]
-                configs += [dict(fuse_output=f, block_v=32, num_warps=4, output_tf32=False) for f in (True, False)]
+                configs = [dict(precompute_kd=False), dict(block_v=32 if spec[1] * spec[4] >= 132 else 64),
+                           dict(num_stages=3)]
                 launch = gdn.gdn_chunk_fwd
             for cfg in configs:
                 fn = lambda q, k, v, g, b, s0, cfg=cfg: launch(q, k, v, g, b, s0, True, q.shape[-1] ** -0.5, **cfg)

@@ -154,11 +154,12 @@ def _dot_ieee(a, b):
 
 @triton.jit
 def _gdn_prep_kernel(
-    k, v, g, beta, w, u,
+    k, v, g, beta, w, u, kd,
     T, NT, HV, GROUP,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, EPS: tl.constexpr,
+    L2NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, PRE_KD: tl.constexpr,
+    EPS: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_t, i_bh = i_c % NT, i_c // NT
@@ -236,6 +237,18 @@ def _gdn_prep_kernel(
            + tl.dot(b_T32, b_x2, input_precision=PREC) + tl.dot(b_T33, b_x3, input_precision=PREC))
     tl.store(w + w_base + o_t3[:, None] * DK + o_k[None, :], _to(b_w, DT, EMU), mask=(o_t3 < T)[:, None] & m_k)
 
+    if PRE_KD:
+        # the state pass's key operand, exp(Gamma_last - Gamma) k~, off its sequential path
+        b_Gl = b_c3 + tl.sum(b_g3, 0)
+        tl.store(kd + w_base + o_t0[:, None] * DK + o_k[None, :], _to(b_k0 * tl.exp(b_Gl - b_G0)[:, None], DT, EMU),
+                 mask=(o_t0 < T)[:, None] & m_k)
+        tl.store(kd + w_base + o_t1[:, None] * DK + o_k[None, :], _to(b_k1 * tl.exp(b_Gl - b_G1)[:, None], DT, EMU),
+                 mask=(o_t1 < T)[:, None] & m_k)
+        tl.store(kd + w_base + o_t2[:, None] * DK + o_k[None, :], _to(b_k2 * tl.exp(b_Gl - b_G2)[:, None], DT, EMU),
+                 mask=(o_t2 < T)[:, None] & m_k)
+        tl.store(kd + w_base + o_t3[:, None] * DK + o_k[None, :], _to(b_k3 * tl.exp(b_Gl - b_G3)[:, None], DT, EMU),
+                 mask=(o_t3 < T)[:, None] & m_k)
+
     # u = T (beta v), BV value columns at a time
     u_base = i_bh.to(tl.int64) * T * DV
     for i_v in range(0, tl.cdiv(DV, BV)):
@@ -269,11 +282,11 @@ def _chunk_output(b_q, b_k, b_G, b_S, b_v, o_t, DT: tl.constexpr, PREC: tl.const
 
 @triton.jit
 def _gdn_state_kernel(
-    q, k, w, u, g, h0, o, hT, hs,
+    q, k, w, u, kd, g, h0, o, hT, hs,
     T, NT, HV, GROUP, NV, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_gb, s_gt, s_gh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, FUSE_OUT: tl.constexpr,
+    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, FUSE_OUT: tl.constexpr, PRE_KD: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, ODT: tl.constexpr, OPREC: tl.constexpr,
     OEMU: tl.constexpr, EPS: tl.constexpr,
 ):
@@ -300,11 +313,17 @@ def _gdn_state_kernel(
         o_t = i_t * 64 + o_c
         m_t = o_t < T
         b_g = _load_vec(g, g_base, o_t, T, s_gt)
-        b_G = tl.cumsum(b_g, 0)
         b_Gl = tl.sum(b_g, 0)
-        b_k = _load_rows(k, k_base, o_t, T, s_kt, o_k, DK, L2NORM, EPS)
+        if FUSE_OUT or not PRE_KD:
+            b_G = tl.cumsum(b_g, 0)
+            b_k = _load_rows(k, k_base, o_t, T, s_kt, o_k, DK, L2NORM, EPS)
         # [64, BK], [64, BV]
-        b_w = tl.load(w + w_base + o_t[:, None] * DK + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_w = tl.load(w + w_base + o_t[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        if PRE_KD:
+            b_kd = tl.load(kd + w_base + o_t[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        else:
+            b_kd = b_k * tl.exp(b_Gl - b_G)[:, None]
         p_u = u + u_base + o_t[:, None] * DV + o_v[None, :]
         m_u = m_t[:, None] & m_v[None, :]
         b_u = tl.load(p_u, mask=m_u, other=0.0).to(tl.float32)
@@ -317,7 +336,6 @@ def _gdn_state_kernel(
         else:
             tl.store(hs + (i_bh64 * NT + i_t) * DK * DV + p_S, _to(b_S, DT, EMU), mask=m_kv)
             tl.store(p_u, _to(b_v, DT, EMU), mask=m_u)
-        b_kd = b_k * tl.exp(b_Gl - b_G)[:, None]
         b_S = b_S * tl.exp(b_Gl) + _dot(tl.trans(b_kd), b_v, DT, PREC, EMU)
     tl.store(hT + i_bh64 * DK * DV + p_S, b_S, mask=m_kv)
 
@@ -415,14 +433,12 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 # Widest key head held in registers: the state pass keeps a [BK, BV] fp32
 # state slice and [64, BK] tiles of w, k (and q); 256 covers every GDN model.
 _MAX_DK = 256
-# d_v columns per state-pass program.  The pass is sequential over chunks and
-# parallel only over B x H_v x d_v blocks: at B1 H16 d_v 128 blocks of 32 make
-# 64 programs for 132 SMs, blocks of 64 make 32.
+# d_v columns per state-pass program: 64 where that still gives one program
+# per SM, else 32.  The pass is sequential over chunks and parallel only over
+# B x H_v x d_v blocks.  H100, CUDA-graph time of the whole op (Triton 3.6):
+# B1 T4096 H16 (64 vs 32 programs) 371 µs at 64, 345 at 32; B4 T4096 Hv32
+# 1704 at 64, 1823 at 32; B8 T512 H32 465 at 64, 491 at 32.
 _STATE_BV = (64, 32)
-# Output inside the state pass (one launch fewer, no per-chunk state in
-# memory) once the pass has this many programs per SM; below it the separate
-# output kernel, parallel over chunks, takes the output off the sequential path.
-_FUSE_OUT_PROGRAMS_PER_SM = 2
 # Tokens the chunked op hands to the recurrent kernel instead (decode, short
 # speculative runs): one launch, no scratch.
 RECURRENT_MAX_T = 16
@@ -477,12 +493,12 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
                   final_state: Tensor | None = None, fuse_output: bool | None = None,
                   block_v: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, output_tf32: bool | None = None) -> tuple[Tensor, Tensor]:
+                  num_stages: int | None = None, output_tf32: bool | None = None,
+                  precompute_kd: bool | None = None) -> tuple[Tensor, Tensor]:
     """The chunked pipeline: prep kernel, state pass, (output kernel).
 
     ``out`` / ``final_state`` receive the results when given (tests poison
-    them); ``fuse_output``, ``block_v``, ``num_warps`` and ``num_stages``
-    override the state pass's launch choice (tests, sweeps)."""
+    them); the keywords after them override the launch choices (tests, sweeps)."""
     B, T, HK, DK = q.shape
     HV, DV = v.shape[-2:]
     out, final_state = _outputs(q, v, out, final_state)
@@ -493,13 +509,14 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     dt = q.dtype
     DT, PREC = _TL_DTYPES[dt], ("ieee" if dt == torch.float32 else "tf32")
     emu = dt == torch.bfloat16 and _interpreting()
-    if output_tf32 is None:
-        output_tf32 = dt != torch.float32
-    # The output's dots on fp32 operands (tf32) for half-precision inputs:
-    # rounding q~, q~k~^T and v' to bf16 for them took the relative error of a
-    # bf16 output from 3.0e-3 to 4.3e-3 (fp64 emulation of every rounding,
-    # B1 T256 H2 D128, log-sigmoid gates) against the 5e-3 target.
-    out_dots = dict(ODT=tl.float32, OPREC="tf32", OEMU=False) if output_tf32 else dict(ODT=DT, OPREC=PREC, OEMU=emu)
+    # The output's dots in bf16/fp16 (default) or on fp32 operands in tf32
+    # (output_tf32).  H100, real sizes, bf16, relative error norm against the
+    # fp64 recurrence: 4.1e-3 in bf16 against 3.2e-3 in tf32 (FLA 0.6: 4.4e-3);
+    # the tf32 dots cost 345 against 289 µs at B1 T4096 H16, 2153 against 1593
+    # at B1 T16384 H32 (CUDA-graph time).
+    out_dots = dict(ODT=DT, OPREC=PREC, OEMU=emu)
+    if output_tf32:
+        out_dots = dict(ODT=tl.float32, OPREC="tf32", OEMU=False)
     BK = _pow2(DK)
     NT = _cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
@@ -514,29 +531,37 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     BV = min(block_v, _pow2(DV))
     NV = _cdiv(DV, BV)
     if fuse_output is None:
-        fuse_output = B * HV * NV >= _FUSE_OUT_PROGRAMS_PER_SM * n_sm
+        # The output in the state pass (one launch and the per-chunk states
+        # fewer) lengthens the sequential loop: it lost at every shape of
+        # issue 8 on an H100, 428 vs 289 µs at B1 T4096 H16, 368 vs 354 at
+        # B8 T512 H32, 1947 vs 1593 at B1 T16384 H32 (CUDA-graph time).
+        fuse_output = False
+    if precompute_kd is None:
+        precompute_kd = not fuse_output
+    kd = torch.empty_like(w) if precompute_kd else w
     hs = final_state if fuse_output else torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
     strides = (*q.stride()[:3], *k.stride()[:3], *g.stride())
     with on_device(q):
         _gdn_prep_kernel[(NT * B * HV,)](
-            k, v, g, beta, w, u, T, NT, HV, HV // HK,
+            k, v, g, beta, w, u, kd, T, NT, HV, HV // HK,
             *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
             DK=DK, DV=DV, BK=BK, BV=min(64, _pow2(DV)), L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu,
-            EPS=L2NORM_EPS, num_warps=4,
+            PRE_KD=precompute_kd, EPS=L2NORM_EPS, num_warps=4,
         )
         _gdn_state_kernel[(NV * B * HV,)](
-            q, k, w, u, g, final_state if h0 is None else h0, out, final_state, hs,
+            q, k, w, u, kd, g, final_state if h0 is None else h0, out, final_state, hs,
             T, NT, HV, HV // HK, NV, scale, *strides,
             DK=DK, DV=DV, BK=BK, BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None, FUSE_OUT=fuse_output,
-            DT=DT, PREC=PREC, EMU=emu, **out_dots, EPS=L2NORM_EPS, num_warps=num_warps or 4, num_stages=num_stages or 2,
+            PRE_KD=precompute_kd, DT=DT, PREC=PREC, EMU=emu, **out_dots, EPS=L2NORM_EPS,
+            num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
         if not fuse_output:
             BVO = min(64, _pow2(DV))
             NVO = _cdiv(DV, BVO)
             _gdn_output_kernel[(NVO * NT * B * HV,)](
                 q, k, g, u, hs, out, T, NT, HV, HV // HK, NVO, scale, *strides,
-                DK=DK, DV=DV, BK=BK, BV=BVO, L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu, **out_dots, EPS=L2NORM_EPS,
-                num_warps=4,
+                DK=DK, DV=DV, BK=BK, BV=BVO, L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu, **out_dots,
+                EPS=L2NORM_EPS, num_warps=4,
             )
     return out, final_state
 
