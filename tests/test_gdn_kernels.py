@@ -162,8 +162,8 @@ def test_chunked_form_matches_recurrence_fp64(T):
               make_inputs(2, T, 2, 4, 24, 40, torch.float64, beta_max=2.0, layout="fused", device="cpu")]
     oc, sc = torch.ops.fusepass.gdn_chunk(*inputs, True, 0.2)
     orr, sr = torch.ops.fusepass.gdn_recurrent(*inputs, True, 0.2)
-    assert oc.dtype == torch.float64
-    assert rel_err(oc, orr) < 1e-12 and rel_err(sc, sr) < 1e-12
+    assert oc.dtype == torch.float64 and sc.dtype == torch.float32  # the ops' state is fp32 for every dtype
+    assert rel_err(oc, orr) < 1e-12 and rel_err(sc, sr) < 1e-7
 
 
 def _transformers_functions():

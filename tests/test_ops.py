@@ -94,10 +94,12 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
     "gdn_chunk": [
         ("B2-T19-Hk2-Hv4-dk8-dv12-state-bf16", lambda: _gdn_inputs(2, 19, 2, 4, 8, 12, torch.bfloat16, True)),
         ("B1-T5-H2-D16-fp32", lambda: _gdn_inputs(1, 5, 2, 2, 16, 16, torch.float32, False)),
+        ("B1-T70-H1-D8-state-fp64", lambda: _gdn_inputs(1, 70, 1, 1, 8, 8, torch.float64, True)),
     ],
     "gdn_recurrent": [
         ("B2-T1-Hk2-Hv4-dk8-dv12-state-bf16", lambda: _gdn_inputs(2, 1, 2, 4, 8, 12, torch.bfloat16, True)),
         ("B1-T3-H2-D16-fp32", lambda: _gdn_inputs(1, 3, 2, 2, 16, 16, torch.float32, False)),
+        ("B1-T2-H1-D8-state-fp64", lambda: _gdn_inputs(1, 2, 1, 1, 8, 8, torch.float64, True)),
     ],
     "dequant_matmul": [
         ("int8-M3-N24-K32-bias-bf16", lambda: (_t(3, 32, dtype=torch.bfloat16),
