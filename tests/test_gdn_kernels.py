@@ -1,0 +1,237 @@
+"""Gated DeltaNet kernels (fusepass/kernels/gdn.py) against an fp64 run of the token recurrence.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors,
+so shapes stay tiny (the interpreter runs one program at a time in Python).
+Recurrences are compared by relative error norm, ||out - ref|| / ||ref||, of
+the output and of the final state.  Outputs are poisoned with NaN first, so
+an element a kernel never writes shows up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusepass.kernels import gdn
+from fusepass.kernels._common import clear_kernel_fallbacks, kernel_fallbacks
+from fusepass.testing import differential
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Relative error norm allowed, output and final state alike.  bf16: the
+# issue's target (FLA measured 3.7e-3 at D128); an output rounded once to
+# bf16 is 1.6e-3 from the fp64 result on these inputs.  fp16 has 3 more
+# mantissa bits; fp32 runs every dot in ieee fp32.
+REL = {torch.bfloat16: 5e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+
+
+def make_inputs(B, T, Hk, Hv, dk, dv, dtype, *, state=True, beta_max=1.0, layout="contiguous", l2norm=True,
+                device=DEVICE, seed=0):
+    """q, k, v, g, beta, initial state as a model passes them.
+
+    layout "fused": q, k, v are [B, T, H, D] views into one [B, T, 2 Hk dk + Hv dv]
+    projection (strided along T), g and beta transposed views of [B, Hv, T]."""
+    gen = torch.Generator().manual_seed(seed)
+    qk_dim, v_dim = Hk * dk, Hv * dv
+    if layout == "fused":
+        mixed = torch.randn(B, T, 2 * qk_dim + v_dim, generator=gen).to(dtype)
+        q, k, v = torch.split(mixed, [qk_dim, qk_dim, v_dim], dim=-1)
+        q, k, v = q.view(B, T, Hk, dk), k.view(B, T, Hk, dk), v.view(B, T, Hv, dv)
+        g = F.logsigmoid(torch.randn(B, Hv, T, generator=gen) + 2).transpose(1, 2)
+        beta = (torch.rand(B, Hv, T, generator=gen) * beta_max).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, T, Hk, dk, generator=gen).to(dtype)
+        k = torch.randn(B, T, Hk, dk, generator=gen).to(dtype)
+        v = torch.randn(B, T, Hv, dv, generator=gen).to(dtype)
+        g = F.logsigmoid(torch.randn(B, T, Hv, generator=gen) + 2)  # log decay <= 0, fp32 as models compute it
+        beta = (torch.rand(B, T, Hv, generator=gen) * beta_max).to(dtype)
+    if not l2norm:  # callers that normalise before the op
+        q, k = gdn._l2norm(q.float()).to(dtype), gdn._l2norm(k.float()).to(dtype)
+    s0 = torch.randn(B, Hv, dk, dv, generator=gen) * 0.1 if state else None
+    to = lambda x: None if x is None else x.to(device)  # noqa: E731
+    return [to(x) for x in (q, k, v, g, beta, s0)]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) or NaN elements"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(out, state, inputs, l2norm, scale, what):
+    q, v = inputs[0], inputs[2]
+    ref_o, ref_s = gdn.gdn_reference(*inputs, l2norm, scale, compute_dtype=torch.float64)
+    assert out.dtype == q.dtype and out.is_contiguous() and out.shape == (*v.shape[:3], v.shape[3])
+    assert state.dtype == torch.float32 and state.is_contiguous()
+    limit = REL[q.dtype]
+    eo, es = rel_err(out, ref_o), rel_err(state, ref_s)
+    assert eo <= limit and es <= limit, f"{what}: rel err output {eo:.2e}, state {es:.2e} > {limit:.0e}"
+
+
+def poisoned(inputs):
+    q, v = inputs[0], inputs[2]
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[-2:]
+    out = torch.full((B, T, Hv, dv), float("nan"), dtype=q.dtype, device=q.device)
+    state = torch.full((B, Hv, dk, dv), float("nan"), dtype=torch.float32, device=q.device)
+    return dict(out=out, final_state=state)
+
+
+# (id, B, T, Hk, Hv, dk, dv, dtype, options)
+CHUNK_CASES = [
+    ("B1-T65-Hk1-Hv2-dk24-dv40-beta2-state-bf16-fused", 1, 65, 1, 2, 24, 40, "bf16",
+     dict(beta_max=2.0, layout="fused")),
+    ("B2-T63-H1-D16-nostate-fp16", 2, 63, 1, 1, 16, 16, "fp16", dict(state=False)),
+    ("B1-T130-H1-dk16-dv32-state-fp32", 1, 130, 1, 1, 16, 32, "fp32", {}),
+    ("B1-T64-Hk1-Hv2-D32-nostate-bf16-fused", 1, 64, 1, 2, 32, 32, "bf16", dict(state=False, layout="fused")),
+    # T = 1 through the chunked path (the op itself sends T <= 16 to the recurrent
+    # kernel).  Four heads: at 16 output elements the norm of bf16 rounding
+    # errors is a small-sample statistic (6.8e-3 with one head of D16).
+    ("B1-T1-H4-D32-state-bf16", 1, 1, 4, 4, 32, 32, "bf16", {}),
+    ("B1-T70-H1-D16-no-l2norm-fp32", 1, 70, 1, 1, 16, 16, "fp32", dict(l2norm=False)),
+]
+
+RECURRENT_CASES = [
+    ("B2-T1-Hk1-Hv2-dk24-dv40-state-bf16-fused", 2, 1, 1, 2, 24, 40, "bf16", dict(layout="fused")),
+    ("B1-T5-H2-D16-beta2-fp16", 1, 5, 2, 2, 16, 16, "fp16", dict(beta_max=2.0)),
+    ("B1-T16-Hk1-Hv2-D16-nostate-fp32", 1, 16, 1, 2, 16, 16, "fp32", dict(state=False)),
+    ("B1-T3-H1-D8-no-l2norm-bf16", 1, 3, 1, 1, 8, 8, "bf16", dict(l2norm=False)),
+]
+
+
+def _case_inputs(B, T, Hk, Hv, dk, dv, dtype, opts):
+    return make_inputs(B, T, Hk, Hv, dk, dv, DTYPES[dtype], **opts), opts.get("l2norm", True), dk ** -0.5
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-output", "output-kernel"])
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
+def test_chunk_kernel(case, fuse):
+    name, *shape, dtype, opts = case
+    inputs, l2norm, scale = _case_inputs(*shape, dtype, opts)
+    out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, fuse_output=fuse, **poisoned(inputs))
+    check(out, state, inputs, l2norm, scale, name)
+
+
+@pytest.mark.parametrize("options", [
+    dict(fuse_output=True, block_v=16), dict(fuse_output=False, block_v=16),
+    dict(fuse_output=False, precompute_kd=False), dict(fuse_output=True, precompute_kd=True),
+    dict(output_tf32=True),
+], ids=["fused-bv16", "output-kernel-bv16", "kd-in-state-pass", "fused-kd-precomputed", "output-tf32"])
+def test_chunk_kernel_launch_options(options):
+    """Every launch choice computes the same function: d_v split over several
+    state-pass programs, the decayed keys formed in either kernel, tf32 output dots."""
+    inputs, l2norm, scale = _case_inputs(1, 40, 1, 1, 16, 40, "bf16", {})
+    out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, **options, **poisoned(inputs))
+    check(out, state, inputs, l2norm, scale, str(options))
+
+
+@pytest.mark.parametrize("case", RECURRENT_CASES, ids=[c[0] for c in RECURRENT_CASES])
+def test_recurrent_kernel(case):
+    name, *shape, dtype, opts = case
+    inputs, l2norm, scale = _case_inputs(*shape, dtype, opts)
+    out, state = gdn.gdn_recurrent_fwd(*inputs, l2norm, scale, **poisoned(inputs))
+    check(out, state, inputs, l2norm, scale, name)
+
+
+@pytest.mark.parametrize("launch", [gdn.gdn_chunk_fwd, gdn.gdn_recurrent_fwd], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("B,T", [(0, 5), (2, 0)], ids=["B0", "T0"])
+@pytest.mark.parametrize("state", [True, False], ids=["state", "nostate"])
+def test_empty(launch, B, T, state):
+    """No tokens or no batch: an empty output, the state passed through (zeros without one)."""
+    inputs = make_inputs(B, T, 1, 2, 16, 24, torch.bfloat16, state=state)
+    out, final = launch(*inputs, True, 0.25, **poisoned(inputs))
+    assert out.shape == (B, T, 2, 24) and final.shape == (B, 2, 16, 24)
+    expected = inputs[5] if state else torch.zeros_like(final)
+    torch.testing.assert_close(final, expected, rtol=0, atol=0)
+    for op in (torch.ops.fusepass.gdn_chunk, torch.ops.fusepass.gdn_recurrent):  # the CPU (or CUDA) bodies
+        o2, s2 = op(*inputs, True, 0.25)
+        assert o2.shape == out.shape and o2.dtype == out.dtype
+        torch.testing.assert_close(s2, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
+def test_chunked_form_matches_recurrence_fp64(T):
+    """The CPU bodies in fp64: the chunked algorithm (gdn_chunk) against the token loop (gdn_recurrent)."""
+    inputs = [None if x is None else x.double() for x in
+              make_inputs(2, T, 2, 4, 24, 40, torch.float64, beta_max=2.0, layout="fused", device="cpu")]
+    oc, sc = torch.ops.fusepass.gdn_chunk(*inputs, True, 0.2)
+    orr, sr = torch.ops.fusepass.gdn_recurrent(*inputs, True, 0.2)
+    assert oc.dtype == torch.float64 and sc.dtype == torch.float32  # the ops' state is fp32 for every dtype
+    assert rel_err(oc, orr) < 1e-12 and rel_err(sc, sr) < 1e-7
+
+
+def _transformers_functions():
+    mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    # The hub wrapper may route to FLA where it is installed: call the plain torch function.
+    unwrap = lambda f: getattr(f, "__wrapped__", f)  # noqa: E731
+    return unwrap(mod.torch_chunk_gated_delta_rule), unwrap(mod.torch_recurrent_gated_delta_rule)
+
+
+@pytest.mark.parametrize("state", [True, False], ids=["state", "nostate"])
+def test_transformers_agrees(state):
+    """transformers' chunk loop (what the graph rules replace) against the ops, fp32."""
+    hf_chunk, hf_recurrent = _transformers_functions()
+    inputs = make_inputs(1, 70, 1, 2, 16, 24, torch.float32, state=state, layout="fused", device="cpu")
+    q, k, v, g, beta, s0 = inputs
+    ho, hs = hf_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ro, rs = hf_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    scale = q.shape[-1] ** -0.5
+    assert rel_err(ho, ro) < 1e-5  # transformers' two forms agree with each other
+    runs = {"cpu-op": torch.ops.fusepass.gdn_chunk(*inputs, True, scale)}
+    if INTERPRET:
+        with differential.triton_on_cpu(["gdn_chunk"]):
+            runs["kernel"] = torch.ops.fusepass.gdn_chunk(*inputs, True, scale)
+    for what, (o, s) in runs.items():
+        assert rel_err(o, ho) < 1e-5 and rel_err(s, hs) < 1e-5, what
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter path of the CUDA implementation")
+@pytest.mark.parametrize("T", [5, 40], ids=["T5-recurrent", "T40-chunked"])
+def test_op_runs_kernels(T):
+    """The CUDA implementation through the dispatcher: T <= 16 goes to the recurrent kernel, longer T chunked."""
+    inputs = make_inputs(1, T, 1, 2, 16, 24, torch.bfloat16, layout="fused", device="cpu")
+    clear_kernel_fallbacks()
+    with differential.triton_on_cpu(["gdn_chunk", "gdn_recurrent"]):
+        for op in (torch.ops.fusepass.gdn_chunk, torch.ops.fusepass.gdn_recurrent):
+            out, state = op(*inputs, True, 0.25)
+            check(out, state, inputs, True, 0.25, str(op))
+    assert not kernel_fallbacks(), kernel_fallbacks()
+
+
+# -- GPU, real sizes -----------------------------------------------------------------------------
+
+GPU_CASES = [
+    ("B1-T4096-H16-D128", 1, 4096, 16, 16, 128, 128),
+    ("B2-T1000-Hk16-Hv32-D128", 2, 1000, 16, 32, 128, 128),
+    ("B1-T700-H30-dk96-dv192", 1, 700, 30, 30, 96, 192),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-output", "output-kernel"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_chunk_kernel_gpu(case, fuse):
+    name, B, T, Hk, Hv, dk, dv = case
+    inputs = make_inputs(B, T, Hk, Hv, dk, dv, torch.bfloat16, layout="fused", device="cuda")
+    out, state = gdn.gdn_chunk_fwd(*inputs, True, dk ** -0.5, fuse_output=fuse, **poisoned(inputs))
+    check(out, state, inputs, True, dk ** -0.5, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_recurrent_kernel_gpu_cuda_graph(T):
+    """Decode at B64 H32 D128 replayed from a CUDA graph, against the fp64 recurrence."""
+    inputs = make_inputs(64, T, 32, 32, 128, 128, torch.bfloat16, device="cuda")
+    torch.ops.fusepass.gdn_recurrent(*inputs, True, 128 ** -0.5)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, state = torch.ops.fusepass.gdn_recurrent(*inputs, True, 128 ** -0.5)
+    out.fill_(float("nan"))
+    graph.replay()
+    check(out, state, inputs, True, 128 ** -0.5, f"decode T{T} graph replay")
