@@ -124,6 +124,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--rep", type=float, default=None, help="ms of timing per provider (default 100; quick 20)")
     o.add_argument("--max-seconds", type=float, default=None,
                    help="stop starting new cases after this many seconds (the rest are listed as skipped)")
+    o.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs; default 1)")
     o.add_argument("--registry", default=None, help="the benchmarks/ folder (default: the checkout's)")
     o.set_defaults(func=_bench_ops)
     from fusepass.bench import e2e

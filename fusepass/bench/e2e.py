@@ -170,6 +170,10 @@ class Run:
         self.cuda = self.device == "cuda"
         self.model_name = "tiny-llama" if args.quick and not args.model_given else args.model
         self.dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if self.cuda else torch.float32)
+        if not self.cuda:
+            # Two threads on a busy 2-core machine: 240 ms per tiny forward
+            # (threads waiting on each other) against 1 ms with one.
+            torch.set_num_threads(args.threads or 1)
         self.backends = [b.strip() for b in args.backends.split(",")]
         self.rows: list[dict[str, Any]] = []
         self.out = Path(args.out)
@@ -349,7 +353,14 @@ def phase_decode(run: Run) -> None:
                 run.say(f"decode B={batch} {backend}: FAILED {type(exc).__name__}: {exc}")
                 continue
             steps = new - 1
-            per_step = Timing.from_samples([(f - o) / steps * 1e3 for f, o in zip(full, one)])
+            diffs = [(f - o) / steps * 1e3 for f, o in zip(full, one)]
+            if min(diffs) <= 0:
+                run.add(phase="decode", workload=f"decode B{batch}", backend=backend, ok=None,
+                        error=f"a generate of {new} tokens was not slower than one of 1: noise exceeds the decode "
+                              "time; raise --new-tokens")
+                run.say(f"decode B={batch} {backend}: not measurable (noise), raise --new-tokens")
+                continue
+            per_step = Timing.from_samples(diffs)
             floor = run.floor_ms()
             row = run.add(
                 phase="decode", workload=f"decode B{batch}", backend=backend, ok=True,
@@ -380,8 +391,16 @@ def phase_replay(run: Run) -> None:
                     model(input_ids=run.ids(batch, prompt), past_key_values=cache, use_cache=True)  # fill it
                     ids = run.ids(batch, 1, seed=2)
                     pos = torch.tensor([prompt], device=run.device)
-                    step = lambda: fn(input_ids=ids, past_key_values=cache, cache_position=pos,  # noqa: E731
-                                      use_cache=True).logits
+                    position_ids = pos.expand(batch, 1)
+                    rewind = _rewinder(cache, prompt)
+
+                    def step() -> torch.Tensor:
+                        # Every replay writes position `prompt` again: the cache's own
+                        # write counter (transformers >= 5.x) is set back first.
+                        rewind()
+                        return fn(input_ids=ids, past_key_values=cache, position_ids=position_ids,
+                                  cache_position=pos, use_cache=True).logits
+
                     if run.cuda:
                         stream = torch.cuda.Stream()
                         stream.wait_stream(torch.cuda.current_stream())
@@ -419,6 +438,23 @@ def phase_replay(run: Run) -> None:
             del cache
 
 
+def _rewinder(cache: Any, position: int) -> Callable[[], None]:
+    """A function that sets a static cache's write position back to ``position``.
+
+    Recent transformers keep it in a tensor per layer (``cumulative_length``,
+    advanced by every update: replaying a step would write past the end);
+    older ones take ``cache_position`` from the call and need nothing.
+    """
+    counters = [layer.cumulative_length for layer in getattr(cache, "layers", [])
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+
+    def rewind() -> None:
+        for c in counters:
+            c.fill_(position)
+
+    return rewind
+
+
 # The child of the startup phase: builds the model the parent describes and
 # times compile + first forward.  It imports neither fusepass nor this module:
 # for backend="fusepass" the entry point imports fusepass, as for a user.
@@ -427,6 +463,8 @@ import json, sys, time
 t_process = time.perf_counter()
 import torch, transformers as tf
 spec = json.loads(sys.argv[1])
+if spec["threads"]:
+    torch.set_num_threads(spec["threads"])
 cls, config = getattr(tf, spec["class"]), getattr(tf, spec["config"])(**spec["fields"])
 torch.manual_seed(0)
 dtype = getattr(torch, spec["dtype"])
@@ -480,7 +518,8 @@ def phase_startup(run: Run) -> None:
             spec = {"class": spec_model["class"], "config": spec_model["config"],
                     "fields": {**spec_model["fields"], "num_hidden_layers": run.layers},
                     "dtype": str(run.dtype).replace("torch.", ""), "device": run.device, "backend": backend,
-                    "prompt": run.args.prompt, "quantize": run.args.quantize, "group_size": run.args.group_size}
+                    "prompt": run.args.prompt, "quantize": run.args.quantize, "group_size": run.args.group_size,
+                    "threads": None if run.cuda else torch.get_num_threads()}
             folder = Path(tempfile.mkdtemp(prefix="fusepass-startup-"))
             try:
                 for kind in ("cold", "warm"):
@@ -636,5 +675,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per timing (replay phase)")
     p.add_argument("--repeat", type=int, default=None, help="cold/warm start pairs per backend (default 3)")
     p.add_argument("--child-timeout", type=float, default=600.0, help="seconds allowed for one startup process")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs; default 1)")
     p.add_argument("--out", default="bench-out", help="folder for e2e_table.txt, e2e.json/.csv and the plot")
     p.set_defaults(func=main)

@@ -196,6 +196,8 @@ def main(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fusepass bench: --device cuda, but no CUDA device is visible")
+    if device == "cpu":
+        torch.set_num_threads(args.threads or 1)  # stable on a busy machine: see fusepass.bench.e2e.Run
     rep_ms = args.rep if args.rep is not None else (20.0 if args.quick else 100.0)
     registry = find_registry(args.registry)
     names = entry_names(registry)
