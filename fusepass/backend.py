@@ -83,7 +83,8 @@ def _stable(value: Any) -> str:
         items = sorted(map(_stable, value)) if isinstance(value, (set, frozenset)) else map(_stable, value)
         return f"{type(value).__name__}[{', '.join(items)}]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in items) + "}"
     uuid = getattr(value, "uuid", None)
     if callable(uuid):
         try:

@@ -186,7 +186,8 @@ def test_report_renders_and_exports():
     assert "rms_norm" in text and "refused" in text and "also used outside" in text
     data = json.loads(report.to_json())
     hits = [h for g in data["graphs"] for h in g["hits"]]
-    assert len(hits) == 1 and hits[0]["rule"] == "rms_norm" and hits[0]["bytes_moved"] == 2 * x.nbytes + w.nbytes  # x, w read; y written
+    assert len(hits) == 1 and hits[0]["rule"] == "rms_norm"
+    assert hits[0]["bytes_moved"] == 2 * x.nbytes + w.nbytes  # x, w read; y written
     assert data["graphs"][0]["attempts"]["rms_norm"] == 2
 
 

@@ -132,8 +132,8 @@ def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
     def fake_child(spec, folder, timeout):
         kind = "warm" if any(c[1] == folder and c[0] == spec["backend"] for c in calls) else "cold"
         calls.append((spec["backend"], folder))
-        r = dict(results[kind], process_s=results[kind]["first_call_s"] + 1, aot_autograd_cache_hits=int(kind == "warm"),
-                 fx_graph_cache_hits=0)
+        r = dict(results[kind], process_s=results[kind]["first_call_s"] + 1,
+                 aot_autograd_cache_hits=int(kind == "warm"), fx_graph_cache_hits=0)
         if spec["backend"] != "fusepass":
             r = {k: v for k, v in r.items() if k not in ("cache", "hits")}
         return r
@@ -142,7 +142,8 @@ def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
     monkeypatch.setattr(e2e, "copy_bandwidth", lambda device: 1.0)
     args = argparse.Namespace(quick=True, device="cpu", model="tiny-llama", dtype=None, backends="inductor,fusepass",
                               out=str(tmp_path), layers="2", quantize=None, group_size=128, prompt=16, repeat=2,
-                              child_timeout=10, threads=1, command_line="test", model_given=True)
+                              child_timeout=10, threads=1, command_line="test", model_given=True,
+                              max_seconds=None)
     run = e2e.Run(args)
     e2e.phase_startup(run)
     rows = {(r["backend"], r["workload"]): r for r in run.rows}

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -153,11 +152,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def rewrites(report: Any) -> str:
     """The report's totals: hits per rule, graphs (from cache), refusals."""
-    hits = Counter(h.rule for h in report.hits)
     cached = sum(1 for g in report.graphs if g.cache == "hit")
-    text = ", ".join(f"{rule}×{n}" for rule, n in sorted(hits.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+    text = _hit_totals([(h.rule, h.where) for h in report.hits])
     return (f"{text} ({len(report.graphs)} graph(s){f', {cached} from cache' if cached else ''}"
             f"{f', {len(report.refusals)} refused' if report.refusals else ''})")
+
+
+def _hit_totals(hits: list[Any]) -> str:
+    counts = Counter(rule for rule, _ in hits)
+    return ", ".join(f"{rule}×{n}" for rule, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
 
 
 class Run:
@@ -196,6 +199,17 @@ class Run:
             self.say(f"built {self.model_name} ({self.layers} layers, {self.weight_bytes / 1e9:.2f} GB read per "
                      f"decode step) in {time.perf_counter() - t0:.1f} s")
         return self.model
+
+    def over_budget(self, phase: str, workload: str, backend: str, quiet: bool = False) -> bool:
+        """Past ``--max-seconds``: the step is listed as skipped instead of run."""
+        limit = self.args.max_seconds
+        if not limit or time.perf_counter() - self.started <= limit:
+            return False
+        if not quiet:
+            self.add(phase=phase, workload=workload, backend=backend, ok=None,
+                     error=f"skipped: past --max-seconds {limit:.0f}")
+        self.say(f"{phase} {workload} {backend}: skipped (past --max-seconds {limit:.0f})")
+        return True
 
     def floor_ms(self) -> float:
         return self.weight_bytes / self.copy_gbps / 1e6
@@ -279,6 +293,9 @@ def phase_prefill(run: Run) -> None:
         fn = _fresh(model, backend)
         _start_report(backend)
         for t in lengths:
+            if run.over_budget("prefill", f"prefill B1 T{t}", backend):
+                continue
+            _start_report(backend)  # one graph per length (fixed shapes): its own totals
             ids = run.ids(1, t)
             call = lambda: fn(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
             run.say(f"prefill T={t} {backend}: compiling and checking")
@@ -315,9 +332,11 @@ def phase_decode(run: Run) -> None:
     prompt, new = run.args.prompt, run.args.new_tokens
     reps = 2 if run.quick else 3
     for backend in run.backends:
-        _fresh(model, "eager")
-        _start_report(backend)
         for batch in [int(b) for b in run.args.batch.split(",")]:
+            if run.over_budget("decode", f"decode B{batch}", backend):
+                continue
+            _fresh(model, "eager")  # each batch size compiles afresh, at static shapes
+            _start_report(backend)
             ids = run.ids(batch, prompt)
             try:
                 cache = StaticCache(config=model.config, max_cache_len=prompt + new)
@@ -384,6 +403,8 @@ def phase_replay(run: Run) -> None:
         fn = _fresh(model, backend, fullgraph=True)
         _start_report(backend)
         for batch in [int(b) for b in run.args.batch.split(",")]:
+            if run.over_budget("replay", f"replay B{batch}", backend):
+                continue
             run.say(f"replay B={batch} {backend}: compiling and capturing")
             try:
                 cache = StaticCache(config=model.config, max_cache_len=prompt + run.args.new_tokens)
@@ -515,6 +536,8 @@ def phase_startup(run: Run) -> None:
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for i in range(run.args.repeat):
         for backend in backends:  # interleaved: drift on a shared machine hits both alike
+            if run.over_budget("startup", f"startup pair {i + 1}", backend, quiet=True):
+                continue
             spec = {"class": spec_model["class"], "config": spec_model["config"],
                     "fields": {**spec_model["fields"], "num_hidden_layers": run.layers},
                     "dtype": str(run.dtype).replace("torch.", ""), "device": run.device, "backend": backend,
@@ -553,8 +576,9 @@ def phase_startup(run: Run) -> None:
         run.add(phase="startup", workload=f"startup {kind}", backend=backend, ok=ok, value=t.median, p20=t.p20,
                 p80=t.p80, unit="s", runs=len(good), samples=[round(r["first_call_s"], 3) for r in good],
                 process_s=statistics.median(r["process_s"] for r in good),
-                aot_autograd_cache_hits=last["aot_autograd_cache_hits"], fx_graph_cache_hits=last["fx_graph_cache_hits"],
-                rewrites=(f"{len(last['hits'])} hits, cache {','.join(last['cache'])}" if "hits" in last else None),
+                aot_autograd_cache_hits=last["aot_autograd_cache_hits"],
+                fx_graph_cache_hits=last["fx_graph_cache_hits"],
+                rewrites=(f"{_hit_totals(last['hits'])} (cache {','.join(last['cache'])})" if "hits" in last else None),
                 notes=note or f"compile + first forward B1 T{run.args.prompt}, fresh process, median of {len(good)}")
 
 
@@ -675,6 +699,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replays", type=int, default=200, help="CUDA-graph replays per timing (replay phase)")
     p.add_argument("--repeat", type=int, default=None, help="cold/warm start pairs per backend (default 3)")
     p.add_argument("--child-timeout", type=float, default=600.0, help="seconds allowed for one startup process")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="start no new measurement after this many seconds (the rest are listed as skipped)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs; default 1)")
     p.add_argument("--out", default="bench-out", help="folder for e2e_table.txt, e2e.json/.csv and the plot")
     p.set_defaults(func=main)

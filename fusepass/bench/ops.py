@@ -180,7 +180,8 @@ def render(rows: list[dict[str, Any]], device: str) -> str:
             check = f"ok {r['rel_err']:.1e}"
         t = (f"{_fmt(r.get('graph_us'), '.1f')} ({_fmt(r.get('graph_p20_us'), '.1f')}-"
              f"{_fmt(r.get('graph_p80_us'), '.1f')})") if gpu else None
-        p = f"{_fmt(r.get('plain_us'), '.1f')} ({_fmt(r.get('plain_p20_us'), '.1f')}-{_fmt(r.get('plain_p80_us'), '.1f')})"
+        p = (f"{_fmt(r.get('plain_us'), '.1f')} ({_fmt(r.get('plain_p20_us'), '.1f')}-"
+             f"{_fmt(r.get('plain_p80_us'), '.1f')})")
         rate = _fmt(r.get("tflops"), ".1f") + " TF/s" if r.get("tflops") else _fmt(r.get("gbps"), ".0f")
         lines.append([r["op"], r["shape"], r["provider"], *([t] if gpu else []), p, rate,
                       _fmt(r.get("pct_copy"), ".0f") + ("%" if r.get("pct_copy") is not None else ""),
@@ -246,7 +247,8 @@ def main(args: argparse.Namespace) -> int:
     output.write_csv(out / "results.csv", rows)
     text = render(rows, device)
     header = (f"fusepass bench: {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}\n"
-              f"copy bandwidth {copy_gbps:.0f} GB/s; {'GB/s from CUDA-graph time' if device == 'cuda' else 'CPU: back-to-back calls'}"
+              f"copy bandwidth {copy_gbps:.0f} GB/s; "
+              f"{'GB/s from CUDA-graph time' if device == 'cuda' else 'CPU: back-to-back calls'}"
               f"; vs inductor = Inductor's time / this time\n{command}\n\n")
     (out / "table.txt").write_text(header + text + "\n")
     if output.plots_available():
