@@ -2,7 +2,6 @@
 
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,10 +19,20 @@ except ImportError:
     HAS_MPL = False
 
 
-def fusepass_cli(*args, timeout=600):
-    out = subprocess.run([sys.executable, "-m", "fusepass.cli", *args], capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT)
-    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+def fusepass_cli(capsys, *args):
+    """``fusepass <args>`` in this process: Inductor's one-time start-up (~10 s on
+    2 cores) is paid once for the suite, not once per command."""
+    import torch
+
+    from fusepass.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        code = main(list(args))
+    finally:
+        torch.set_num_threads(threads)  # CPU runs pin one thread
+    out = capsys.readouterr()
+    assert code == 0, f"exit {code}\n{out.out[-3000:]}\n{out.err[-3000:]}"
     return out
 
 
@@ -31,10 +40,10 @@ def is_png(path: Path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_quick_checks_and_times_every_registry_entry(tmp_path):
+def test_bench_quick_checks_and_times_every_registry_entry(tmp_path, capsys):
     from fusepass.bench.ops import entry_names
 
-    out = fusepass_cli("bench", "--quick", "--out", str(tmp_path))
+    out = fusepass_cli(capsys, "bench", "--quick", "--out", str(tmp_path))
     data = json.loads((tmp_path / "results.json").read_text())
     rows = data["rows"]
     entries = entry_names(ROOT / "benchmarks")
@@ -57,19 +66,18 @@ def test_bench_quick_checks_and_times_every_registry_entry(tmp_path):
         assert len(list(csv.DictReader(f))) == len(rows)
     table = (tmp_path / "table.txt").read_text()
     assert "vs inductor" in table and all(op in table for op in entries)
-    assert table.strip().splitlines()[-1] in out.stdout  # the table is printed last
+    assert table.strip().splitlines()[-1] in out.out  # the table is printed last
     if HAS_MPL:
         plots = {p.name for p in tmp_path.glob("*.png")}
         assert {f"bandwidth_{op}.png" for op in entries} | {"speedup.png"} <= plots
         assert all(is_png(tmp_path / p) for p in plots)
     else:
-        assert "plots skipped" in out.stdout
+        assert "plots skipped" in out.out
 
 
-def test_bench_refuses_an_unknown_op(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fusepass.cli", "bench", "--quick", "--ops", "no_such_op",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode != 0 and "unknown op" in out.stderr
+def test_bench_refuses_an_unknown_op(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="unknown op.*no_such_op"):
+        fusepass_cli(capsys, "bench", "--quick", "--ops", "no_such_op", "--out", str(tmp_path))
 
 
 def test_a_wrong_provider_is_reported_not_timed():
@@ -90,13 +98,16 @@ def test_a_wrong_provider_is_reported_not_timed():
     assert rows["raises"]["ok"] is False and "AttributeError" in rows["raises"]["error"]
 
 
-def test_bench_e2e_quick(tmp_path):
+def test_bench_e2e_quick(tmp_path, capsys):
     pytest.importorskip("transformers")
-    out = fusepass_cli("bench", "e2e", "--quick", "--phases", "prefill,decode,replay", "--out", str(tmp_path))
+    # Inductor is left out to keep CI short (its C++ compiles cost ~25 s here);
+    # the comparison with it is checked in test_startup_rows_compare_warm_with_cold.
+    out = fusepass_cli(capsys, "bench", "e2e", "--quick", "--phases", "prefill,decode,replay", "--backends", "eager,fusepass",
+                       "--out", str(tmp_path))
     data = json.loads((tmp_path / "e2e.json").read_text())
     rows = data["rows"]
     got = {(r["phase"], r["backend"]) for r in rows}
-    assert got == {(p, b) for p in ("prefill", "decode", "replay") for b in ("eager", "inductor", "fusepass")}
+    assert got == {(p, b) for p in ("prefill", "decode", "replay") for b in ("eager", "fusepass")}
     for r in rows:
         if r["phase"] == "decode" and r.get("ok") is None:
             continue  # the CPU's noise exceeded the few decode steps of --quick: said so, not a failure
@@ -107,13 +118,10 @@ def test_bench_e2e_quick(tmp_path):
             assert "rms_norm" in r["rewrites"], r["rewrites"]
         if r["phase"] in ("decode", "replay") and r.get("ok"):
             assert r["floor_ms"] > 0 and r["pct_floor"] > 0
-    assert any(r.get("vs_inductor") for r in rows if r["backend"] == "fusepass")
     with (tmp_path / "e2e.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert "fusepass rewrites" in (tmp_path / "e2e_table.txt").read_text()
-    if HAS_MPL:
-        assert is_png(tmp_path / "e2e_speedup.png")
-    assert "wrote" in out.stdout
+    assert "wrote" in out.out
 
 
 def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
@@ -124,8 +132,8 @@ def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
     from fusepass.bench import e2e
 
     results = {
-        "cold": {"first_call_s": 9.0, "cache": ["miss"], "hits": [["rms_norm", "model.norm"]]},
-        "warm": {"first_call_s": 3.0, "cache": ["hit"], "hits": [["rms_norm", "model.norm"]]},
+        "cold": {"first_call_s": 9.0, "first_call_cpu_s": 8.0, "cache": ["miss"], "hits": [["rms_norm", "model.norm"]]},
+        "warm": {"first_call_s": 3.0, "first_call_cpu_s": 2.5, "cache": ["hit"], "hits": [["rms_norm", "model.norm"]]},
     }
     calls = []
 
@@ -147,8 +155,12 @@ def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
     run = e2e.Run(args)
     e2e.phase_startup(run)
     rows = {(r["backend"], r["workload"]): r for r in run.rows}
-    assert rows[("fusepass", "startup warm")]["ok"] and rows[("fusepass", "startup warm")]["value"] == 3.0
+    warm = rows[("fusepass", "startup warm")]
+    assert warm["ok"] and warm["value"] == 3.0 and warm["cpu_s"] == 2.5 and "rms_norm×1" in warm["rewrites"]
     assert rows[("inductor", "startup cold")]["runs"] == 2
+    e2e._vs_inductor(run.rows)
+    assert warm["vs_inductor"] == 1.0  # both warm starts took 3.0 s
+    assert rows[("inductor", "startup cold")]["vs_inductor"] == 1.0
     # A warm report that lost a rewrite is a failure.
     results["warm"] = {**results["warm"], "hits": []}
     run.rows.clear()

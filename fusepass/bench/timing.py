@@ -90,7 +90,7 @@ def copy_bandwidth(device: str | torch.device) -> float:
     """
     device = torch.device(device)
     numel = (1 << 29) if device.type == "cuda" else (1 << 25)
-    src = torch.randn(numel, device=device, dtype=torch.float32).to(torch.bfloat16)
+    src = torch.randn(numel, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     if device.type == "cuda":
         ms = time_graph(lambda: dst.copy_(src), rep_ms=200).median
