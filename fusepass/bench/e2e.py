@@ -243,6 +243,8 @@ class Run:
         """Milliseconds per call: CUDA events around each call, or back-to-back calls on the CPU."""
         if not self.cuda:
             return time_cpu(fn, rep_ms=50.0 * reps, min_samples=reps)
+        fn()  # one more warm-up call: lazy allocations, first-launch costs
+        torch.cuda.synchronize()
         samples = []
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -301,7 +303,6 @@ def phase_prefill(run: Run) -> None:
     inductor_err: dict[int, float] = {}
     for backend in run.backends:
         fn = _fresh(model, backend)
-        _start_report(backend)
         for t in lengths:
             if run.over_budget("prefill", f"prefill B1 T{t}", backend):
                 continue
@@ -409,7 +410,9 @@ def phase_replay(run: Run) -> None:
 
     model = run.get_model()
     prompt = run.args.prompt
-    for backend in run.backends:
+    # Eager last: a capture that fails (a host sync inside eager code) must not
+    # leave the compiled backends a device in a bad state.
+    for backend in sorted(run.backends, key=lambda b: b == "eager"):
         fn = _fresh(model, backend, fullgraph=True)
         _start_report(backend)
         for batch in [int(b) for b in run.args.batch.split(",")]:
@@ -466,7 +469,10 @@ def phase_replay(run: Run) -> None:
                     p20=per.p20 * 1e3, p80=per.p80 * 1e3, unit="µs/step", tokens_per_s=batch / per.median * 1e3,
                     floor_ms=floor, pct_floor=100 * floor / per.median, rewrites=_report_text(backend), notes=how)
             run.say(f"replay B={batch} {backend}: {per.median * 1e3:.1f} µs/step (floor {floor * 1e3:.1f} µs)")
-            del cache
+            del cache, step
+            if run.cuda:
+                del graph, replay_k
+                torch.cuda.empty_cache()
 
 
 def _rewinder(cache: Any, position: int) -> Callable[[], None]:
