@@ -371,7 +371,13 @@ def phase_decode(run: Run) -> None:
                     return time.perf_counter() - t0
 
                 run.say(f"decode B={batch} {backend}: warm-up generate (compiles)")
+                from torch._dynamo.utils import counters
+
+                graphs = counters["stats"]["unique_graphs"]
                 first_s = generate(new)
+                if backend != "eager" and counters["stats"]["unique_graphs"] == graphs:
+                    raise RuntimeError("generate compiled nothing: this transformers did not take its compile "
+                                       "path (static cache + compile_config)")
                 generate(1)
                 full, one = [], []
                 for _ in range(reps):
