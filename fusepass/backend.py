@@ -164,37 +164,50 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Opti
     def inner_compile(gm_: torch.fx.GraphModule, inputs_: Sequence[Any], **kwargs: Any) -> Any:
         # Called once per graph AOTAutograd hands Inductor (forward, backward;
         # the backward possibly later, at the first backward call).
-        part_name = "bw" if kwargs.get("is_backward") else "fw"
-        called.append(part_name)
+        part = "bw" if kwargs.get("is_backward") else "fw"
+        called.append(part)
         pending.clear()
         out = compile_fx_inner(gm_, inputs_, **kwargs)
-        _absorb(graph, pending, key, part_name)
+        # Inductor's FX graph cache keys the post-grad input graph: two Dynamo
+        # graphs that differ only in no-ops (x.float() on fp32) share its
+        # entry, so a hit there may come from another graph's compile; the
+        # record is filed under that key too.
+        fx_key = getattr(out, "_fx_graph_cache_key", None)
+        keys = [k for k in (f"{key}-{part}" if key else None, fx_key) if k]
+        if pending:
+            _ran(graph, pending, keys)
+        else:
+            _restore(graph, keys)
         pending.clear()
         return out
 
     compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     if not called:
         # AOTAutograd's cache served every graph: nothing of Inductor ran.
-        _absorb(graph, [], key, None)
+        _restore(graph, [f"{key}-fw"] if key else [], also=[f"{key}-bw"] if key else [])
     return compiled, graph
 
 
-def _absorb(graph: _report.GraphReport, ran: list[_report.GraphReport], key: str | None, part: str | None) -> None:
-    """Fold what the pass did into ``graph``, or the stored record where it did not run (a cache hit)."""
-    if ran:
-        done = _report.GraphReport(graph_id=graph.graph_id)
-        for r in ran:
-            done.merge(r)
-        if key:
-            _report.store(f"{key}-{part}", done)
-        graph.merge(done)
-        return
+def _ran(graph: _report.GraphReport, ran: list[_report.GraphReport], keys: list[str]) -> None:
+    """Fold what the pass did now into ``graph`` and file it under ``keys``."""
+    done = _report.GraphReport(graph_id=graph.graph_id)
+    for r in ran:
+        done.merge(r)
+    for k in keys:
+        _report.store(k, done)
+    graph.merge(done)
+
+
+def _restore(graph: _report.GraphReport, keys: list[str], also: list[str] = ()) -> None:
+    """A cache hit ran no pass: fold in the first record found under ``keys`` (and any under ``also``)."""
     graph.cache = "hit"
-    parts = [part] if part else ["fw", "bw"]
-    found = [r for r in (_report.load(f"{key}-{p}") for p in parts) if r is not None] if key else []
-    if not found:
+    found = next((r for r in map(_report.load, keys) if r is not None), None)
+    if found is None:
         graph.notes.append(
             "a graph came from the compile cache and fusepass's record of it is missing; "
             "its rewrites are not listed (clear Inductor's cache to recompile it)")
-    for r in found:
-        graph.merge(r)
+        return
+    graph.merge(found)
+    for r in map(_report.load, also):
+        if r is not None:
+            graph.merge(r)

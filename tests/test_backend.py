@@ -118,6 +118,25 @@ def test_warm_cache_report_tells_the_truth(tmp_path, monkeypatch, aot_cache):
     torch.testing.assert_close(warm_out, cold_out, rtol=0, atol=0)
 
 
+def test_a_cache_hit_from_another_graph_still_lists_the_rewrite(tmp_path, monkeypatch):
+    """Inductor's FX graph cache keys the graph after AOTAutograd: two Dynamo
+    graphs that differ by a no-op (``.float()`` of an fp32 tensor) share an
+    entry, so the second compile runs no pass on code the first one made."""
+    from torch._dynamo.utils import counters
+
+    def no_upcast(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x, w = inputs(rows=3, hidden=40)
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        _, first = compile_and_run(hf_norm, (x, w))
+        counters.clear()
+        _, second = compile_and_run(no_upcast, (x, w))
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1, "the two graphs no longer share a cache entry"
+    assert second.graphs[0].cache == "hit" and second.count("rms_norm") == first.count("rms_norm") == 1
+
+
 def test_warm_cache_without_the_record_says_so(tmp_path, monkeypatch):
     import shutil
 
