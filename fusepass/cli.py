@@ -127,10 +127,23 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs; default 1)")
     o.add_argument("--registry", default=None, help="the benchmarks/ folder (default: the checkout's)")
     o.set_defaults(func=_bench_ops)
+    pl = bsub.add_parser("plot", help="draw a run's plots from its JSON (a run made where matplotlib was missing)")
+    pl.add_argument("--out", required=True, help="the run's folder (results.json and/or e2e.json)")
+    pl.set_defaults(func=_bench_plot)
     from fusepass.bench import e2e
 
     e2e.add_arguments(bsub.add_parser("e2e", help="random-weight transformers models: prefill, generate, "
                                                    "CUDA-graph replay, cold and warm start"))
+
+
+def _bench_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fusepass.bench import output
+
+    written = output.replot(Path(args.out))
+    print("wrote " + (", ".join(str(p) for p in written) or "nothing: no results.json or e2e.json there"))
+    return 0 if written else 1
 
 
 def _bench_ops(args: argparse.Namespace) -> int:
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from fusepass.models import MODELS
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("ops", "e2e", "-h", "--help")):
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("ops", "e2e", "plot", "-h", "--help")):
         argv.insert(1, "ops")  # `fusepass bench --quick` means the per-op benchmarks
     parser = argparse.ArgumentParser(prog="fusepass", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -686,16 +686,11 @@ def main(args: argparse.Namespace) -> int:
               f"copy bandwidth {run.copy_gbps:.0f} GB/s\n{args.command_line}\n\n")
     (run.out / "e2e_table.txt").write_text(header + text + "\n")
     if output.plots_available():
-        workloads = {}
-        for r in run.rows:
-            if r.get("vs_inductor") and r["backend"] != "inductor":
-                workloads.setdefault(r["workload"], {})[r["backend"]] = r["vs_inductor"]
-        path = output.speedup_plot(run.out / "e2e_speedup.png", list(workloads.items()),
-                                   f"{run.model_name} x{run.layers} layers: speed-up over Inductor "
-                                   f"({run.env['device']})")
+        path = output.e2e_plot(run.out, run.rows, run.env["device"])
         plot_note = f"plot: {path.name}" if path else "no plot (no Inductor row to compare with)"
     else:
-        plot_note = "plots skipped: matplotlib is not installed (pip install 'fusepass[bench]')"
+        plot_note = ("plots skipped: matplotlib is not installed (pip install 'fusepass[bench]'; then "
+                     f"`fusepass bench plot --out {run.out}` draws them from the JSON)")
     print(text)
     print(f"\nwrote {run.out}/e2e_table.txt, e2e.json, e2e.csv; {plot_note}; {meta['seconds']} s")
     failed = [r for r in run.rows if r.get("ok") is False]

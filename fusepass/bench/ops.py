@@ -252,17 +252,11 @@ def main(args: argparse.Namespace) -> int:
               f"; vs inductor = Inductor's time / this time\n{command}\n\n")
     (out / "table.txt").write_text(header + text + "\n")
     if output.plots_available():
-        plots = output.bandwidth_plots(out, rows, copy_gbps, env["device"])
-        by_case = {f"{r['op']} {r['shape']}": {} for r in rows}
-        for r in rows:
-            if r.get("vs_inductor") and r["provider"] != "inductor":
-                by_case[f"{r['op']} {r['shape']}"][r["provider"]] = r["vs_inductor"]
-        speed = list(by_case.items())
-        path = output.speedup_plot(out / "speedup.png", speed, f"speed-up over Inductor per workload ({env['device']})")
-        plots += [path] if path else []
+        plots = output.replot(out)
         plot_note = f"plots: {', '.join(p.name for p in plots)}"
     else:
-        plot_note = "plots skipped: matplotlib is not installed (pip install 'fusepass[bench]')"
+        plot_note = ("plots skipped: matplotlib is not installed (pip install 'fusepass[bench]'; then "
+                     f"`fusepass bench plot --out {out}` draws them from the JSON)")
 
     failed = [r for r in rows if r.get("ok") is False]
     ours = [r for r in failed if str(r.get("provider", "")).startswith("fusepass") or r.get("provider") == "-"]

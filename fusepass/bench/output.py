@@ -147,3 +147,41 @@ def speedup_plot(path: Path, workloads: Iterable[tuple[str, dict[str, float]]], 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def replot(folder: Path) -> list[Path]:
+    """Draw the plots of a run from its JSON (for a run made where matplotlib was missing)."""
+    import json
+
+    if not plots_available():
+        raise SystemExit("fusepass bench plot: matplotlib is not installed (pip install 'fusepass[bench]')")
+    written: list[Path] = []
+    ops = folder / "results.json"
+    if ops.is_file():
+        data = json.loads(ops.read_text())
+        rows, device = data["rows"], data["env"]["device"]
+        written += bandwidth_plots(folder, rows, data["copy_gbps"], device)
+        by_case: dict[str, dict[str, float]] = {}
+        for r in rows:
+            by_case.setdefault(f"{r['op']} {r['shape']}", {})
+            if r.get("vs_inductor") and r["provider"] != "inductor":
+                by_case[f"{r['op']} {r['shape']}"][r["provider"]] = r["vs_inductor"]
+        path = speedup_plot(folder / "speedup.png", list(by_case.items()),
+                            f"speed-up over Inductor per workload ({device})")
+        written += [path] if path else []
+    e2e = folder / "e2e.json"
+    if e2e.is_file():
+        data = json.loads(e2e.read_text())
+        written += [p for p in [e2e_plot(folder, data["rows"], data["env"]["device"])] if p]
+    return written
+
+
+def e2e_plot(folder: Path, rows: list[dict[str, Any]], device: str) -> Path | None:
+    workloads: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r.get("vs_inductor") and r["backend"] != "inductor":
+            workloads.setdefault(r["workload"], {})[r["backend"]] = r["vs_inductor"]
+    if not rows:
+        return None
+    title = f"{rows[0]['model']} x{rows[0]['layers']} layers: speed-up over Inductor ({device})"
+    return speedup_plot(folder / "e2e_speedup.png", list(workloads.items()), title)
