@@ -1,8 +1,10 @@
 """The benchmark registry's record type and helpers shared by the op files.
 
-Each ``benchmarks/<op>.py`` defines ``cases(quick: bool) -> list[Case]``;
-``benchmarks/run.py`` checks every provider of every case against the case's
-fp32 reference and times them all in one run.
+Each ``benchmarks/<op>.py`` defines ``cases(quick: bool = False, device: str =
+"cuda") -> list[Case]`` (inputs made on ``device``; ``quick`` with device
+"cpu" means small shapes for CI) and joins the registry by being in this
+folder.  ``fusepass bench`` (:mod:`fusepass.bench.ops`) checks every provider
+of every case against the case's fp32 reference and times them all in one run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ class Case:
     providers: dict[str, Callable[..., Any]]  # "eager", "inductor", "fusepass", peers
     bytes_moved: int  # each input read once, each output written once
     notes: dict[str, str] = field(default_factory=dict)
+    # Optional, for compute-bound ops: floating-point operations per call (TFLOP/s shown).
+    flops: int | None = None
+    # Optional: the relative-error-norm limit when the dtype table's rtol does
+    # not fit (a recurrence, a quantized weight); say why where it is set.
+    tolerance: float | None = None
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -43,3 +50,12 @@ def compiled(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     fresh.__kwdefaults__ = fn.__kwdefaults__
     return torch.compile(fresh, dynamic=False, **kwargs)
+
+
+def inductor_providers(fn: Callable[..., Any], device: str, autotune: bool = False) -> dict[str, Callable[..., Any]]:
+    """Inductor's default compile of ``fn``, and with ``autotune`` on CUDA its max-autotune compile
+    too (CUDA graphs left to the timer: ``max-autotune-no-cudagraphs``)."""
+    providers = {"inductor": compiled(fn)}
+    if autotune and device == "cuda":
+        providers["inductor-max-autotune"] = compiled(fn, mode="max-autotune-no-cudagraphs")
+    return providers

@@ -7,7 +7,7 @@ quantized values (bf16 cuBLAS gets the dequantized matrix itself, so it is
 the unquantized model's linear at the same numerics), and every one is checked
 against the fp32 dequantize-then-matmul reference before it is timed.
 
-    python benchmarks/run.py --ops dequant_matmul [--quick]
+    fusepass bench --ops dequant_matmul [--quick]
     python benchmarks/dequant_matmul.py --gpu-run [--tune-out plans.json]   # checks, plans, pivot table
 
 Providers: bf16 cuBLAS (``F.linear``), Inductor on the dequant form (default;

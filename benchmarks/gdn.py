@@ -7,7 +7,7 @@ does not route them to FLA) eagerly and under Inductor, FLA 0.6
 is installed, and the fusepass ops.  q, k and v are [B, T, H, D] views of one
 fused projection, as the models produce them; the initial state is fp32.
 
-    python benchmarks/run.py --ops gdn                    # the registry run (Inductor at every shape)
+    fusepass bench --ops gdn                            # the registry run (Inductor at every shape)
     python benchmarks/gdn.py --inductor B8-T512-H32-D128,decode  # check, time, sweep; Inductor where named
 """
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One GPU session: versions, the GPU tests, the demo, then every benchmark.
-# Writes logs and the benchmark JSON under $OUT (or ./gpu-out).  Liger-Kernel
-# is picked up from .whl/ when a wheel was carried there.
+# One GPU session: versions, the GPU tests, the demo, then every per-op
+# benchmark (`fusepass bench`).  Writes logs and the benchmark folder (table,
+# JSON, CSV, plots) under $OUT (or ./gpu-out).  Liger-Kernel is picked up from
+# .whl/ when a wheel was carried there.  End-to-end runs are separate commands
+# (`fusepass bench e2e ...`: see BENCHMARKS.md).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FUSEPASS_COMMIT=${FUSEPASS_COMMIT:-unknown}
@@ -15,4 +17,4 @@ python3 -c "import torch; torch._dynamo.lookup_backend('fusepass'); print('backe
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 timeout ${RULES_TIMEOUT:-150} python3 -m pytest -q tests/test_rules.py -p no:cacheprovider 2>&1 | tee "$OUT/rules_cuda.log" | tail -5
 timeout 120 fusepass demo --model llama --json "$OUT/demo_report.json" 2>&1 | tee "$OUT/demo.log" | tail -25
-timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/run.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60
+timeout ${BENCH_TIMEOUT:-300} python3 -m fusepass.cli bench --out "$OUT/bench" --max-seconds $(( ${BENCH_TIMEOUT:-300} - 60 )) ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60

@@ -5,6 +5,11 @@
 Memory-bound: bytes = x read + w read + y written.  The shapes are hidden
 sizes of current LLMs at prefill batch sizes (4096 .. 65536 columns) and the
 decode sizes M = 1 and M = 32 at N = 4096, where launch cost dominates.
+Inductor's max-autotune compile (coordinate-descent tuning of the reduction's
+blocks) is timed at three shapes: it can change a reduction's config, and
+each such compile costs seconds of tuning on the GPU.
+
+    fusepass bench --ops rms_norm
 """
 
 from __future__ import annotations
@@ -12,12 +17,16 @@ from __future__ import annotations
 import torch
 
 import fusepass.kernels.rms_norm  # noqa: F401  - registers fusepass::rms_norm
-from benchmarks.common import Case, compiled, nbytes
+from benchmarks.common import Case, compiled, inductor_providers, nbytes
 
 EPS = 1e-6
 DTYPE = torch.bfloat16
 SHAPES = [(4096, 4096), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 65536), (1, 4096), (32, 4096)]
 QUICK = [(4096, 4096), (2048, 65536), (1, 4096)]
+AUTOTUNE = {(4096, 4096), (8192, 8192), (1, 4096)}
+# The CPU runs the ops' plain-torch paths: small shapes keep `--quick` (CI) in seconds.
+CPU_SHAPES = [(256, 1024), (1024, 4096), (1, 4096)]
+CPU_QUICK = [(1, 1024), (64, 1024)]
 
 
 def hf_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -33,20 +42,36 @@ def fusepass_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.fusepass.rms_norm(x, w, EPS, 0.0, True, DTYPE)
 
 
+def liger():
+    """Liger-Kernel's RMSNorm (Llama casting: fp32 math, cast before the weight), when installed."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        return None
+    return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+
+
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The fp32 math, no intermediate rounding."""
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
 
 
-def norm_cases(op: str, eager, fused, reference, residual: bool, quick: bool) -> list[Case]:
-    """The cases of ``op`` (rms_norm or add_rms_norm) at every benchmark shape."""
+def shapes(quick: bool, device: str) -> list[tuple[int, int]]:
+    if device == "cuda":
+        return QUICK if quick else SHAPES
+    return CPU_QUICK if quick else CPU_SHAPES
+
+
+def norm_cases(op: str, eager, fused, reference, residual: bool, quick: bool, device: str, peer=None) -> list[Case]:
+    """The cases of ``op`` (rms_norm or add_rms_norm) at every benchmark shape; ``peer``: Liger's, if installed."""
     out = []
-    for M, N in QUICK if quick else SHAPES:
+    peers = {"liger": peer} if peer is not None and device == "cuda" else {}
+    for M, N in shapes(quick, device):
         def make(M=M, N=N):
-            x = torch.randn(M, N, device="cuda", dtype=DTYPE)
-            w = (1 + 0.1 * torch.randn(N, device="cuda")).to(DTYPE)  # a trained norm weight, not ones
-            return (x, torch.randn(M, N, device="cuda", dtype=DTYPE), w) if residual else (x, w)
+            x = torch.randn(M, N, device=device, dtype=DTYPE)
+            w = (1 + 0.1 * torch.randn(N, device=device)).to(DTYPE)  # a trained norm weight, not ones
+            return (x, torch.randn(M, N, device=device, dtype=DTYPE), w) if residual else (x, w)
 
         x = torch.empty(M, N, dtype=DTYPE, device="meta")
         w = torch.empty(N, dtype=DTYPE, device="meta")
@@ -60,9 +85,10 @@ def norm_cases(op: str, eager, fused, reference, residual: bool, quick: bool) ->
             reference=reference,
             providers={
                 "eager": eager,
-                "inductor": compiled(eager),
+                **inductor_providers(eager, device, autotune=(M, N) in AUTOTUNE),
                 "fusepass": fused,
                 "fusepass-compiled": compiled(eager, backend="fusepass"),
+                **peers,
             },
             bytes_moved=moved,
             notes={"form": "hf", "eps": str(EPS)},
@@ -70,5 +96,6 @@ def norm_cases(op: str, eager, fused, reference, residual: bool, quick: bool) ->
     return out
 
 
-def cases(quick: bool) -> list[Case]:
-    return norm_cases("rms_norm", hf_rms_norm, fusepass_rms_norm, reference, residual=False, quick=quick)
+def cases(quick: bool = False, device: str = "cuda") -> list[Case]:
+    return norm_cases("rms_norm", hf_rms_norm, fusepass_rms_norm, reference, residual=False, quick=quick,
+                      device=device, peer=liger())

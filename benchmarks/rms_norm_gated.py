@@ -8,7 +8,7 @@ heads, 128] bf16 (``reshape(-1, head_v_dim)`` of contiguous tensors);
 w is [128].  Memory-bound: bytes = x and z read + w read + y written.
 Tokens 1 (decode, M = 32), 64, 4096 and 16384 (prefill).
 
-    python benchmarks/run.py --ops rms_norm_gated
+    fusepass bench --ops rms_norm_gated
 """
 
 from __future__ import annotations

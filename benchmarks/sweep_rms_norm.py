@@ -85,7 +85,8 @@ def inductor_configs(cache_dir: str, seen: set[str]) -> list[str]:
 
 
 def main() -> None:
-    from run import copy_bandwidth, rel_err
+    from fusepass.bench.ops import rel_err
+    from fusepass.bench.timing import copy_bandwidth
 
     p = argparse.ArgumentParser()
     p.add_argument("ops", nargs="*", default=["rms_norm"])
@@ -96,7 +97,7 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"copy {bw:.0f} GB/s", flush=True)
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -139,7 +140,7 @@ def main() -> None:
                         fn = lambda: rms_norm_fwd(x, w, EPS, 0.0, True, torch.bfloat16, **kw)  # noqa: E731
                     else:
                         fn = lambda: add_rms_norm_fwd(x, r, w, EPS, 0.0, True, torch.bfloat16, **kw)  # noqa: E731
-                    # Against the fp32 math, as benchmarks/run.py checks (bf16: 3e-3).
+                    # Against the fp32 math, as `fusepass bench` checks, tighter (bf16: 3e-3).
                     err = rel_err(fn(), ref)
                     if not err <= 3e-3:
                         raise AssertionError(f"relative error {err:.1e} against the fp32 reference")

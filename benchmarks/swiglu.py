@@ -2,7 +2,7 @@
 Llama-3-8B / Mistral-7B (14336) and Llama-2-70B (28672), decode-sized M, and
 Phi-3's fused projection (g and u the halves of one [M, 2I] tensor).
 
-    python benchmarks/run.py --ops swiglu
+    fusepass bench --ops swiglu
     python benchmarks/swiglu.py --sweep      # the kernel's block / warps grid
 """
 
@@ -21,6 +21,9 @@ from fusepass.kernels import gated_act  # noqa: E402  - registers fusepass::swig
 
 SHAPES = [(4096, 14336), (16384, 11008), (8192, 28672), (1, 14336), (32, 14336)]
 FUSED = (4096, 14336)
+# The CPU runs the ops' plain-torch paths: small shapes keep `--quick` (CI) in seconds.
+CPU_SHAPES = [(256, 2048), (1, 2048)]
+CPU_FUSED = (256, 2048)
 
 
 def _liger():
@@ -39,26 +42,26 @@ def _reference(g, u):
     return F.silu(g.float()) * u.float()
 
 
-def _providers() -> dict:
+def _providers(device: str) -> dict:
     providers = {
         "eager": _eager,
         "inductor": compiled(_eager),
         "fusepass": lambda g, u: torch.ops.fusepass.swiglu(g, u),
         "fusepass-compiled": compiled(_eager, backend="fusepass"),
     }
-    liger = _liger()
+    liger = _liger() if device == "cuda" else None
     if liger is not None:
         providers["liger"] = liger  # copies the fused halves first (ensure_contiguous)
     return providers
 
 
-def _case(m: int, n: int, fused: bool) -> Case:
+def _case(m: int, n: int, fused: bool, device: str) -> Case:
     dtype = torch.bfloat16
 
     def make_inputs():
         if fused:
-            return tuple(torch.randn(m, 2 * n, device="cuda", dtype=dtype).chunk(2, -1))
-        return torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=dtype)
+            return tuple(torch.randn(m, 2 * n, device=device, dtype=dtype).chunk(2, -1))
+        return torch.randn(m, n, device=device, dtype=dtype), torch.randn(m, n, device=device, dtype=dtype)
 
     meta = torch.empty(m, n, dtype=dtype, device="meta")
     return Case(
@@ -67,15 +70,18 @@ def _case(m: int, n: int, fused: bool) -> Case:
         dtype=dtype,
         make_inputs=make_inputs,
         reference=_reference,
-        providers=_providers(),
+        providers=_providers(device),
         bytes_moved=nbytes(meta, meta, meta),  # read g and u, write the output
         notes={"layout": "halves of [M, 2I]"} if fused else {},
     )
 
 
-def cases(quick: bool) -> list[Case]:
+def cases(quick: bool = False, device: str = "cuda") -> list[Case]:
+    if device != "cuda":
+        shapes = CPU_SHAPES[:1] if quick else CPU_SHAPES
+        return [_case(m, n, False, device) for m, n in shapes] + [_case(*CPU_FUSED, True, device)]
     shapes = SHAPES[:1] + SHAPES[3:] if quick else SHAPES
-    return [_case(m, n, False) for m, n in shapes] + [_case(*FUSED, True)]
+    return [_case(m, n, False, device) for m, n in shapes] + [_case(*FUSED, True, device)]
 
 
 def sweep() -> None:
@@ -83,9 +89,9 @@ def sweep() -> None:
     import triton.testing
     from tabulate import tabulate
 
-    from benchmarks.run import copy_bandwidth
+    from fusepass.bench.timing import copy_bandwidth
 
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     print(f"# {torch.cuda.get_device_name()}  copy {bw:.0f} GB/s")
     rows = []
     for m, n in SHAPES:

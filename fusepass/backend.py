@@ -10,6 +10,7 @@ graphs, ``max-autotune`` autotuning); ``options=`` carries fusepass's options
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import time
@@ -74,6 +75,71 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     return compiled
 
 
+def _stable(value: Any) -> str:
+    """A text for ``value`` that is the same in every process (no object addresses)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(map(_stable, value)) if isinstance(value, (set, frozenset)) else map(_stable, value)
+        return f"{type(value).__name__}[{', '.join(items)}]"
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in items) + "}"
+    uuid = getattr(value, "uuid", None)
+    if callable(uuid):
+        try:
+            return f"{type(value).__qualname__}(uuid={uuid()!r})"
+        except Exception:  # noqa: BLE001 - fall through to the type name
+            pass
+    return type(value).__qualname__
+
+
+def _tensor_meta(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__ if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool)) else _stable(t)
+    return (f"T({t.dtype}, {t.device.type}, {tuple(str(s) for s in t.shape)}, {tuple(str(s) for s in t.stride())}, "
+            f"grad={t.requires_grad}, static={getattr(t, '_dynamo_static_input_type', None)})")
+
+
+def record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pass_uuid: Any,
+               patches: Mapping[str, Any]) -> str | None:
+    """The key fusepass files a graph's report under: a warm start computes the same one.
+
+    It covers what decides the post-grad graph the pass sees and what the pass
+    does with it: the Dynamo graph's code (and its subgraphs'), the metadata
+    of its inputs and attributes, grad mode, the pass's uuid (rule sources,
+    fusepass options, torch version), the Inductor and functorch configs and
+    the compile's own config patches.  Anything left out could only make two
+    different compiles share a record; anything extra only costs a miss, so
+    the key errs on the side of more.  ``None`` (no record kept) when the pass
+    opted out of caching.
+    """
+    if pass_uuid is None:
+        return None
+    h = hashlib.sha256()
+
+    def add(text: str) -> None:
+        h.update(text.encode())
+        h.update(b"\0")
+
+    add(repr(pass_uuid))
+    add(f"grad={torch.is_grad_enabled()}")
+    for name, mod in gm.named_modules():
+        add(name)
+        add(mod.code if isinstance(mod, torch.fx.GraphModule) else type(mod).__qualname__)
+    for name, t in itertools.chain(gm.named_parameters(), gm.named_buffers()):
+        add(f"{name}: {_tensor_meta(t)}")
+    for x in example_inputs:
+        add(_tensor_meta(x))
+    add(_stable(dict(patches)))
+    for config in (torch._inductor.config, torch._functorch.config):
+        try:
+            add(_stable(config.save_config_portable()))
+        except Exception:  # noqa: BLE001 - a torch without it: the patches and the uuid still count
+            pass
+    return h.hexdigest()
+
+
 def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options, patches: dict[str, Any],
              user_pass: Any, graph_id: str) -> tuple[Any, _report.GraphReport]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -81,40 +147,67 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Opti
     graph = _report.GraphReport(graph_id=graph_id)
     pending: list[_report.GraphReport] = []
     fp = FusePass(opts, chained=user_pass, sink=pending.append, graph_id=graph_id)
+    # The record of what the pass did is filed under a key computed here, from
+    # what decides the pass's output (the Dynamo graph, its inputs' metadata,
+    # the pass's uuid, the Inductor config): a warm start reaches it whichever
+    # cache served the code (AOTAutograd's skips Inductor's compile entirely;
+    # Inductor's FX graph cache skips only the post-grad passes).
+    key = record_key(gm, example_inputs, fp.uuid(), patches)
     patches = {**patches, "post_grad_custom_pre_pass": fp}
     if opts.dump_graphs:
         # A cache hit would skip the pass and write nothing: asking for dumps
         # means compiling afresh.
         patches["fx_graph_cache"] = False
+        key = None
+    called: list[str] = []
 
     def inner_compile(gm_: torch.fx.GraphModule, inputs_: Sequence[Any], **kwargs: Any) -> Any:
-        # Called once per graph AOTAutograd hands Inductor (forward, backward).
-        # On a miss the pass runs inside; on an FX-graph-cache hit it does not,
-        # and the record stored under the same cache key tells what the cached
-        # code holds.
+        # Called once per graph AOTAutograd hands Inductor (forward, backward;
+        # the backward possibly later, at the first backward call).
+        part = "bw" if kwargs.get("is_backward") else "fw"
+        called.append(part)
         pending.clear()
         out = compile_fx_inner(gm_, inputs_, **kwargs)
-        key = getattr(out, "_fx_graph_cache_key", None)
+        # Inductor's FX graph cache keys the post-grad input graph: two Dynamo
+        # graphs that differ only in no-ops (x.float() on fp32) share its
+        # entry, so a hit there may come from another graph's compile; the
+        # record is filed under that key too.
+        fx_key = getattr(out, "_fx_graph_cache_key", None)
+        keys = [k for k in (f"{key}-{part}" if key else None, fx_key) if k]
         if pending:
-            part = _report.GraphReport(graph_id=graph.graph_id)
-            for r in pending:
-                part.merge(r)
-            if key:
-                _report.store(key, part)
+            _ran(graph, pending, keys)
         else:
-            part = _report.load(key) if key else None
-            graph.cache = "hit"
-            if part is None:
-                graph.notes.append(
-                    "a graph came from Inductor's cache and fusepass's record of it is missing; "
-                    "its rewrites are not listed (clear Inductor's cache to recompile it)")
-        if part is not None:
-            graph.merge(part)
+            _restore(graph, keys)
         pending.clear()
         return out
 
-    # AOTAutograd's own cache would skip Inductor's entirely, and with it the
-    # cache key the record is filed under; the FX graph cache stays on.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    if not called:
+        # AOTAutograd's cache served every graph: nothing of Inductor ran.
+        _restore(graph, [f"{key}-fw"] if key else [], also=[f"{key}-bw"] if key else [])
     return compiled, graph
+
+
+def _ran(graph: _report.GraphReport, ran: list[_report.GraphReport], keys: list[str]) -> None:
+    """Fold what the pass did now into ``graph`` and file it under ``keys``."""
+    done = _report.GraphReport(graph_id=graph.graph_id)
+    for r in ran:
+        done.merge(r)
+    for k in keys:
+        _report.store(k, done)
+    graph.merge(done)
+
+
+def _restore(graph: _report.GraphReport, keys: list[str], also: list[str] = ()) -> None:
+    """A cache hit ran no pass: fold in the first record found under ``keys`` (and any under ``also``)."""
+    graph.cache = "hit"
+    found = next((r for r in map(_report.load, keys) if r is not None), None)
+    if found is None:
+        graph.notes.append(
+            "a graph came from the compile cache and fusepass's record of it is missing; "
+            "its rewrites are not listed (clear Inductor's cache to recompile it)")
+        return
+    graph.merge(found)
+    for r in map(_report.load, also):
+        if r is not None:
+            graph.merge(r)

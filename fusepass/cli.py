@@ -2,6 +2,8 @@
 
     fusepass demo [--model llama] [--dtype float32] [--device cpu|cuda] [--quantize int8|int4|fp8] [--json report.json]
     fusepass rules
+    fusepass bench [--ops rms_norm,swiglu] [--quick] [--out DIR]     per-op benchmarks (from a checkout)
+    fusepass bench e2e [--model llama3-8b] [--layers 4] [--phases prefill,decode,replay,startup] [--out DIR]
 
 ``demo`` builds a small random-weight ``transformers`` model, compiles it with
 the fusepass backend, prints the rewrite report, and checks the logits
@@ -12,6 +14,7 @@ machine without a GPU it runs the ops' CPU paths.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 
@@ -108,9 +111,56 @@ def list_rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="check and time the ops (fusepass bench) or whole models (fusepass bench e2e)",
+                       description="Per-op benchmarks over the registry in benchmarks/ (`fusepass bench ops`, "
+                                   "the default) or end-to-end generation (`fusepass bench e2e`).")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    o = bsub.add_parser("ops", help="per-op benchmarks (the default)")
+    o.add_argument("--ops", default=None, help="comma list of registry entries (default: all)")
+    o.add_argument("--quick", action="store_true",
+                   help="small shapes; on the CPU paths unless --device cuda (CI runs this)")
+    o.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="default: cuda when present, cpu with --quick")
+    o.add_argument("--out", default="bench-out", help="folder for table.txt, results.json/.csv and plots")
+    o.add_argument("--providers", default=None, help="comma list: time only these providers")
+    o.add_argument("--rep", type=float, default=None, help="ms of timing per provider (default 100; quick 20)")
+    o.add_argument("--max-seconds", type=float, default=None,
+                   help="stop starting new cases after this many seconds (the rest are listed as skipped)")
+    o.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs; default 1)")
+    o.add_argument("--registry", default=None, help="the benchmarks/ folder (default: the checkout's)")
+    o.set_defaults(func=_bench_ops)
+    pl = bsub.add_parser("plot", help="draw a run's plots from its JSON (a run made where matplotlib was missing)")
+    pl.add_argument("--out", required=True, help="the run's folder (results.json and/or e2e.json)")
+    pl.set_defaults(func=_bench_plot)
+    from fusepass.bench import e2e
+
+    e2e.add_arguments(bsub.add_parser("e2e", help="random-weight transformers models: prefill, generate, "
+                                                   "CUDA-graph replay, cold and warm start"))
+
+
+def _bench_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fusepass.bench import output
+
+    written = output.replot(Path(args.out))
+    print("wrote " + (", ".join(str(p) for p in written) or "nothing: no results.json or e2e.json there"))
+    return 0 if written else 1
+
+
+def _bench_ops(args: argparse.Namespace) -> int:
+    from fusepass.bench import ops
+
+    return ops.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from fusepass.models import MODELS
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("ops", "e2e", "plot", "-h", "--help")):
+        argv.insert(1, "ops")  # `fusepass bench --quick` means the per-op benchmarks
     parser = argparse.ArgumentParser(prog="fusepass", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="compile a small model, print the report, check against eager")
@@ -130,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=demo)
     r = sub.add_parser("rules", help="list the registered rules")
     r.set_defaults(func=list_rules)
+    bench_parser(sub)
     args = parser.parse_args(argv)
+    args.command_line = "fusepass " + shlex.join(argv)
     if getattr(args, "dtype", "x") is None:
         args.dtype = "bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32"
     return args.func(args)

@@ -1,15 +1,17 @@
-"""The rewrite report: what was replaced, where, what it saves, and why each
-near-miss was refused.
+"""The rewrite report: what was replaced, where, what the fused ops move, and
+why each near-miss was refused.
 
 One :class:`GraphReport` per graph fusepass compiled; :func:`last_report`
 gathers every graph since the last :func:`reset_reports`.  Reports render as
 tables (``str(report)``), export as JSON (``report.to_json()``), and are logged
 on the ``fusepass`` logger at INFO level.
 
-On a warm Inductor cache no pass runs, so the backend stores each graph's
-report beside Inductor's cache (keyed by the graph and fusepass's uuid) and
-restores it on a hit: the report of a cached graph says ``cache: hit`` and
-still lists what the cached code contains.
+On a warm cache (AOTAutograd's or Inductor's FX graph cache) no pass runs, so
+the backend stores each graph's report beside Inductor's cache, under a key it
+computes from the Dynamo graph, its inputs and fusepass's uuid
+(:func:`fusepass.backend.record_key`), and restores it on a hit: the report of
+a cached graph says ``cache: hit`` and still lists what the cached code
+contains.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Hit:
     form: str
     where: str  # module path in the user's model
     source: str  # file:line of the user's code
-    bytes_saved: int  # per call, estimate: op-by-op bytes minus fused bytes
+    bytes_moved: int  # per call: the fused op's inputs read once and outputs written once
     dtype: str = ""
 
 
@@ -140,7 +142,7 @@ class RewriteReport:
         cached = sum(1 for g in self.graphs if g.cache == "hit")
         head = (
             f"fusepass rewrite report: {len(self.graphs)} graph(s)"
-            + (f" ({cached} from cache)" if cached else "")
+            + (f" ({cached} restored from the compile cache: rewrites as recorded when compiled)" if cached else "")
             + f", {len(hits)} rewrite(s), {len(refusals)} refusal(s); "
             f"matching {match_s:.2f} s of {compile_s:.2f} s compile"
         )
@@ -160,12 +162,14 @@ class RewriteReport:
                 len(rh),
                 attempts.get(rule, len(rh)),
                 ", ".join(f"{f}×{n}" for f, n in sorted(forms.items())) or "-",
-                _fmt_bytes(sum(h.bytes_saved for h in rh)),
+                _fmt_bytes(sum(h.bytes_moved for h in rh)),
                 _places(rh) or "-",
             ])
         out = [head, ""]
         if rows:
-            out.append(tabulate(rows, headers=["rule", "hits", "attempts", "forms", "bytes saved/call", "where"]))
+            out.append(tabulate(rows, headers=["rule", "hits", "attempts", "forms", "fused bytes/call", "where"]))
+            out.append("(fused bytes/call: what the fused ops read and write per call, a traffic floor; "
+                       "not a saving against Inductor, which fuses most of these too)")
         grouped: dict[tuple[str, str], list[Refusal]] = defaultdict(list)
         for r in refusals:
             grouped[(r.rule, r.reason)].append(r)

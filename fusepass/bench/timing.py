@@ -1,0 +1,142 @@
+"""Timers, the copy-bandwidth ceiling and the run's environment, shared by
+``fusepass bench`` and ``fusepass bench e2e``.
+
+On CUDA every figure comes from Triton's timers: ``do_bench_cudagraph``
+(replays of a CUDA graph holding the call: the GPU time alone) and
+``do_bench`` (plain launches, CPU launch cost included).  On the CPU there are
+no graphs: calls run back to back, timed with ``time.perf_counter`` in blocks
+of at least a millisecond.  Quantiles are always (median, p20, p80).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+QUANTILES = [0.5, 0.2, 0.8]
+
+
+@dataclass
+class Timing:
+    """Milliseconds per call: median, p20, p80."""
+
+    median: float
+    p20: float
+    p80: float
+
+    @classmethod
+    def of(cls, values: list[float] | tuple[float, ...] | float) -> Timing:
+        if isinstance(values, (int, float)):
+            return cls(float(values), float(values), float(values))
+        return cls(*map(float, values))
+
+    @classmethod
+    def from_samples(cls, samples: list[float]) -> Timing:
+        qs = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
+        return cls(statistics.median(samples), qs[1], qs[7])
+
+
+def sync(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_cpu(fn: Callable[[], Any], rep_ms: float = 100.0, min_samples: int = 5) -> Timing:
+    """Back-to-back calls on the CPU, in blocks of >= 1 ms; ms per call."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(1e-3 / one))
+    samples: list[float] = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(samples) < min_samples or (time.perf_counter() < deadline and len(samples) < 1000):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner * 1e3)
+    return Timing.from_samples(samples)
+
+
+def time_plain(fn: Callable[[], Any], device: str | torch.device, rep_ms: float) -> Timing:
+    """Plain calls: ``do_bench`` on CUDA (L2 flushed, events per call), back-to-back loops on the CPU."""
+    if torch.device(device).type != "cuda":
+        return time_cpu(fn, rep_ms)
+    import triton.testing
+
+    return Timing.of(triton.testing.do_bench(fn, rep=rep_ms, quantiles=QUANTILES))
+
+
+def time_graph(fn: Callable[[], Any], rep_ms: float) -> Timing:
+    """Replays of a CUDA graph of ``fn`` (``do_bench_cudagraph``): GPU time alone."""
+    import triton.testing
+
+    return Timing.of(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=QUANTILES))
+
+
+def copy_bandwidth(device: str | torch.device) -> float:
+    """Device-to-device ``copy_`` of a large bf16 buffer, bytes read + written per second, in GB/s.
+
+    CUDA: 1 GiB, CUDA-graph time (the same timer as the ops' GB/s).  CPU:
+    64 MiB, back-to-back copies.
+    """
+    device = torch.device(device)
+    numel = (1 << 29) if device.type == "cuda" else (1 << 25)
+    src = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        ms = time_graph(lambda: dst.copy_(src), rep_ms=200).median
+    else:
+        ms = time_cpu(lambda: dst.copy_(src), rep_ms=200).median
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * numel * 2 / ms / 1e6
+
+
+def commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes), or ``FUSEPASS_COMMIT``."""
+    if os.environ.get("FUSEPASS_COMMIT"):
+        return os.environ["FUSEPASS_COMMIT"]
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):  # not a checkout (an installed wheel, the device copy)
+        return "unknown"
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - absent or broken: say so, do not fail the run
+        return "-"
+
+
+def environment(device: str | torch.device) -> dict[str, str]:
+    """What a figure is only good for: the device, the versions, the commit."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} threads visible, " \
+               f"torch uses {torch.get_num_threads()})"
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "python": platform.python_version(),
+        "commit": commit(),
+    }

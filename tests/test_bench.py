@@ -1,0 +1,173 @@
+"""``fusepass bench``: the CPU quick runs CI makes, and what they write."""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the registry (benchmarks/) lives in the checkout, not the package
+
+try:
+    import matplotlib  # noqa: F401
+
+    HAS_MPL = True
+except ImportError:
+    HAS_MPL = False
+
+
+def fusepass_cli(capsys, *args):
+    """``fusepass <args>`` in this process: Inductor's one-time start-up (~10 s on
+    2 cores) is paid once for the suite, not once per command."""
+    import torch
+
+    from fusepass.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        code = main(list(args))
+    finally:
+        torch.set_num_threads(threads)  # CPU runs pin one thread
+    out = capsys.readouterr()
+    assert code == 0, f"exit {code}\n{out.out[-3000:]}\n{out.err[-3000:]}"
+    return out
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_quick_checks_and_times_every_registry_entry(tmp_path, capsys):
+    from fusepass.bench.ops import entry_names
+
+    out = fusepass_cli(capsys, "bench", "--quick", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = data["rows"]
+    entries = entry_names(ROOT / "benchmarks")
+    assert {"rms_norm", "add_rms_norm", "swiglu", "geglu"} <= set(entries)
+    assert {r["op"] for r in rows} == set(entries), "an entry wrote no rows"
+    assert data["copy_gbps"] > 0 and data["env"]["torch"] and data["env"]["commit"]
+    for r in rows:
+        assert r.get("ok") is True, f"{r['op']} {r['shape']} {r['provider']}: {r.get('error')}"
+        assert r["plain_us"] > 0 and r["plain_p20_us"] <= r["plain_us"] <= r["plain_p80_us"]
+        assert r["gbps"] > 0 and r["pct_copy"] > 0
+        assert r["rel_err"] <= r["tolerance"]
+        assert r["device"] == data["env"]["device"] and r["commit"] == data["env"]["commit"]
+    for op in ("rms_norm", "swiglu"):
+        providers = {r["provider"] for r in rows if r["op"] == op}
+        assert {"eager", "inductor", "fusepass", "fusepass-compiled"} <= providers
+    inductor = [r for r in rows if r["provider"] == "inductor"]
+    assert inductor and all(r["vs_inductor"] == 1.0 for r in inductor)
+
+    with (tmp_path / "results.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    table = (tmp_path / "table.txt").read_text()
+    assert "vs inductor" in table and all(op in table for op in entries)
+    assert table.strip().splitlines()[-1] in out.out  # the table is printed last
+    if HAS_MPL:
+        plots = {p.name for p in tmp_path.glob("*.png")}
+        assert {f"bandwidth_{op}.png" for op in entries} | {"speedup.png"} <= plots
+        assert all(is_png(tmp_path / p) for p in plots)
+        # A run made where matplotlib was missing gets its plots afterwards, from the JSON.
+        for p in tmp_path.glob("*.png"):
+            p.unlink()
+        fusepass_cli(capsys, "bench", "plot", "--out", str(tmp_path))
+        assert {p.name for p in tmp_path.glob("*.png")} == plots
+    else:
+        assert "plots skipped" in out.out
+
+
+def test_bench_refuses_an_unknown_op(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="unknown op.*no_such_op"):
+        fusepass_cli(capsys, "bench", "--quick", "--ops", "no_such_op", "--out", str(tmp_path))
+
+
+def test_a_wrong_provider_is_reported_not_timed():
+    import torch
+
+    from benchmarks.common import Case
+    from fusepass.bench import output
+    from fusepass.bench.ops import run_case
+
+    case = Case(op="scale", shape="8x8", dtype=torch.float32, make_inputs=lambda: (torch.randn(8, 8),),
+                reference=lambda x: x * 2,
+                providers={"right": lambda x: x * 2, "wrong": lambda x: x * 2.01, "raises": lambda x: x.no_such()},
+                bytes_moved=512)
+    rows = {r["provider"]: r for r in run_case(case, "cpu", 5.0, {}, 10.0, None, output.Progress(3, "t"))}
+    assert rows["right"]["ok"] and rows["right"]["plain_us"] > 0
+    assert rows["wrong"]["ok"] is False and "wrong result" in rows["wrong"]["error"]
+    assert "plain_us" not in rows["wrong"]
+    assert rows["raises"]["ok"] is False and "AttributeError" in rows["raises"]["error"]
+
+
+def test_bench_e2e_quick(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    # Inductor is left out to keep CI short (its C++ compiles cost ~25 s here);
+    # the comparison with it is checked in test_startup_rows_compare_warm_with_cold.
+    out = fusepass_cli(capsys, "bench", "e2e", "--quick", "--phases", "prefill,decode,replay", "--backends", "eager,fusepass",
+                       "--out", str(tmp_path))
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    rows = data["rows"]
+    got = {(r["phase"], r["backend"]) for r in rows}
+    assert got == {(p, b) for p in ("prefill", "decode", "replay") for b in ("eager", "fusepass")}
+    for r in rows:
+        if r["phase"] == "decode" and r.get("ok") is None:
+            continue  # the CPU's noise exceeded the few decode steps of --quick: said so, not a failure
+        assert r["ok"] is True, f"{r['workload']} {r['backend']}: {r.get('error')}"
+        assert r["value"] > 0 and r["p20"] <= r["value"] <= r["p80"]
+    for r in rows:
+        if r["backend"] == "fusepass" and r.get("ok"):
+            assert "rms_norm" in r["rewrites"], r["rewrites"]
+        if r["phase"] in ("decode", "replay") and r.get("ok"):
+            assert r["floor_ms"] > 0 and r["pct_floor"] > 0
+    with (tmp_path / "e2e.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert "fusepass rewrites" in (tmp_path / "e2e_table.txt").read_text()
+    assert "wrote" in out.out
+
+
+def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
+    """The startup phase's verdicts, from children's results (the real children
+    run in tests/test_backend.py's warm-start test and on the GPU)."""
+    import argparse
+
+    from fusepass.bench import e2e
+
+    results = {
+        "cold": {"first_call_s": 9.0, "first_call_cpu_s": 8.0, "cache": ["miss"], "hits": [["rms_norm", "model.norm"]]},
+        "warm": {"first_call_s": 3.0, "first_call_cpu_s": 2.5, "cache": ["hit"], "hits": [["rms_norm", "model.norm"]]},
+    }
+    calls = []
+
+    def fake_child(spec, folder, timeout):
+        kind = "warm" if any(c[1] == folder and c[0] == spec["backend"] for c in calls) else "cold"
+        calls.append((spec["backend"], folder))
+        r = dict(results[kind], process_s=results[kind]["first_call_s"] + 1,
+                 aot_autograd_cache_hits=int(kind == "warm"), fx_graph_cache_hits=0)
+        if spec["backend"] != "fusepass":
+            r = {k: v for k, v in r.items() if k not in ("cache", "hits")}
+        return r
+
+    monkeypatch.setattr(e2e, "startup_child", fake_child)
+    monkeypatch.setattr(e2e, "copy_bandwidth", lambda device: 1.0)
+    args = argparse.Namespace(quick=True, device="cpu", model="tiny-llama", dtype=None, backends="inductor,fusepass",
+                              out=str(tmp_path), layers="2", quantize=None, group_size=128, prompt=16, repeat=2,
+                              child_timeout=10, threads=1, command_line="test", model_given=True,
+                              max_seconds=None)
+    run = e2e.Run(args)
+    e2e.phase_startup(run)
+    rows = {(r["backend"], r["workload"]): r for r in run.rows}
+    warm = rows[("fusepass", "startup warm")]
+    assert warm["ok"] and warm["value"] == 3.0 and warm["cpu_s"] == 2.5 and "rms_norm×1" in warm["rewrites"]
+    assert rows[("inductor", "startup cold")]["runs"] == 2
+    e2e._vs_inductor(run.rows)
+    assert warm["vs_inductor"] == 1.0  # both warm starts took 3.0 s
+    assert rows[("inductor", "startup cold")]["vs_inductor"] == 1.0
+    # A warm report that lost a rewrite is a failure.
+    results["warm"] = {**results["warm"], "hits": []}
+    run.rows.clear()
+    e2e.phase_startup(run)
+    assert not {(r["backend"], r["workload"]): r for r in run.rows}[("fusepass", "startup warm")]["ok"]
