@@ -195,9 +195,18 @@ def _lazy_module(make):
     return fn
 
 
+# The CPU's --quick run (CI) checks and times every provider's path on one
+# small shape: the real sizes took minutes per format on 2 CPU cores.
+CPU_QUICK_SHAPES = [(256, 512)]
+CPU_QUICK_MS = [1, 16]
+
+
 def cases(quick: bool = False, device: str = "cuda") -> list[Case]:
     ms = QUICK_MS if quick else MS
-    return [_case(fmt, N, K, M, quick, device) for fmt in FORMATS for N, K in SHAPES for M in ms]
+    shapes = SHAPES
+    if quick and device == "cpu":
+        shapes, ms = CPU_QUICK_SHAPES, CPU_QUICK_MS
+    return [_case(fmt, N, K, M, quick, device) for fmt in FORMATS for N, K in shapes for M in ms]
 
 
 # -- the GPU run: checks at real sizes, plans, timings ------------------------------
