@@ -145,7 +145,8 @@ def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.
 
     if not hasattr(fusepass, "quantize"):
         raise SystemExit("fusepass bench e2e: --quantize needs fusepass.quantize, which this version lacks")
-    return fusepass.quantize(model, fmt=fmt, group_size=group_size) or model
+    print(fusepass.quantize(model, fmt=fmt, group_size=group_size), file=sys.stderr)  # in place; a summary
+    return model
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -515,7 +516,7 @@ with torch.device(spec["device"]):
     model = cls._from_config(config, dtype=dtype).eval()
 if spec["quantize"]:
     import fusepass
-    model = fusepass.quantize(model, fmt=spec["quantize"], group_size=spec["group_size"]) or model
+    fusepass.quantize(model, fmt=spec["quantize"], group_size=spec["group_size"])  # in place
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(0, config.vocab_size, (1, spec["prompt"]), generator=g).to(spec["device"])
 sync = torch.cuda.synchronize if spec["device"] == "cuda" else (lambda: None)
