@@ -106,6 +106,11 @@ def _output_permute(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int], limit:
     return None
 
 
+def _constant(n: torch.fx.Node) -> bool:
+    """Made from sizes alone (zeros, a mask): an output buffer's layout, not an input."""
+    return n.op == "call_function" and not any(_tensor(a) is not None for a in n.all_input_nodes)
+
+
 def _is_boundary(n: torch.fx.Node) -> bool:
     if n.op in ("placeholder", "get_attr"):
         return True
@@ -137,7 +142,7 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
         if n in inside:
             continue
         inside.add(n)
-        if n is not perm and _is_transpose12(n):
+        if n is not perm and _is_transpose12(n) and not _constant(n.args[0]):
             entries[n] = n.args[0]
             boundary[n.args[0]] = None
             continue
@@ -169,11 +174,13 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
                 extra.add(u)
                 frontier += [w for w in u.users if w not in inside and w not in extra]
                 changed = True
-    sinks = [n for n in extra if any(u not in inside and u not in extra for u in n.users)]
-    state_out = None
-    if sinks:
-        state_out = max(sinks, key=pos.__getitem__)
-    nodes = sorted(inside | extra, key=pos.__getitem__)
+    # Read outside the body: the output, and the final state (the token loop's
+    # last state feeds its last output too, so it may be inside).
+    body = inside | extra
+    sinks = [n for n in body if n is not o_out and not _constant(n) and _tensor(n) is not None
+             and _tensor(n).dim() == 4 and any(u not in body for u in n.users)]
+    state_out = max(sinks, key=pos.__getitem__) if sinks else None
+    nodes = sorted(body, key=pos.__getitem__)
     return Body(anchor, perm, o_out, state_out, nodes, list(boundary), entries)
 
 
@@ -364,7 +371,8 @@ def find(gm: torch.fx.GraphModule, *, anchor_op: Any, op: Any, form: Callable[[B
     graph = gm.graph
     pos = _position(graph)
     covered: set[torch.fx.Node] = set()
-    for anchor in [n for n in graph.nodes if n.op == "call_function" and n.target == anchor_op]:
+    anchors = anchor_op if isinstance(anchor_op, tuple) else (anchor_op,)
+    for anchor in [n for n in graph.nodes if n.op == "call_function" and n.target in anchors]:
         if anchor in covered:
             continue
         body = slice_body(anchor, pos)

@@ -4,7 +4,8 @@ The same recurrence as ``gdn_chunk`` (see there), written as
 ``transformers``' ``torch_recurrent_gated_delta_rule`` does: one state decay,
 one delta update and one read per token, with q divided by sqrt(d_k).  A
 cached decode step calls it with T = 1 and the cache's state.  Found by
-dataflow around ``exp`` of the decay, with no ``bmm`` and no ``cumsum`` in
+dataflow around ``exp`` of the decay (or another function of it: a near-miss
+to explain), with no ``bmm`` and no ``cumsum`` in
 the region (those are the chunked form's), and accepted only if it equals the
 op on random inputs (see :mod:`fusepass.patterns._gdn`).
 """
@@ -63,7 +64,7 @@ def form(body: _gdn.Body) -> str | None:
 
 
 def find(gm):
-    return _gdn.find(gm, anchor_op=aten.exp.default, op=torch.ops.fusepass.gdn_recurrent, form=form,
+    return _gdn.find(gm, anchor_op=(aten.exp.default, aten.sigmoid.default), op=torch.ops.fusepass.gdn_recurrent, form=form,
                      op_name="gdn_recurrent")
 
 
