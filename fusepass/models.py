@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next")
+MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5")
 
 
 def _config(name: str, size: str) -> Any:
@@ -42,6 +42,13 @@ def _config(name: str, size: str) -> Any:
             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=32,
             layer_types=["linear_attention", "full_attention"] * (layers // 2))
+    if name == "qwen3_5":
+        # One GDN layer then one full-attention layer (3:1 in the real model);
+        # 2 key heads serving 4 value heads, as the real 16:32.
+        return tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig(
+            **common, head_dim=hidden // heads, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2))
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
@@ -53,7 +60,7 @@ def build(name: str = "llama", dtype: torch.dtype = torch.float32, device: str |
     with torch.no_grad():
         for module in model.modules():
             if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
-                module.weight.normal_(0.0, 0.5).add_(0.0 if name in ("gemma", "qwen3_next") else 1.0)
+                module.weight.normal_(0.0, 0.5).add_(0.0 if name in ("gemma", "qwen3_next", "qwen3_5") else 1.0)
     return model.to(device=device, dtype=dtype).eval()
 
 
