@@ -14,7 +14,7 @@ import torch
 MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5")
 
 
-def _config(name: str, size: str) -> Any:
+def _config(name: str, size: str, **overrides: Any) -> Any:
     import transformers as tf
 
     # tiny: tests; small: the demo; medium: GPU timing (a 4-layer slice of a
@@ -27,6 +27,13 @@ def _config(name: str, size: str) -> Any:
     common = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                   max_position_embeddings=4096)
+    cls, config = _base_config(tf, name, hidden, heads, layers, common)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return cls, config
+
+
+def _base_config(tf: Any, name: str, hidden: int, heads: int, layers: int, common: dict[str, Any]) -> Any:
     if name == "llama":
         return tf.LlamaForCausalLM, tf.LlamaConfig(**common, head_dim=hidden // heads)
     if name == "qwen3":
@@ -53,8 +60,9 @@ def _config(name: str, size: str) -> Any:
 
 
 def build(name: str = "llama", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-          size: str = "tiny", seed: int = 0) -> torch.nn.Module:
-    cls, config = _config(name, size)
+          size: str = "tiny", seed: int = 0, **config: Any) -> torch.nn.Module:
+    """A random-weight model; ``config`` overrides fields of its config (``mlp_only_layers=[0, 1]``)."""
+    cls, config = _config(name, size, **config)
     torch.manual_seed(seed)
     model = cls(config)
     with torch.no_grad():

@@ -174,6 +174,19 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
                 extra.add(u)
                 frontier += [w for w in u.users if w not in inside and w not in extra]
                 changed = True
+    # Sizes read off the body's tensors (symbolic shapes: sym_size of a chunked
+    # view) belong to it when only the body uses them.
+    body = inside | extra
+    changed = True
+    while changed:
+        changed = False
+        for b in list(boundary):
+            if b.op == "call_function" and _tensor(b) is None and b.users and all(u in body for u in b.users):
+                body.add(b)
+                del boundary[b]
+                boundary.update({a: None for a in b.all_input_nodes if a not in body and a not in boundary})
+                changed = True
+    inside |= {b for b in body if b not in extra}
     # Read outside the body: the output, and the final state (the token loop's
     # last state feeds its last output too, so it may be inside).
     body = inside | extra
