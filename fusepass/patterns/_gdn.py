@@ -450,3 +450,18 @@ def reads_gate(body: Body, node: torch.fx.Node, limit: int = 10) -> bool:
 
 def has(body: Body, *targets: Any) -> bool:
     return any(n.op == "call_function" and n.target in targets for n in body.nodes)
+
+
+SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check(m: Any) -> str | None:
+    """Refusals that do not need a run: dtypes and devices the op does not serve."""
+    for name in ("q", "k", "v"):
+        t = m.val(name)
+        if t.dtype not in SUPPORTED:
+            return f"{name} is {t.dtype}: the op computes in fp32 and returns q's dtype (fp32/fp16/bf16 only)"
+    q = m.val("q")
+    if q.device.type not in ("cuda", "cpu"):
+        return f"no fusepass kernel for device {q.device.type}"
+    return None

@@ -144,6 +144,7 @@ RULE = Rule(
     example_inputs=example_inputs,
     dtypes=(torch.float32, torch.bfloat16),
     find=find,
+    check=_gdn.check,
     pretraced=(torch.ops.fusepass.gdn_chunk.default,),
     # Before the norm rules: the region's L2 norms are its own.
     priority=20,

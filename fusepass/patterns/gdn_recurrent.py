@@ -78,6 +78,7 @@ RULE = Rule(
     example_inputs=example_inputs,
     dtypes=(torch.float32, torch.bfloat16),
     find=find,
+    check=_gdn.check,
     pretraced=(torch.ops.fusepass.gdn_recurrent.default,),
     priority=19,
     near_misses=[
