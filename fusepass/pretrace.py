@@ -34,13 +34,16 @@ nothing of it to compile.
   cache entries apart.
 - **When.** :func:`arm` runs when torch resolves ``backend="fusepass"``
   (importing :mod:`fusepass.backend` through the entry point): it registers
-  the copies already imported and a Dynamo start-of-compile callback that
-  registers copies imported later, before their first trace.
+  the copies already imported and puts an import hook on
+  ``transformers.models.*`` that registers copies imported later, right after
+  their module runs (Dynamo's start-of-compile callbacks would also be in
+  time, but ``torch._dynamo.reset()`` removes them).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
 import inspect
 import logging
 import sys
@@ -71,20 +74,58 @@ notes: list[str] = []  # copies found and refused, for the curious
 
 
 def arm() -> None:
-    """Register the copies imported so far and, once, a start-of-compile callback for later ones."""
+    """Register the copies imported so far and, once, an import hook for later ones."""
     global _armed
-    install()
     with _lock:
-        if _armed:
-            return
-        _armed = True
-    torch._dynamo.callback_handler.register_start_callback(lambda *args, **kwargs: install())
+        if not _armed:
+            _armed = True
+            # Dynamo's start-of-compile callbacks would do, but torch._dynamo.reset() drops them.
+            sys.meta_path.insert(0, _AfterImport())
+    install()
 
 
-def install() -> None:
-    """Substitute every known GDN copy in the ``transformers.models`` modules imported now."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`install` after each ``transformers.models`` module is executed."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if not name.startswith("transformers.models."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        try:
+            install(ready=module.__name__)
+        except Exception as exc:  # noqa: BLE001 - never break an import
+            log.warning("fusepass: pre-trace registration after importing %s failed: %s", module.__name__, exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def install(ready: str = "") -> None:
+    """Substitute every known GDN copy in the ``transformers.models`` modules imported now
+    (``ready``: a module whose code has just run, though importlib has not marked it done)."""
     for name in [m for m in list(sys.modules) if m.startswith("transformers.models.") and m not in _scanned]:
         module = sys.modules.get(name)
+        if name != ready and getattr(getattr(module, "__spec__", None), "_initializing", False):
+            continue  # still executing (it imports another module of its package): later
         _scanned.add(name)
         for fname, op in KNOWN.items():
             fn = getattr(module, fname, None)
