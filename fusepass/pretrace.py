@@ -221,6 +221,9 @@ def _substitute(fn: types.FunctionType, op_name: str) -> Callable[..., Any]:
         if bound.get("cu_seqlens") is not None or bound.get("seq_idx") is not None:
             return original(*args, **kwargs)  # packed sequences: not the op's
         q = bound["query"]
+        tensors = [bound[n] for n in ("query", "key", "value", "g", "beta", "initial_state") if bound[n] is not None]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return original(*args, **kwargs)  # the op has no backward: training traces the function
         o, state = op(q, bound["key"], bound["value"], bound["g"], bound["beta"], bound["initial_state"],
                       bool(bound["use_qk_l2norm_in_kernel"]), q.shape[-1] ** -0.5)
         return o, (state if bound["output_final_state"] else None)

@@ -367,6 +367,8 @@ def verify(body: Body, op: Any, cands: list[Candidate]) -> tuple[Candidate | Non
             err = _rel(o, expected[0])
             if len(expected) > 1:
                 if tuple(expected[1].shape) != tuple(state.shape):
+                    best = min(best, (float("inf"), f"its state output is {tuple(expected[1].shape)}, "
+                                                    f"the op's {tuple(state.shape)}"))
                     continue
                 err = max(err, _rel(state, expected[1]))
             tol = REL_TOL.get(o_val.dtype, 1e-4)
@@ -395,6 +397,10 @@ def find(gm: torch.fx.GraphModule, *, anchor_op: Any, op: Any, form: Callable[[B
         name = form(body)
         if name is None:
             continue
+        reason = _outside(body)
+        if reason:
+            yield Region(name, anchor, reason=reason)
+            continue
         cands, reason, _ = candidates(body)
         if reason:
             yield Region(name, anchor, reason=reason)
@@ -405,6 +411,19 @@ def find(gm: torch.fx.GraphModule, *, anchor_op: Any, op: Any, form: Callable[[B
                                               f"({len(cands)} input assignment(s) tried; closest: {why})")
             continue
         yield _region(body, name, chosen, op)
+
+
+def _outside(body: Body) -> str | None:
+    """Checked before any run: an intermediate read outside (training saves them for backward)."""
+    members, outs = set(body.nodes), {body.o_out, body.state_out}
+    for n in body.nodes:
+        if n in outs or _constant(n) or _tensor(n) is None:
+            continue
+        users = [u for u in n.users if u not in members]
+        if users:
+            where = "a graph output (in training, saved for backward)" if users[0].op == "output" else users[0].name
+            return f"intermediate {n.name} of the region is also used outside it, by {where}"
+    return None
 
 
 def _region(body: Body, name: str, c: Candidate, op: Any) -> Region:
