@@ -97,11 +97,20 @@ def test_pretrace_compiles_one_graph_for_every_length():
     assert len(runs("qwen3_5", False)["prefill100"][1].graphs) == 1
 
 
-def test_graph_path_takes_the_repeat_of_grouped_heads_and_the_cache_state():
-    # Qwen3.5's 2 key heads serve 4 value heads: the op gets the unrepeated q, k.
-    report = runs("qwen3_5", False)["decode"][1]
-    (hit,) = [h for h in report.hits if h.rule == "gdn_recurrent"]
-    assert hit.form == "token_loop" and hit.bytes_saved > 0
+@pytest.mark.parametrize("repeat,taken", [
+    (lambda q: q.repeat_interleave(2, dim=2), True),  # value head h reads key head h // 2: the op's own repeat
+    (lambda q: q.repeat(1, 1, 2, 1), False),  # tiled heads: h reads h % Hk, which the op does not do
+], ids=["interleave", "tile"])
+def test_grouped_head_repeat_is_taken_into_the_op_only_when_it_is_the_ops(repeat, taken):
+    from torch._inductor.pattern_matcher import fwd_only
+
+    from fusepass.patterns._gdn import _unrepeat
+
+    gm = fwd_only(repeat, [torch.randn(2, 5, 3, 4)])
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    src, chain = _unrepeat(out)
+    assert (src.op == "placeholder" and len(chain) == 4) == taken
 
 
 def test_pretrace_option_from_the_environment(monkeypatch):

@@ -42,7 +42,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fusepass.match import hint
+from fusepass.match import hint, same
 from fusepass.rule import Region
 
 aten = torch.ops.aten
@@ -170,7 +170,7 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
                 continue
             ins = u.all_input_nodes
             if all(a in inside or a in extra or a in boundary or _is_boundary(a) for a in ins) and \
-                    any(a in inside or a in extra for a in ins) and not _depends_on(u, o_out, inside):
+                    any(a in inside or a in extra for a in ins) and o_out not in ins:
                 extra.add(u)
                 frontier += [w for w in u.users if w not in inside and w not in extra]
                 changed = True
@@ -197,23 +197,24 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
     return Body(anchor, perm, o_out, state_out, nodes, list(boundary), entries)
 
 
-def _depends_on(u: torch.fx.Node, target: torch.fx.Node, inside: set[torch.fx.Node]) -> bool:
-    """Whether ``u`` reads the output chain (its inputs that are in the body are checked, one level)."""
-    return any(a is target for a in u.all_input_nodes)
-
-
 def _unrepeat(x: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     """``repeat_interleave(x, r, dim=2)`` as post-grad has it -> (x, its nodes); else (x, [])."""
     chain = []
     n = x
-    for target in (aten.reshape.default, aten.clone.default, aten.expand.default, aten.unsqueeze.default):
-        if n.op != "call_function" or n.target != target or len(n.users) > 1 and n is not x:
+    views = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+    for targets in (views, (aten.clone.default,), (aten.expand.default,), (aten.unsqueeze.default,)):
+        if n.op != "call_function" or n.target not in targets or len(n.users) > 1 and n is not x:
             return x, []
         chain.append(n)
         n = n.args[0]
-    src, out = _tensor(n), _tensor(x)
-    unsq = chain[-1]
-    if src is None or out is None or src.dim() != 4 or unsq.args[1] != 3:
+    src, out, wide = _tensor(n), _tensor(x), _tensor(chain[2])
+    if src is None or out is None or wide is None or src.dim() != 4 or chain[-1].args[1] != 3:
+        return x, []
+    # [B, T, Hk, D] -> [B, T, Hk, r, D] -> [B, T, Hk * r, D]: each head r times in a row.
+    B, T, Hk, D = src.shape
+    r = wide.shape[3]
+    if not (wide.dim() == 5 and all(same(a, b) for a, b in zip(wide.shape, (B, T, Hk, r, D)))
+            and out.dim() == 4 and all(same(a, b) for a, b in zip(out.shape, (B, T, Hk * r, D)))):
         return x, []
     return n, chain
 
@@ -237,7 +238,7 @@ def _scales(body: Body) -> list[float]:
     return list(dict.fromkeys(found))
 
 
-def candidates(body: Body) -> tuple[list[Candidate], str | None, list[torch.fx.Node]]:
+def candidates(body: Body) -> tuple[list[Candidate], str | None]:
     """Role assignments to try, most likely first, or a reason there are none."""
     four = [b for b in dict.fromkeys(body.entries.values()) if _tensor(b) is not None and _tensor(b).dim() == 4]
     three = [b for b in dict.fromkeys(body.entries.values()) if _tensor(b) is not None and _tensor(b).dim() == 3]
@@ -245,14 +246,14 @@ def candidates(body: Body) -> tuple[list[Candidate], str | None, list[torch.fx.N
     if len(three) != 2:
         what = "no beta" if len(three) == 1 else f"{len(three)} per-token gate tensors"
         return [], (f"not a gated delta rule: the region reads {len(three)} per-token [B, T, H] tensor(s) ({what}); "
-                    "GDN reads two, g and beta"), []
+                    "GDN reads two, g and beta")
     if len(four) != 3:
-        return [], f"not a gated delta rule: the region reads {len(four)} [B, T, H, D] tensors, not q, k and v", []
+        return [], f"not a gated delta rule: the region reads {len(four)} [B, T, H, D] tensors, not q, k and v"
     states = [b for b in others if _tensor(b).dim() == 4]
     stray = [b for b in others if b not in states]
     if stray or len(states) > 1:
         names = ", ".join(f"{b.name} {tuple(_tensor(b).shape)}" for b in stray + states[1:])
-        return [], f"the region also reads {names}: none of q, k, v, g, beta, the initial state", []
+        return [], f"the region also reads {names}: none of q, k, v, g, beta, the initial state"
     state = states[0] if states else None
     has_norm = any(n.target == aten.rsqrt.default for n in body.nodes if n.op == "call_function")
     scales = _scales(body) or [1.0]
@@ -267,7 +268,7 @@ def candidates(body: Body) -> tuple[list[Candidate], str | None, list[torch.fx.N
                     out.append(Candidate(dict(q=q, k=k, v=v, g=g, beta=beta, state=state), flag, scale))
     # Structure first: g feeds the anchor's chain, v is not normalised.
     out.sort(key=lambda c: (not _feeds(c.roles["g"], body.anchor), c.flag != has_norm))
-    return out[:32], None, []
+    return out[:32], None
 
 
 def _feeds(src: torch.fx.Node, target: torch.fx.Node, limit: int = 12) -> bool:
@@ -401,7 +402,10 @@ def find(gm: torch.fx.GraphModule, *, anchor_op: Any, op: Any, form: Callable[[B
         if reason:
             yield Region(name, anchor, reason=reason)
             continue
-        cands, reason, _ = candidates(body)
+        cands, reason = candidates(body)
+        if not reason and not cands:
+            shapes = ", ".join(f"{tuple(_tensor(b).shape)}" for b in dict.fromkeys(body.entries.values()))
+            reason = f"no assignment of q, k, v, g, beta fits the shapes it reads ({shapes})"
         if reason:
             yield Region(name, anchor, reason=reason)
             continue
@@ -427,24 +431,20 @@ def _outside(body: Body) -> str | None:
 
 
 def _region(body: Body, name: str, c: Candidate, op: Any) -> Region:
-    nodes = list(body.nodes)
-    roles = dict(c.roles)
-    pos = {n: i for i, n in enumerate(body.anchor.graph.nodes)}
-    for r in ("q", "k"):
-        src, chain = _unrepeat(roles[r])
-        if chain and all(len(n.users) == 1 for n in chain[1:]) and len(roles[r].users) == 1:
+    roles, nodes = dict(c.roles), set(body.nodes)
+    # The op repeats grouped heads itself: take q and k from before a
+    # repeat_interleave that only the region reads (both or neither).
+    unrepeated = [_unrepeat(roles[r]) for r in ("q", "k")]
+    if all(chain and len(roles[r].users) == 1 for r, (_, chain) in zip(("q", "k"), unrepeated)):
+        for r, (src, chain) in zip(("q", "k"), unrepeated):
             roles[r] = src
-            nodes += chain
-    if roles["q"] is not c.roles["q"] and roles["k"] is c.roles["k"]:  # repeat both or neither
-        roles["q"], nodes = c.roles["q"], list(body.nodes)
-    if roles["k"] is not c.roles["k"] and roles["q"] is c.roles["q"]:
-        roles["k"], nodes = c.roles["k"], list(body.nodes)
-    nodes = sorted(set(nodes), key=pos.__getitem__)
+            nodes.update(chain)
+    pos = {n: i for i, n in enumerate(body.anchor.graph.nodes)}
     outputs = [body.o_out] + ([body.state_out] if body.state_out is not None else [])
-    names = ["q", "k", "v", "g", "beta"] + (["initial_state"] if roles["state"] is not None else [])
-    args = [roles[r] for r in ("q", "k", "v", "g", "beta")] + ([roles["state"]] if roles["state"] is not None else [])
+    order = ["q", "k", "v", "g", "beta"] + (["state"] if roles["state"] is not None else [])
     replace = functools.partial(_call, op, c.flag, c.scale, roles["state"] is not None, body.state_out is not None)
-    return Region(name, body.anchor, nodes, outputs, args, replace, names=names)
+    return Region(name, body.anchor, sorted(nodes, key=pos.__getitem__), outputs, [roles[r] for r in order],
+                  replace, names=[r if r != "state" else "initial_state" for r in order])
 
 
 def _call(op: Any, flag: bool, scale: float, has_state: bool, want_state: bool, q, k, v, g, beta, *state):
