@@ -49,11 +49,12 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 # Relative error norm (||a - e|| / ||e||) a region and the op may differ by
-# on random inputs.  Measured on the tiny models (T = 40..100, 2-4 heads of
-# 16): fp32 chunked vs token loop 3e-7..2e-6; bf16 outputs differ by their
-# rounding, 2e-3..4e-3 (one bf16 ulp is 3.9e-3 relative); every near-miss
-# (another decay, no carried state, keys scaled) is off by 0.05..1.
-REL_TOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+# on random inputs.  Measured (the rules' forms, T = 3..100, 8-dim heads): fp32
+# 0.9e-7..1.5e-7 for o and the state; fp16 o up to 7.4e-6, bf16 o up to 1.6e-4
+# (both sides round one fp32 value, so most elements agree bitwise).  Every
+# near-miss is off by 0.19 (state not carried) to 1.5.  The margins leave room
+# for the chunked sum's fp32 drift at long T.
+REL_TOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 _CASTS = (prims.convert_element_type.default, aten.clone.default, aten._to_copy.default)
 

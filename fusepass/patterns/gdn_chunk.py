@@ -134,8 +134,8 @@ def find(gm):
                      op_name="gdn_chunk")
 
 
-def _no_state(fn):
-    return lambda dtype: sized(dtype, state=False)
+def _near_miss_inputs(dtype):
+    return sized(dtype, state=False)
 
 
 RULE = Rule(
@@ -149,12 +149,12 @@ RULE = Rule(
     # Before the norm rules: the region's L2 norms are its own.
     priority=20,
     near_misses=[
-        NearMiss("sigmoid decay", functools.partial(chunked, decay=torch.sigmoid), _no_state(0),
+        NearMiss("sigmoid decay", functools.partial(chunked, decay=torch.sigmoid), _near_miss_inputs,
                  "does not compute fusepass::gdn_chunk"),
-        NearMiss("no beta", functools.partial(chunked, use_beta=False), _no_state(0), "no beta"),
-        NearMiss("state not carried", functools.partial(chunked, carry=False), _no_state(0),
+        NearMiss("no beta", functools.partial(chunked, use_beta=False), _near_miss_inputs, "no beta"),
+        NearMiss("state not carried", functools.partial(chunked, carry=False), _near_miss_inputs,
                  "does not compute fusepass::gdn_chunk"),
-        NearMiss("keys scaled", functools.partial(chunked, scale_keys=True), _no_state(0),
+        NearMiss("keys scaled", functools.partial(chunked, scale_keys=True), _near_miss_inputs,
                  "does not compute fusepass::gdn_chunk"),
     ],
     sized_inputs=sized_inputs,
