@@ -5,6 +5,10 @@ Registered through the ``torch_dynamo_backends`` entry point, so
 ``mode=`` maps through Inductor's own table (``reduce-overhead`` gives CUDA
 graphs, ``max-autotune`` autotuning); ``options=`` carries fusepass's options
 (see :mod:`fusepass.options`) and any Inductor option.
+
+Resolving ``backend="fusepass"`` imports this module, which arms the pre-trace
+substitutions (:func:`fusepass.pretrace.arm`): they must be registered before
+Dynamo traces, and the backend itself is only called after.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from . import pretrace as _pretrace
 from . import report as _report
 from .engine import FusePass
 from .options import Options
 
 log = logging.getLogger("fusepass")
 _graph_ids = itertools.count()
+_pretrace.arm()
 
 
 def _graph_id() -> str:

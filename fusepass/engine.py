@@ -13,6 +13,11 @@ its reason:
 - the rule's ``check`` gives the semantic reasons (shapes, dtypes, eps kind);
 - ``verify`` mode runs the match and its replacement on random inputs;
 - anchors the rules did not consume are near-misses, explained by the rule.
+
+A rule with a ``find`` hook (a region whose size depends on the input, such
+as an unrolled loop) locates its own candidates; the engine treats each
+:class:`~fusepass.rule.Region` as a match: the same outside-use refusal,
+``check``, report and replacement (:func:`_run_finder`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import (
     MULTIPLE,
     Match,
+    MatchContext,
     MultiOutputPattern,
     PatternExpr,
     _TargetExpr,
@@ -46,7 +52,7 @@ from .kernels._common import inline_kernels
 from .match import MatchInfo, hint
 from .options import Options
 from .report import GraphReport, Hit, Refusal
-from .rule import Form, Rule, rules
+from .rule import Form, Region, Rule, rules
 
 log = logging.getLogger("fusepass")
 aten = torch.ops.aten
@@ -272,6 +278,8 @@ def outside_use(m: Match) -> str | None:
     for n in m.nodes:
         if n in outputs:
             continue
+        if not any(isinstance(getattr(a, "meta", {}).get("val"), torch.Tensor) for a in n.all_input_nodes):
+            continue  # a constant (zeros, a mask) the graph may share: it stays for its other users
         for user in n.users:
             if user not in inside:
                 if user.op == "output":
@@ -323,6 +331,74 @@ def _anchor_of(rule: Rule, m: Match) -> torch.fx.Node:
     return m.output_node()
 
 
+class _RegionOutput(PatternExpr):
+    """Stands for one output of a found region in the Match the engine builds for it."""
+
+    def _match(self, node: Any, ctx: Any) -> Any:  # never matched: the region is given
+        raise NotImplementedError
+
+
+def region_match(graph: torch.fx.Graph, region: Region) -> Match:
+    """The region as an Inductor Match, so replacement goes the way a pattern's does."""
+    keys = [_RegionOutput() for _ in region.outputs]
+    ctx = MatchContext(keys, dict(zip(keys, region.outputs)), graph=graph)
+    m = Match(ctx, keys[0])
+    m.nodes = list(region.nodes)
+    return m
+
+
+def _run_finder(rule: Rule, gm: torch.fx.GraphModule, options: Options, report: GraphReport,
+                refused: dict[tuple[str, torch.fx.Node], Refusal]) -> None:
+    try:
+        regions = list(rule.find(gm))
+    except Exception as exc:  # noqa: BLE001 - a broken finder must not break the compile
+        report.notes.append(f"rule {rule.name}: find raised {type(exc).__name__}: {exc}")
+        return
+    for region in regions:
+        path, source = where(region.anchor)
+        reason = region.reason
+        m = None if reason else region_match(gm.graph, region)
+        if m is not None:
+            try:
+                info = MatchInfo(rule.name, region.form, _region_dtype(region),
+                                 dict(zip(region.names, region.args)), list(region.nodes), list(region.outputs))
+                reason = outside_use(m) or rule.check(info)
+            except Exception as exc:  # noqa: BLE001
+                reason = f"check raised {type(exc).__name__}: {exc}"
+        if reason:
+            refused.setdefault((rule.name, region.anchor), Refusal(rule.name, reason, path, source))
+            continue
+        saved = bytes_saved(m)
+        out_val = region.outputs[0].meta.get("val")
+        try:
+            with inline_kernels(options.inline_kernels):
+                m.replace_by_example(region.replace, region.args)
+        except Exception as exc:  # noqa: BLE001
+            refused[(rule.name, region.anchor)] = Refusal(
+                rule.name, f"replacement failed: {type(exc).__name__}: {exc}", path, source)
+            continue
+        report.hits.append(Hit(rule.name, region.form, path, source, saved,
+                               str(getattr(out_val, "dtype", "")).replace("torch.", "")))
+
+
+def _region_dtype(region: Region) -> torch.dtype:
+    for a in region.args:
+        val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            return val.dtype
+    return torch.float32
+
+
+def _count_pretraced(rule: Rule, graph: torch.fx.Graph, report: GraphReport) -> None:
+    """A call routed to the op before tracing is already the op: a hit found by the pre-trace path."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in rule.pretraced:
+            path, source = where(node)
+            val = pytree.tree_leaves(node.meta.get("val"))
+            dtype = str(val[0].dtype).replace("torch.", "") if val and isinstance(val[0], torch.Tensor) else ""
+            report.hits.append(Hit(rule.name, "pretrace", path, source, 0, dtype))
+
+
 def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") -> GraphReport:
     graph = gm.graph
     report = GraphReport(graph_id=graph_id)
@@ -333,6 +409,11 @@ def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") ->
     active = [r for r in rules() if options.enabled(r.name)]
     refused: dict[tuple[str, torch.fx.Node], Refusal] = {}
     for rule in active:
+        if rule.pretraced:
+            _count_pretraced(rule, graph, report)
+        if rule.find is not None:
+            _run_finder(rule, gm, options, report, refused)
+            continue
         try:
             forms = compile_rule(rule)
         except Exception as exc:  # noqa: BLE001 - a broken rule must not break the compile
@@ -424,7 +505,8 @@ _PACKAGE = Path(__file__).resolve().parent
 
 def _source_hash(options: Options) -> str:
     h = hashlib.sha256()
-    for path in sorted(itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/*.py"))):
+    for path in sorted(itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/*.py"),
+                                       _PACKAGE.glob("patterns/_*.py"))):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     for rule in rules():

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next")
+MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5")
 
 
-def _config(name: str, size: str) -> Any:
+def _config(name: str, size: str, **overrides: Any) -> Any:
     import transformers as tf
 
     # tiny: tests; small: the demo; medium: GPU timing (a 4-layer slice of a
@@ -27,6 +27,13 @@ def _config(name: str, size: str) -> Any:
     common = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                   max_position_embeddings=4096)
+    cls, config = _base_config(tf, name, hidden, heads, layers, common)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return cls, config
+
+
+def _base_config(tf: Any, name: str, hidden: int, heads: int, layers: int, common: dict[str, Any]) -> Any:
     if name == "llama":
         return tf.LlamaForCausalLM, tf.LlamaConfig(**common, head_dim=hidden // heads)
     if name == "qwen3":
@@ -42,18 +49,26 @@ def _config(name: str, size: str) -> Any:
             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=32,
             layer_types=["linear_attention", "full_attention"] * (layers // 2))
+    if name == "qwen3_5":
+        # One GDN layer then one full-attention layer (3:1 in the real model);
+        # 2 key heads serving 4 value heads, as the real 16:32.
+        return tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig(
+            **common, head_dim=hidden // heads, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2))
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
 def build(name: str = "llama", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-          size: str = "tiny", seed: int = 0) -> torch.nn.Module:
-    cls, config = _config(name, size)
+          size: str = "tiny", seed: int = 0, **config: Any) -> torch.nn.Module:
+    """A random-weight model; ``config`` overrides fields of its config (``mlp_only_layers=[0, 1]``)."""
+    cls, config = _config(name, size, **config)
     torch.manual_seed(seed)
     model = cls(config)
     with torch.no_grad():
         for module in model.modules():
             if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
-                module.weight.normal_(0.0, 0.5).add_(0.0 if name in ("gemma", "qwen3_next") else 1.0)
+                module.weight.normal_(0.0, 0.5).add_(0.0 if name in ("gemma", "qwen3_next", "qwen3_5") else 1.0)
     return model.to(device=device, dtype=dtype).eval()
 
 

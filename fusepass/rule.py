@@ -19,6 +19,16 @@ A rule is the same thing whether fusepass ships it or a user writes it:
 Rules run in ``priority`` order (higher first): ``add_rms_norm`` must see the
 residual add before ``rms_norm`` takes the norm alone, ``rms_norm_gated`` the
 whole gated norm before either of them or ``swiglu`` takes a part.
+
+A subgraph whose size depends on the input (a loop Dynamo unrolled, such as
+the GDN chunk loop) cannot be one traced pattern.  Such a rule gives ``find``
+instead: ``find(gm)`` yields :class:`Region` candidates (the nodes, their
+outputs, the replacement's arguments, or a reason to refuse); the engine
+still refuses intermediates used outside, reports, and replaces.  Its
+``forms`` are then example programs (the reference semantics the tests and
+the differential generator compile), not patterns.  ``pretraced`` names the
+ops a pre-trace substitution puts in the graph for the rule's subgraph: the
+report counts each such node as a hit of form ``pretrace``.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import importlib
 import inspect
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -65,6 +75,26 @@ class NearMiss:
     reason: str
 
 
+@dataclass
+class Region:
+    """A place a rule's ``find`` located: replace ``nodes`` by ``replace(*args)``.
+
+    ``outputs`` are the region's nodes whose users outside it take the
+    replacement's outputs, in the order ``replace`` returns them (``None``: an
+    output nobody reads).  ``args`` are ``fx.Node`` s or Python values.  A
+    ``reason`` refuses the region (the engine reports it at ``anchor``).
+    """
+
+    form: str
+    anchor: torch.fx.Node
+    nodes: list[torch.fx.Node] = field(default_factory=list)
+    outputs: list[torch.fx.Node | None] = field(default_factory=list)
+    args: list[Any] = field(default_factory=list)
+    replace: Callable[..., Any] | None = None
+    reason: Reason = None
+    names: list[str] = field(default_factory=list)  # of ``args``, for ``check``'s MatchInfo
+
+
 @dataclass(frozen=True)
 class Rule:
     name: str
@@ -100,12 +130,15 @@ class Rule:
         examples = list((form.example_inputs or self.example_inputs)(dtype))
         wanted = [p for p in inspect.signature(form.search).parameters if p not in self.scalars]
         return examples[:len(wanted)]
+    # A region finder instead of traced patterns (see the module docstring).
+    find: Callable[[torch.fx.GraphModule], Iterable[Region]] | None = None
+    pretraced: tuple[Any, ...] = ()  # OpOverloads a pre-trace substitution emits for this rule
 
     def sources(self) -> str:
         """Source text of everything that decides what the rule does (for the cache key)."""
         parts = [self.name, repr(sorted(self.scalars.items())), repr(self.dtypes), str(self.priority)]
         parts.append(f"any_reshape={self.any_reshape}")
-        for fn in [self.example_inputs, self.check, self.explain] + [
+        for fn in [self.example_inputs, self.check, self.explain, self.find] + [
             f for form in self.forms for f in (form.search, form.replace, form.example_inputs)
         ]:
             if fn is None:
@@ -132,6 +165,8 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.dequant_matmul",
     "fusepass.patterns.dequant_matmul_int4",
     "fusepass.patterns.dequant_matmul_torchao",
+    "fusepass.patterns.gdn_chunk",
+    "fusepass.patterns.gdn_recurrent",
 )
 
 _lock = threading.Lock()
@@ -146,8 +181,8 @@ def register_rule(rule: Rule, *, replace: bool = False) -> Rule:
     """
     if not isinstance(rule, Rule):
         raise TypeError(f"register_rule takes a fusepass.Rule, got {type(rule).__name__}")
-    if not rule.forms:
-        raise ValueError(f"rule {rule.name!r} has no forms")
+    if not rule.forms and rule.find is None:
+        raise ValueError(f"rule {rule.name!r} has no forms and no find")
     with _lock:
         if rule.name in _rules and not replace and _rules[rule.name] is not rule:
             raise ValueError(f"a rule named {rule.name!r} is already registered (pass replace=True)")

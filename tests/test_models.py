@@ -90,3 +90,9 @@ def test_phi3_fused_projection_halves_feed_the_op():
     # order, and no norm or activation left behind.
     assert all("swapped" in h.form for h in report.hits if h.rule == "swiglu")
     assert report.count("add_rms_norm") == 2 * layers(model)
+
+
+def test_qwen3_next_gdn_layer_is_pretraced():
+    # One GDN layer in the tiny model: its chunk function reaches the graph as the op.
+    _, _, _, report = compiled("qwen3_next")
+    assert [h.form for h in report.hits if h.rule == "gdn_chunk"] == ["pretrace"]

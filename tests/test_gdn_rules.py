@@ -1,0 +1,182 @@
+"""Gated DeltaNet in real model code: random-weight ``transformers`` Qwen3-Next
+and Qwen3.5 (one GDN layer, one full-attention layer) compiled with fusepass,
+with the pre-trace path on and off (off: the graph-level rules alone).
+
+Per model and path, one compiled model (``dynamic=True``) serves a prefill at
+T = 40 and at T = 100 (each with a cache, so the final state is read) and a
+cached decode step after the second: one GDN op per GDN layer in each, logits
+within 1e-3 relative of eager.  The rules' forms and near-misses (the older
+row-loop form among them) are checked by ``tests/test_rules.py``.
+
+Compiles are what this file costs (an Inductor compile of one of these is
+5-10 s on 2 cores): Qwen3.5 runs the whole matrix; Qwen3-Next, whose GDN
+layer is the same function (the same bytecode), runs the graph-level path's
+prefills, and its pre-traced prefill is ``tests/test_models.py``'s compile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fusepass
+from fusepass import models
+
+pytest.importorskip("transformers")
+
+# Qwen3-Next's sparse MoE blocks cost a third of the Inductor compile on CPU
+# and nothing GDN-related: dense MLPs in both layers.
+NAMES = {"qwen3_next": {"mlp_only_layers": [0, 1]}, "qwen3_5": {}}
+LENGTHS = (40, 100)
+
+
+def _rel(a: torch.Tensor, e: torch.Tensor) -> float:
+    return ((a.double() - e.double()).norm() / e.double().norm()).item()
+
+
+STEPS = {("qwen3_5", True): ("prefill40", "prefill100", "decode"),
+         ("qwen3_5", False): ("prefill40", "prefill100", "decode"),
+         ("qwen3_next", False): ("prefill40", "prefill100")}
+
+
+@functools.cache
+def runs(name: str, pretrace: bool) -> dict[str, tuple[float, fusepass.RewriteReport]]:
+    """step -> (logits' relative error against eager, the report of the graphs compiled for it)."""
+    model = models.build(name, **NAMES[name])
+    torch._dynamo.reset()
+    # Scalar C++ kernels: 12% less C++ build time on CPU (see differential.INDUCTOR_CONFIG).
+    compiled = torch.compile(model, backend="fusepass", dynamic=True,
+                             options={"pretrace": pretrace, "cpp.simdlen": 1})
+    out: dict[str, tuple[float, fusepass.RewriteReport]] = {}
+    with torch.no_grad():
+        for T in LENGTHS:
+            ids = models.input_ids(model, batch=2, seq=T)
+            fusepass.reset_reports()
+            eager, mine = model(ids, use_cache=True), compiled(ids, use_cache=True)
+            out[f"prefill{T}"] = (_rel(mine.logits, eager.logits), fusepass.last_report())
+        if "decode" not in STEPS[name, pretrace]:
+            return out
+        step = models.input_ids(model, batch=2, seq=1, seed=7)
+        fusepass.reset_reports()
+        e = model(step, past_key_values=eager.past_key_values, use_cache=True).logits
+        m = compiled(step, past_key_values=mine.past_key_values, use_cache=True).logits
+        out["decode"] = (_rel(m, e), fusepass.last_report())
+    return out
+
+
+def gdn_layers(name: str) -> int:
+    return models._config(name, "tiny")[1].layer_types.count("linear_attention")
+
+
+CASES = [pytest.param(name, pre, id=f"{name}-{'pretrace' if pre else 'graph'}") for name, pre in STEPS]
+
+
+@pytest.mark.parametrize("name,pretrace", CASES)
+def test_one_op_per_gdn_layer_in_prefill_and_decode(name, pretrace):
+    results = runs(name, pretrace)
+    for step, (err, report) in results.items():
+        assert err < 1e-3, f"{step}: logits differ from eager by {err:.3g} relative"
+        if not report.graphs:
+            continue  # ran on the graph compiled for an earlier length (see the next test)
+        rule = "gdn_recurrent" if step == "decode" else "gdn_chunk"
+        hits = [h for h in report.hits if h.rule.startswith("gdn")]
+        assert [h.rule for h in hits] == [rule] * gdn_layers(name), f"{step}: {report}"
+        forms = {h.form for h in hits}
+        # Each path finds its own: pre-traced calls are the op already.
+        assert (forms == {"pretrace"}) == pretrace, f"{step}: {forms}"
+        assert not [r for r in report.refusals if r.rule.startswith("gdn")], f"{step}: {report}"
+        assert all("linear_attn" in h.where for h in hits)
+
+
+def test_pretrace_compiles_one_graph_for_every_length():
+    # dynamic=True: T = 100 reuses T = 40's graph (the op has no chunk count);
+    # the graph-level path recompiles (Dynamo guards the unrolled loop's length).
+    assert len(runs("qwen3_5", True)["prefill100"][1].graphs) == 0
+    assert len(runs("qwen3_5", False)["prefill100"][1].graphs) == 1
+
+
+@pytest.mark.parametrize("repeat,taken", [
+    (lambda q: q.repeat_interleave(2, dim=2), True),  # value head h reads key head h // 2: the op's own repeat
+    (lambda q: q.repeat(1, 1, 2, 1), False),  # tiled heads: h reads h % Hk, which the op does not do
+], ids=["interleave", "tile"])
+def test_grouped_head_repeat_is_taken_into_the_op_only_when_it_is_the_ops(repeat, taken):
+    from torch._inductor.pattern_matcher import fwd_only
+
+    from fusepass.patterns._gdn import _unrepeat
+
+    gm = fwd_only(repeat, [torch.randn(2, 5, 3, 4)])
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    src, chain = _unrepeat(out)
+    assert (src.op == "placeholder" and len(chain) == 4) == taken
+
+
+def test_pretrace_option_from_the_environment(monkeypatch):
+    from fusepass.options import Options
+
+    monkeypatch.setenv("FUSEPASS_PRETRACE", "0")
+    assert Options.parse({})[0].pretrace is False
+    assert Options.parse({"pretrace": True})[0].pretrace is True
+    with pytest.raises(TypeError):
+        Options.parse({"pretrace": "no"})
+
+
+def test_other_backends_trace_the_original_function():
+    # Substitutions are global and cannot be undone: a plain Inductor compile
+    # in the same process must still see transformers' own function.
+    pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from fusepass import pretrace
+
+    pretrace.arm()
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 20, 2, 8, generator=gen) for _ in range(2))
+    v = torch.randn(1, 20, 4, 8, generator=gen)
+    g, beta = -torch.rand(1, 20, 4, generator=gen) * 0.5, torch.rand(1, 20, 4, generator=gen)
+    ops_seen = []
+
+    def backend(gm, inputs):
+        ops_seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def fn(q, k, v, g, beta):
+        return m.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(q, k, v, g, beta)
+    assert not any("fusepass" in t for t in ops_seen) and any("solve_triangular" in t for t in ops_seen)
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    mine = torch.compile(fn, backend="fusepass", fullgraph=True)(q, k, v, g, beta)
+    assert [h.form for h in fusepass.last_report().hits if h.rule == "gdn_chunk"] == ["pretrace"]
+    assert _rel(mine[0], out[0]) < 1e-4 and _rel(mine[1], out[1]) < 1e-4
+
+
+def test_training_traces_the_function_and_refuses_the_region():
+    # The ops have no backward: with gradients the pre-trace path stands aside,
+    # and the graph-level rule refuses (the forward saves the region's values).
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from fusepass import pretrace
+
+    pretrace.arm()
+    q, k = (torch.randn(1, 20, 2, 8, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 20, 4, 8, requires_grad=True)
+    g, beta = -torch.rand(1, 20, 4) * 0.5, torch.rand(1, 20, 4)
+
+    def fn(q, k, v, g, beta):
+        o, _ = m.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        return o.sum()
+
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    loss = torch.compile(fn, backend="fusepass", fullgraph=True)(q, k, v, g, beta)
+    loss.backward()
+    report = fusepass.last_report()
+    assert report.count("gdn_chunk") == 0
+    assert any("used outside" in r for r in report.reasons("gdn_chunk")), str(report)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
