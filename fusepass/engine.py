@@ -368,7 +368,7 @@ def _run_finder(rule: Rule, gm: torch.fx.GraphModule, options: Options, report: 
         if reason:
             refused.setdefault((rule.name, region.anchor), Refusal(rule.name, reason, path, source))
             continue
-        saved = bytes_saved(m)
+        moved = fused_bytes(m)
         out_val = region.outputs[0].meta.get("val")
         try:
             with inline_kernels(options.inline_kernels):
@@ -377,7 +377,7 @@ def _run_finder(rule: Rule, gm: torch.fx.GraphModule, options: Options, report: 
             refused[(rule.name, region.anchor)] = Refusal(
                 rule.name, f"replacement failed: {type(exc).__name__}: {exc}", path, source)
             continue
-        report.hits.append(Hit(rule.name, region.form, path, source, saved,
+        report.hits.append(Hit(rule.name, region.form, path, source, moved,
                                str(getattr(out_val, "dtype", "")).replace("torch.", "")))
 
 
