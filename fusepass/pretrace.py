@@ -113,7 +113,7 @@ class _Loader(importlib.abc.Loader):
         try:
             install(ready=module.__name__)
         except Exception as exc:  # noqa: BLE001 - never break an import
-            log.warning("fusepass: pre-trace registration after importing %s failed: %s", module.__name__, exc)
+            log.info("fusepass: pre-trace registration after importing %s failed: %s", module.__name__, exc)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -127,8 +127,12 @@ def install(ready: str = "") -> None:
         if name != ready and getattr(getattr(module, "__spec__", None), "_initializing", False):
             continue  # still executing (it imports another module of its package): later
         _scanned.add(name)
+        # The module's own namespace only: getattr on transformers' lazy package
+        # modules imports submodules, and some of those fail to import (seen on
+        # the GPU machine: 85 warnings for one compile of Qwen3.5).
+        namespace = getattr(module, "__dict__", {})
         for fname, op in KNOWN.items():
-            fn = getattr(module, fname, None)
+            fn = namespace.get(fname)
             if callable(fn):
                 _register(inspect.unwrap(fn), op, f"{name}.{fname}")
 
