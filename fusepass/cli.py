@@ -76,7 +76,7 @@ def demo(args: argparse.Namespace) -> int:
         how = f"Inductor alone differs by {inductor_err:.3g}; allowed twice that"
     print(f"\nlogits vs eager: max abs difference {err:.3g} ({how}): {'OK' if ok else 'MISMATCH'}")
     norms = models.count_norms(model)
-    fused = report.count("rms_norm") + report.count("add_rms_norm")
+    fused = report.count("rms_norm") + report.count("add_rms_norm") + report.count("rms_norm_gated")
     print(f"RMSNorm modules: {norms}, rewritten: {fused}")
 
     if device == "cuda" and args.time:

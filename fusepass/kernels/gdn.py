@@ -167,6 +167,24 @@ def _dot_ieee(a, b):
 
 
 @triton.jit
+def _store_lower_product(p_out, N, o_c, m_c, o_t0, o_t1, o_t2, o_t3, T,
+                         b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33,
+                         b_x0, b_x1, b_x2, b_x3, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """Store rows i of (T X) for a block-lower-triangular T of 4 x 4 blocks of
+    16 rows (w = T (beta e^G k), u = T (beta v)): row block i sums T_ij X_j, j <= i."""
+    b_o = tl.dot(b_T00, b_x0, input_precision=PREC)
+    tl.store(p_out + o_t0[:, None] * N + o_c[None, :], _to(b_o, DT, EMU), mask=(o_t0 < T)[:, None] & m_c)
+    b_o = tl.dot(b_T10, b_x0, input_precision=PREC) + tl.dot(b_T11, b_x1, input_precision=PREC)
+    tl.store(p_out + o_t1[:, None] * N + o_c[None, :], _to(b_o, DT, EMU), mask=(o_t1 < T)[:, None] & m_c)
+    b_o = (tl.dot(b_T20, b_x0, input_precision=PREC) + tl.dot(b_T21, b_x1, input_precision=PREC)
+           + tl.dot(b_T22, b_x2, input_precision=PREC))
+    tl.store(p_out + o_t2[:, None] * N + o_c[None, :], _to(b_o, DT, EMU), mask=(o_t2 < T)[:, None] & m_c)
+    b_o = (tl.dot(b_T30, b_x0, input_precision=PREC) + tl.dot(b_T31, b_x1, input_precision=PREC)
+           + tl.dot(b_T32, b_x2, input_precision=PREC) + tl.dot(b_T33, b_x3, input_precision=PREC))
+    tl.store(p_out + o_t3[:, None] * N + o_c[None, :], _to(b_o, DT, EMU), mask=(o_t3 < T)[:, None] & m_c)
+
+
+@triton.jit
 def _gdn_prep_kernel(
     k, v, g, beta, w, u, kd,
     T, NT, HV, GROUP,
@@ -240,17 +258,9 @@ def _gdn_prep_kernel(
     b_x3 = b_k3 * (b_b3 * tl.exp(b_G3))[:, None]
     w_base = i_bh.to(tl.int64) * T * DK
     m_k = (o_k < DK)[None, :]
-    b_w = tl.dot(b_T00, b_x0, input_precision=PREC)
-    tl.store(w + w_base + o_t0[:, None] * DK + o_k[None, :], _to(b_w, DT, EMU), mask=(o_t0 < T)[:, None] & m_k)
-    b_w = tl.dot(b_T10, b_x0, input_precision=PREC) + tl.dot(b_T11, b_x1, input_precision=PREC)
-    tl.store(w + w_base + o_t1[:, None] * DK + o_k[None, :], _to(b_w, DT, EMU), mask=(o_t1 < T)[:, None] & m_k)
-    b_w = (tl.dot(b_T20, b_x0, input_precision=PREC) + tl.dot(b_T21, b_x1, input_precision=PREC)
-           + tl.dot(b_T22, b_x2, input_precision=PREC))
-    tl.store(w + w_base + o_t2[:, None] * DK + o_k[None, :], _to(b_w, DT, EMU), mask=(o_t2 < T)[:, None] & m_k)
-    b_w = (tl.dot(b_T30, b_x0, input_precision=PREC) + tl.dot(b_T31, b_x1, input_precision=PREC)
-           + tl.dot(b_T32, b_x2, input_precision=PREC) + tl.dot(b_T33, b_x3, input_precision=PREC))
-    tl.store(w + w_base + o_t3[:, None] * DK + o_k[None, :], _to(b_w, DT, EMU), mask=(o_t3 < T)[:, None] & m_k)
-
+    _store_lower_product(w + w_base, DK, o_k, m_k, o_t0, o_t1, o_t2, o_t3, T,
+                         b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33,
+                         b_x0, b_x1, b_x2, b_x3, DT, PREC, EMU)
     if PRE_KD:
         # the state pass's key operand, exp(Gamma_last - Gamma) k~, off its sequential path
         b_Gl = b_c3 + tl.sum(b_g3, 0)
@@ -272,16 +282,9 @@ def _gdn_prep_kernel(
         b_y1 = _load_rows(v, v_base, o_t1, T, s_vt, o_v, DV, False, EPS) * b_b1[:, None]
         b_y2 = _load_rows(v, v_base, o_t2, T, s_vt, o_v, DV, False, EPS) * b_b2[:, None]
         b_y3 = _load_rows(v, v_base, o_t3, T, s_vt, o_v, DV, False, EPS) * b_b3[:, None]
-        b_u = tl.dot(b_T00, b_y0, input_precision=PREC)
-        tl.store(u + u_base + o_t0[:, None] * DV + o_v[None, :], _to(b_u, DT, EMU), mask=(o_t0 < T)[:, None] & m_v)
-        b_u = tl.dot(b_T10, b_y0, input_precision=PREC) + tl.dot(b_T11, b_y1, input_precision=PREC)
-        tl.store(u + u_base + o_t1[:, None] * DV + o_v[None, :], _to(b_u, DT, EMU), mask=(o_t1 < T)[:, None] & m_v)
-        b_u = (tl.dot(b_T20, b_y0, input_precision=PREC) + tl.dot(b_T21, b_y1, input_precision=PREC)
-               + tl.dot(b_T22, b_y2, input_precision=PREC))
-        tl.store(u + u_base + o_t2[:, None] * DV + o_v[None, :], _to(b_u, DT, EMU), mask=(o_t2 < T)[:, None] & m_v)
-        b_u = (tl.dot(b_T30, b_y0, input_precision=PREC) + tl.dot(b_T31, b_y1, input_precision=PREC)
-               + tl.dot(b_T32, b_y2, input_precision=PREC) + tl.dot(b_T33, b_y3, input_precision=PREC))
-        tl.store(u + u_base + o_t3[:, None] * DV + o_v[None, :], _to(b_u, DT, EMU), mask=(o_t3 < T)[:, None] & m_v)
+        _store_lower_product(u + u_base, DV, o_v, m_v, o_t0, o_t1, o_t2, o_t3, T,
+                             b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33,
+                             b_y0, b_y1, b_y2, b_y3, DT, PREC, EMU)
 
 
 @triton.jit
