@@ -17,6 +17,8 @@ torchao int8 weight-only compiled, gemlite A16W8 / A16W4, fusepass's op.
 
 from __future__ import annotations
 
+import importlib.util
+
 import argparse
 import functools
 import json
@@ -147,9 +149,12 @@ def _case(fmt: str, N: int, K: int, M: int, quick: bool, device: str) -> Case:
     if not quick:
         providers["inductor-max-autotune"] = _bind(
             _lazy(lambda: compiled(form, mode="max-autotune-no-cudagraphs")), q, s, z)
-    if fmt == "int8":
+    # Peers: CUDA only (gemlite has no CPU path; torchao's CPU int8 is another
+    # kernel than the one the GPU rows compare with), and only when installed.
+    peers = device != "cpu"
+    if peers and fmt == "int8" and importlib.util.find_spec("torchao") is not None:
         providers["torchao-int8"] = _lazy_module(lambda: _torchao_int8(w_deq))
-    if fmt in ("int8", "int4"):
+    if peers and fmt in ("int8", "int4") and importlib.util.find_spec("gemlite") is not None:
         providers[f"gemlite-{fmt}"] = _lazy_module(lambda: _gemlite(qw, fmt, device))
     providers[f"fusepass-{fmt}"] = lambda x: torch.ops.fusepass.dequant_matmul(x, q, s, z, None, fmt, qw["group"])
     return Case(

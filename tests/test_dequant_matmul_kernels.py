@@ -108,6 +108,21 @@ def test_path_matches_reference(cfg, fmt, group, asym, dtype, M, bias):
     _assert_close(out, x, w, s, z, b, fmt, group)
 
 
+@pytest.mark.parametrize("fid", ["int8", "int4-g32", "int4-g64-sym", "fp8"])
+def test_gemv_non_finite_activation_like_the_dequantised_matmul(fid):
+    """An infinite activation gives +-inf where the dequantised matmul does, and
+    NaN where it does (0 * inf): a zero point folded out of the sum (sum v x -
+    z sum x) once turned every +-inf into inf - inf = NaN."""
+    fmt, group, asym = FORMATS[fid]
+    x, w, s, z, b = _inputs(2, 16, 256, fmt, group, asym, torch.float32, bias=False)
+    x[0, 5] = float("inf")
+    x[1, 100] = float("-inf")
+    out = _run(x, w, s, z, b, fmt, group, PATHS["gemv"])
+    ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group)
+    assert torch.isinf(ref).any()
+    torch.testing.assert_close(out, ref, equal_nan=True)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_k_not_a_multiple_of_the_tile(fmt):
     # K = 96: int8 tiles of 64 leave a masked half tile; int4 g32 has 3 groups.

@@ -75,11 +75,12 @@ def _int8_to_f32(b_q):
 
 
 @triton.jit
-def _nibbles_to_f32(b_q):
-    """uint8 bytes -> (low nibble, high nibble) as fp32 in [0, 15]."""
+def _nibbles_to_f32(b_q, OFFSET: tl.constexpr = 0.0):
+    """uint8 bytes -> (low nibble, high nibble) as fp32 in [0, 15], minus an
+    integer ``OFFSET`` in the same FADD (2^23 + OFFSET is exact in fp32)."""
     b_i = b_q.to(tl.int32)
-    b_lo = ((b_i & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    b_hi = (((b_i >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    b_lo = ((b_i & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    b_hi = (((b_i >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
     return b_lo, b_hi
 
 
@@ -119,9 +120,10 @@ def _dequant_gemv_kernel(
     if FMT == "int4":
         # Packed bytes as [BN, NG, GP]: NG groups of GP bytes each.  x comes as
         # (even, odd) column pairs split in registers, so the nibbles are never
-        # interleaved.  Zero folding: sum_k (v - z) x = sum_k v x - z sum_k x,
-        # the second sum shared by all BN rows: 3 instructions per weight
-        # value (LOP, FADD, FFMA) plus per-group work.
+        # interleaved.  The zero point is subtracted from each value, not
+        # folded out as sum_k v x - z sum_k x: with an infinite activation the
+        # folded form gives inf - inf = NaN where the dequantised matmul gives
+        # +-inf (the differential tests caught it).
         GP: tl.constexpr = G // 2
         NG: tl.constexpr = BK // G
         o_g = tl.arange(0, NG)
@@ -136,13 +138,15 @@ def _dequant_gemv_kernel(
             else:
                 b_q = tl.load(p_wn[:, None, None] + o_kp[None, :, :],
                               mask=m_n[:, None, None] & m_grp[None, :, None], other=0)
-            b_lo, b_hi = _nibbles_to_f32(b_q)  # [BN, NG, GP]
             m_s = m_n[:, None] & m_grp[None, :]
             b_s = tl.load(scale + o_n[:, None] * stride_sn + o_grp[None, :], mask=m_s, other=0).to(tl.float32)
-            if HAS_ZERO:
+            if HAS_ZERO:  # [BN, NG, GP]: v - z, one more FADD per value
+                b_lo_z, b_hi_z = _nibbles_to_f32(b_q)
                 b_z = tl.load(zero + o_n[:, None] * stride_sn + o_grp[None, :], mask=m_s, other=0).to(tl.float32)
-            else:
-                b_z = 8.0
+                b_lo_z = b_lo_z - b_z[:, :, None]
+                b_hi_z = b_hi_z - b_z[:, :, None]
+            else:  # v - 8 in the conversion's own FADD
+                b_lo_z, b_hi_z = _nibbles_to_f32(b_q, 8.0)
             for m in tl.static_range(BM):
                 # Rows past M read row M - 1 (their sums are never stored): no row mask.
                 p_x = x + tl.minimum(m, M - 1) * stride_xm + 2 * o_kp[:, :, None] + o_t[None, None, :]  # [NG, GP, 2]
@@ -151,9 +155,8 @@ def _dequant_gemv_kernel(
                 else:
                     b_x = tl.load(p_x, mask=m_grp[:, None, None], other=0).to(tl.float32)
                 b_xe, b_xo = tl.split(b_x)
-                b_d = tl.sum(b_lo * b_xe[None, :, :] + b_hi * b_xo[None, :, :], axis=2)  # [BN, NG]
-                b_xs = tl.sum(b_xe + b_xo, axis=1)  # [NG]
-                b_p = tl.sum(b_s * (b_d - b_z * b_xs[None, :]), axis=1)  # [BN]
+                b_d = tl.sum(b_lo_z * b_xe[None, :, :] + b_hi_z * b_xo[None, :, :], axis=2)  # [BN, NG]
+                b_p = tl.sum(b_s * b_d, axis=1)  # [BN]
                 acc += tl.where(o_m[:, None] == m, b_p[None, :], 0.0)
     else:
         o_k = tl.arange(0, BK)
