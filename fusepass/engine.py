@@ -355,30 +355,45 @@ def _run_finder(rule: Rule, gm: torch.fx.GraphModule, options: Options, report: 
         report.notes.append(f"rule {rule.name}: find raised {type(exc).__name__}: {exc}")
         return
     for region in regions:
-        path, source = where(region.anchor)
-        reason = region.reason
-        m = None if reason else region_match(gm.graph, region)
-        if m is not None:
-            try:
-                info = MatchInfo(rule.name, region.form, _region_dtype(region),
-                                 dict(zip(region.names, region.args)), list(region.nodes), list(region.outputs))
-                reason = outside_use(m) or rule.check(info)
-            except Exception as exc:  # noqa: BLE001
-                reason = f"check raised {type(exc).__name__}: {exc}"
-        if reason:
-            refused.setdefault((rule.name, region.anchor), Refusal(rule.name, reason, path, source))
+        if region.reason:
+            path, source = where(region.anchor)
+            refused.setdefault((rule.name, region.anchor), Refusal(rule.name, region.reason, path, source))
             continue
-        moved = fused_bytes(m)
-        out_val = region.outputs[0].meta.get("val")
-        try:
-            with inline_kernels(options.inline_kernels):
-                m.replace_by_example(region.replace, region.args)
-        except Exception as exc:  # noqa: BLE001
-            refused[(rule.name, region.anchor)] = Refusal(
-                rule.name, f"replacement failed: {type(exc).__name__}: {exc}", path, source)
-            continue
-        report.hits.append(Hit(rule.name, region.form, path, source, moved,
-                               str(getattr(out_val, "dtype", "")).replace("torch.", "")))
+        m = region_match(gm.graph, region)
+        info = MatchInfo(rule.name, region.form, _region_dtype(region),
+                         dict(zip(region.names, region.args)), list(region.nodes), list(region.outputs))
+        _apply(rule, m, info, region.anchor, region.form, region.replace, region.args, options, report, refused)
+
+
+def _apply(rule: Rule, m: Match, info: MatchInfo, anchor: torch.fx.Node, form: str, replace: Any, args: list[Any],
+           options: Options, report: GraphReport, refused: dict[tuple[str, torch.fx.Node], Refusal],
+           verify: Any = None) -> bool:
+    """Accept or refuse one match (a pattern's or a found region's): the
+    outside-use refusal, the rule's ``check``, ``verify`` mode, then the
+    replacement and the report's hit.  True when the match was replaced."""
+    path, source = where(anchor)
+    try:
+        reason = outside_use(m) or rule.check(info)
+        if reason is None and verify is not None:
+            reason = verify()
+    except Exception as exc:  # noqa: BLE001
+        reason = f"check raised {type(exc).__name__}: {exc}"
+    if reason:
+        refused.setdefault((rule.name, anchor), Refusal(rule.name, reason, path, source))
+        return False
+    moved = fused_bytes(m)
+    out_val = info.output_val
+    try:
+        with inline_kernels(options.inline_kernels):
+            m.replace_by_example(replace, args)
+    except Exception as exc:  # noqa: BLE001
+        refused[(rule.name, anchor)] = Refusal(
+            rule.name, f"replacement failed: {type(exc).__name__}: {exc}", path, source)
+        return False
+    refused.pop((rule.name, anchor), None)
+    report.hits.append(Hit(rule.name, form, path, source, moved,
+                           str(getattr(out_val, "dtype", "")).replace("torch.", "")))
+    return True
 
 
 def _region_dtype(region: Region) -> torch.dtype:
@@ -396,7 +411,9 @@ def _count_pretraced(rule: Rule, graph: torch.fx.Graph, report: GraphReport) -> 
             path, source = where(node)
             val = pytree.tree_leaves(node.meta.get("val"))
             dtype = str(val[0].dtype).replace("torch.", "") if val and isinstance(val[0], torch.Tensor) else ""
-            report.hits.append(Hit(rule.name, "pretrace", path, source, 0, dtype))
+            # The op's own traffic, as fused_bytes counts a match's: inputs once, outputs once.
+            moved = sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes) + _nbytes(node.meta.get("val"))
+            report.hits.append(Hit(rule.name, "pretrace", path, source, moved, dtype))
 
 
 def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") -> GraphReport:
@@ -430,34 +447,14 @@ def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") ->
                 m = cf.pattern.match(node)
                 if not is_match(m):
                     continue
-                anchor = _anchor_of(rule, m)
                 args = [m.kwargs[name] for name in cf.argnames]
                 info = MatchInfo(rule.name, cf.form.name, cf.dtype, dict(zip(cf.argnames, args)),
                                  list(m.nodes), [o for o in m.output_nodes() if o is not None])
-                try:
-                    reason = outside_use(m) or rule.check(info)
-                    if reason is None and options.verify:
-                        reason = _verify(cf, m, args)
-                except Exception as exc:  # noqa: BLE001
-                    reason = f"check raised {type(exc).__name__}: {exc}"
-                path, source = where(anchor)
-                if reason:
-                    refused.setdefault((rule.name, anchor), Refusal(rule.name, reason, path, source))
-                    continue
-                moved = fused_bytes(m)
-                out_val = info.output_val
-                try:
-                    with inline_kernels(options.inline_kernels):
-                        m.replace_by_example(cf.form.replace, args)
-                except Exception as exc:  # noqa: BLE001
-                    refused[(rule.name, anchor)] = Refusal(
-                        rule.name, f"replacement failed: {type(exc).__name__}: {exc}", path, source)
-                    continue
-                refused.pop((rule.name, anchor), None)
-                report.hits.append(Hit(rule.name, cf.form.name + (f" ({cf.variant})" if cf.variant else ""),
-                                       path, source, moved,
-                                       str(getattr(out_val, "dtype", "")).replace("torch.", "")))
-                break
+                verify = (lambda cf=cf, m=m, args=args: _verify(cf, m, args)) if options.verify else None
+                label = cf.form.name + (f" ({cf.variant})" if cf.variant else "")
+                if _apply(rule, m, info, _anchor_of(rule, m), label, cf.form.replace, args, options, report,
+                          refused, verify=verify):
+                    break
     # Near-misses: anchors no rule consumed and no check already explained.
     for rule in active:
         if rule.explain is None:
