@@ -50,7 +50,7 @@ from typing import Any, Callable
 import torch
 
 from . import output
-from .timing import Timing, copy_bandwidth, environment, sync, time_cpu
+from .timing import Timing, copy_bandwidth, environment, profile_kernels, render_profile, sync, time_cpu
 
 # Configs of real checkpoints (config.json's fields that shape the compute).
 MODELS: dict[str, dict[str, Any]] = {
@@ -240,6 +240,19 @@ class Run:
         vocab = self.get_model().config.vocab_size
         return torch.randint(0, vocab, (batch, seq), generator=g).to(self.device)
 
+    def profile(self, fn: Callable[[], Any], workload: str, backend: str) -> dict[str, Any]:
+        """With ``--profile`` on CUDA: the call's kernels (plain launches), written beside the table;
+        the totals go into the row."""
+        if not (self.args.profile and self.cuda):
+            return {}
+        prof = profile_kernels(fn)
+        name = f"profile_{workload.replace(' ', '_')}_{backend}.txt"
+        (self.out / name).write_text(render_profile(f"{workload} {backend}", prof))
+        self.say(f"{workload} {backend}: {prof['kernels_per_call']:.0f} kernels, {prof['kernel_ms_per_call']:.3f} ms "
+                 f"kernel time per call ({name})")
+        return {"kernels_per_call": prof["kernels_per_call"], "kernel_ms_per_call": prof["kernel_ms_per_call"],
+                "profile": prof}
+
     def time_calls(self, fn: Callable[[], Any], reps: int) -> Timing:
         """Milliseconds per call: CUDA events around each call, or back-to-back calls on the CPU."""
         if not self.cuda:
@@ -323,13 +336,14 @@ def phase_prefill(run: Run) -> None:
                     limit = max(tolerance(run.dtype).rtol, 2 * inductor_err.get(t, 0.0))
                     ok = err <= limit
                     timing = run.time_calls(call, reps) if ok else None
+                    prof = run.profile(call, f"prefill B1 T{t}", backend) if ok else {}
             except Exception as exc:  # noqa: BLE001 - one backend failing must not end the run
                 run.add(phase="prefill", workload=f"prefill B1 T{t}", backend=backend, ok=False,
                         error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
                 run.say(f"prefill T={t} {backend}: FAILED {type(exc).__name__}")
                 continue
             row = run.add(phase="prefill", workload=f"prefill B1 T{t}", backend=backend, ok=ok, rel_err=err,
-                          check_limit=limit, first_call_s=round(first_s, 2), rewrites=_report_text(backend),
+                          check_limit=limit, first_call_s=round(first_s, 2), rewrites=_report_text(backend), **prof,
                           **({} if timing is None else dict(
                               value=timing.median, p20=timing.p20, p80=timing.p80, unit="ms",
                               tokens_per_s=t / timing.median * 1e3)),
@@ -463,9 +477,11 @@ def phase_replay(run: Run) -> None:
                         per = run.time_calls(replay_k, 5)
                         per = Timing(per.median / replays, per.p20 / replays, per.p80 / replays)
                         how = f"one CUDA graph of the step, {replays} replays between two events, 5 times"
+                        prof = run.profile(step, f"replay B{batch}", backend)
                     else:
                         per = time_cpu(step, rep_ms=200)
                         how = "cpu: the compiled step called back to back (no CUDA graphs)"
+                        prof = {}
             except Exception as exc:  # noqa: BLE001
                 run.add(phase="replay", workload=f"replay B{batch}", backend=backend, ok=False,
                         error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
@@ -474,7 +490,8 @@ def phase_replay(run: Run) -> None:
             floor = run.floor_ms()
             run.add(phase="replay", workload=f"replay B{batch}", backend=backend, ok=True, value=per.median * 1e3,
                     p20=per.p20 * 1e3, p80=per.p80 * 1e3, unit="µs/step", tokens_per_s=batch / per.median * 1e3,
-                    floor_ms=floor, pct_floor=100 * floor / per.median, rewrites=_report_text(backend), notes=how)
+                    floor_ms=floor, pct_floor=100 * floor / per.median, rewrites=_report_text(backend), notes=how,
+                    **prof)
             run.say(f"replay B={batch} {backend}: {per.median * 1e3:.1f} µs/step (floor {floor * 1e3:.1f} µs)")
             del cache, step
             if run.cuda:
@@ -722,6 +739,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--child-timeout", type=float, default=600.0, help="seconds allowed for one startup process")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="start no new measurement after this many seconds (the rest are listed as skipped)")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: also profile each prefill call and decode step (plain launches): kernels, time per "
+                        "kind of kernel, the top kernels; written as profile_*.txt beside the table")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs; default 1)")
     p.add_argument("--out", default="bench-out", help="folder for e2e_table.txt, e2e.json/.csv and the plot")
     p.set_defaults(func=main)

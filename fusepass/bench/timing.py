@@ -140,3 +140,81 @@ def environment(device: str | torch.device) -> dict[str, str]:
         "python": platform.python_version(),
         "commit": commit(),
     }
+
+
+# Kernel names -> what they are, for the profile's breakdown (first match wins).
+_KINDS = [
+    ("fusepass quantized linear", ("_dequant_", "_splitk_reduce")),
+    ("fusepass GDN", ("_gdn_",)),
+    ("fusepass norm/activation", ("_rms_norm", "_gated_act")),
+    ("cuBLAS/CUTLASS matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitkreduce")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("Inductor-generated", ("triton_",)),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill")),
+]
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other aten")
+
+
+def profile_kernels(fn: Callable[[], Any], calls: int = 3) -> dict[str, Any]:
+    """Every GPU kernel of ``calls`` plain calls of ``fn`` (torch.profiler), per call.
+
+    Returns the kernel count and summed kernel time per call, the GPU's busy
+    span (first kernel start to last kernel end, so ``span - busy`` is the
+    time between kernels), totals per kind of kernel and the kernels taking
+    the most time.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    spans = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            fn()
+            torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    per_name: dict[str, list[float]] = {}
+    for e in events:
+        per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    # The calls are separated by synchronisations: split the sorted kernels at the largest gaps.
+    starts = sorted((e.time_range.start, e.time_range.end) for e in events)
+    if starts:
+        gaps = sorted(range(1, len(starts)), key=lambda i: starts[i][0] - starts[i - 1][1], reverse=True)
+        cuts = sorted(gaps[: calls - 1])
+        bounds = [0, *cuts, len(starts)]
+        spans = [max(end for _, end in starts[a:b]) - starts[a][0] for a, b in zip(bounds, bounds[1:]) if b > a]
+    kinds: dict[str, list[float]] = {}
+    for name, ts in per_name.items():
+        k = kinds.setdefault(_kind(name), [0.0, 0.0])
+        k[0] += sum(ts) / calls / 1e3
+        k[1] += len(ts) / calls
+    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    busy = sum(sum(ts) for ts in per_name.values()) / calls / 1e3
+    return {
+        "kernels_per_call": len(events) / calls,
+        "kernel_ms_per_call": busy,
+        "span_ms_per_call": statistics.median(spans) / 1e3 if spans else 0.0,
+        "kinds": {k: {"ms": round(v[0], 4), "kernels": round(v[1], 1)}
+                  for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
+        "top": [{"kernel": name[:120], "kind": _kind(name), "calls": len(ts) / calls,
+                 "ms": round(sum(ts) / calls / 1e3, 4)} for name, ts in top],
+    }
+
+
+def render_profile(title: str, prof: dict[str, Any]) -> str:
+    """The profile as text: totals, then per kind, then the top kernels."""
+    from .output import table
+
+    head = (f"{title}: {prof['kernels_per_call']:.0f} kernels per call, {prof['kernel_ms_per_call']:.3f} ms of "
+            f"kernel time, GPU span {prof['span_ms_per_call']:.3f} ms (plain launches)")
+    kinds = table([[k, f"{v['ms']:.3f}", f"{v['kernels']:.0f}"] for k, v in prof["kinds"].items()],
+                  ["kind", "ms/call", "kernels/call"])
+    top = table([[t["kernel"][:80], t["kind"], f"{t['calls']:.0f}", f"{t['ms']:.3f}"] for t in prof["top"]],
+                ["kernel", "kind", "calls/call", "ms/call"])
+    return f"{head}\n{kinds}\n\n{top}\n"
