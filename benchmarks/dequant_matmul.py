@@ -267,13 +267,13 @@ def check_paths(log) -> int:
     return failures
 
 
-def tune_all(ms, log, deadline: float) -> dict:
+def tune_all(ms, log, deadline: float, formats=FORMATS, shapes=SHAPES) -> dict:
     """Plans for the benchmark shapes (the shipped table), most important M first, until ``deadline``."""
     table = {}
     order = sorted(ms, key=lambda m: (m not in (1, 16, 64), m))
     for M in order:
-        for fmt in FORMATS:
-            for N, K in SHAPES:
+        for fmt in formats:
+            for N, K in shapes:
                 if time.time() > deadline:
                     log(f"tune: out of time before {fmt} M{M} N{N} K{K}")
                     return table
@@ -356,7 +356,7 @@ def pivot(rows, bw: float) -> str:
 def main(argv=None) -> int:
     import triton
 
-    from benchmarks.run import commit, copy_bandwidth
+    from fusepass.bench.timing import commit, copy_bandwidth
 
     p = argparse.ArgumentParser()
     p.add_argument("--gpu-run", action="store_true")
@@ -365,6 +365,9 @@ def main(argv=None) -> int:
     p.add_argument("--time", action="store_true", help="time the providers")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--ms", default=None)
+    p.add_argument("--formats", default=",".join(FORMATS), help="formats to tune (comma list)")
+    p.add_argument("--shapes", default=None,
+                   help="NxK list to tune (default the benchmark shapes; Llama-3-8B's k/v projection is 1024x4096)")
     p.add_argument("--providers", default=None, help="comma list of provider name prefixes")
     p.add_argument("--budget", type=float, default=380, help="seconds before stages stop")
     p.add_argument("--rep", type=int, default=30)
@@ -380,7 +383,7 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     torch.manual_seed(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     head = (f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
             f"commit {commit()}  copy {bw:.0f} GB/s")
     log(head)
@@ -393,7 +396,9 @@ def main(argv=None) -> int:
     if args.tune:
         t0 = time.time()
         dm._load_plans()
-        table = tune_all(ms, log, t_start + args.budget * 0.75)
+        shapes = ([tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")] if args.shapes
+                  else SHAPES)
+        table = tune_all(ms, log, t_start + args.budget * 0.75, args.formats.split(","), shapes)
         (out_dir / "dequant_matmul_plans.json").write_text(json.dumps({"plans": table}, indent=0, sort_keys=True))
         summary.append(f"tuned {len(table)} keys ({time.time() - t0:.0f} s)")
     rows = []

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     import triton
     from tabulate import tabulate
 
-    from benchmarks.run import commit, copy_bandwidth
+    from fusepass.bench.timing import commit, copy_bandwidth
 
     p = argparse.ArgumentParser()
     p.add_argument("--inductor", default="all", help="comma-separated case ids (or 'decode') to compile with Inductor")
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         "decode" in opt.split(",") and spec[0].startswith("decode"))
 
     torch.manual_seed(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     sha = os.environ.get("FUSEPASS_COMMIT") or commit()
     env = f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  commit {sha}"
     print(f"# {env}\n# copy bandwidth {bw:.0f} GB/s", flush=True)
