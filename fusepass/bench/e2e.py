@@ -141,6 +141,14 @@ def build(name: str, layers: str | int, dtype: torch.dtype, device: str, seed: i
 def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.nn.Module:
     if not fmt:
         return model
+    if fmt == "torchao-int8":  # torchao's int8 weight-only tensor subclass, lm_head kept in bf16 as below
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        except ImportError as exc:
+            raise SystemExit("fusepass bench e2e: --quantize torchao-int8 needs torchao (pip install torchao)") from exc
+        quantize_(model, Int8WeightOnlyConfig(),
+                  filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and not fqn.endswith("lm_head"))
+        return model
     import fusepass
 
     if not hasattr(fusepass, "quantize"):
@@ -153,12 +161,20 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """What one decode step reads: every parameter and buffer once, the input embedding excluded
     (B rows of it are read) unless the output layer shares it."""
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(_nbytes(t) for t in tensors.values())
     embed = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     if out is None or out.weight is not embed:
-        total -= embed.numel() * embed.element_size()
+        total -= _nbytes(embed)
     return total
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Storage bytes; a tensor subclass (torchao's quantized weights) counts the tensors it holds."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
 
 
 def rewrites(report: Any) -> str:
@@ -676,7 +692,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"fusepass bench e2e: unknown phase(s)/backend(s) {unknown}; phases {PHASES}, "
                          f"backends {BACKENDS}")
-    if args.quantize:
+    if args.quantize and args.quantize != "torchao-int8":
         import fusepass
 
         if not hasattr(fusepass, "quantize"):
@@ -727,8 +743,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the tiny model on the CPU, a few shapes (CI)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="weight-only quantization through fusepass.quantize (when this version has it)")
+    p.add_argument("--quantize", choices=["int8", "int4", "torchao-int8"], default=None,
+                   help="weight-only quantization: int8/int4 through fusepass.quantize, torchao-int8 through "
+                        "torchao's Int8WeightOnlyConfig (lm_head stays bf16 in both)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--prefill", default=None, help="prompt lengths for the prefill phase (default 512,2048,8192)")
     p.add_argument("--batch", default=None, help="batch sizes for decode and replay (default 1,32)")
