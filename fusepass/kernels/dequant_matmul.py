@@ -117,50 +117,8 @@ def _dequant_gemv_kernel(
     p_wn = w + o_n.to(tl.int64) * stride_wn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
 
-    if FMT == "int4" and BM == 1:
-        # One row of x (decode).  Bytes as [BN, NG, T, V]: NG groups of T runs
-        # of V = 16 bytes (one 16-byte load, held by one thread).  Products are
-        # summed over a run inside the thread, scaled once per run, and kept
-        # per (row, group, run) until the end: no reduction across threads in
-        # the loop.  x comes as even and odd columns, loaded in the layout of
-        # the weight tile.  The zero point is subtracted from each value (as
-        # the dequantised matmul does: an infinite activation gives +-inf or
-        # NaN exactly where it does there).
-        V: tl.constexpr = 16 if G >= 32 else G // 2
-        T: tl.constexpr = G // 2 // V
-        NG: tl.constexpr = BK // G
-        o_g = tl.arange(0, NG)[:, None, None]
-        o_t = tl.arange(0, T)[None, :, None]
-        o_v = tl.arange(0, V)[None, None, :]
-        acc4 = tl.zeros([BN, NG, T], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            o_kp = k0 // 2 + o_g * (G // 2) + o_t * V + o_v  # [NG, T, V] packed columns
-            o_grp = k0 // G + tl.arange(0, NG)
-            m_grp = o_grp * G < k_hi
-            if EVEN_K:
-                b_q = tl.load(p_wn[:, None, None, None] + o_kp[None], mask=m_n[:, None, None, None], other=0)
-                b_xe = tl.load(x + 2 * o_kp).to(tl.float32)
-                b_xo = tl.load(x + 2 * o_kp + 1).to(tl.float32)
-            else:
-                m_g3 = m_grp[:, None, None]
-                b_q = tl.load(p_wn[:, None, None, None] + o_kp[None], mask=m_n[:, None, None, None] & m_g3[None],
-                              other=0)
-                b_xe = tl.load(x + 2 * o_kp, mask=m_g3, other=0).to(tl.float32)
-                b_xo = tl.load(x + 2 * o_kp + 1, mask=m_g3, other=0).to(tl.float32)
-            m_s = m_n[:, None] & m_grp[None, :]
-            b_s = tl.load(scale + o_n[:, None] * stride_sn + o_grp[None, :], mask=m_s, other=0).to(tl.float32)
-            if HAS_ZERO:
-                b_lo, b_hi = _nibbles_to_f32(b_q)
-                b_z = tl.load(zero + o_n[:, None] * stride_sn + o_grp[None, :], mask=m_s, other=0).to(tl.float32)
-                b_lo = b_lo - b_z[:, :, None, None]
-                b_hi = b_hi - b_z[:, :, None, None]
-            else:
-                b_lo, b_hi = _nibbles_to_f32(b_q, 8.0)
-            b_d = tl.sum(b_lo * b_xe[None] + b_hi * b_xo[None], axis=3)  # [BN, NG, T], within each thread
-            acc4 += b_d * b_s[:, :, None]
-        acc += tl.sum(tl.sum(acc4, axis=2), axis=1)[None, :]
-    elif FMT == "int4":
-        # A few rows of x.  Packed bytes as [BN, NG, GP]: NG groups of GP bytes each.  x comes as
+    if FMT == "int4":
+        # Packed bytes as [BN, NG, GP]: NG groups of GP bytes each.  x comes as
         # (even, odd) column pairs split in registers, so the nibbles are never
         # interleaved.  The zero point is subtracted from each value, not
         # folded out as sum_k v x - z sum_k x: with an infinite activation the
