@@ -171,3 +171,56 @@ def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
     run.rows.clear()
     e2e.phase_startup(run)
     assert not {(r["backend"], r["workload"]): r for r in run.rows}[("fusepass", "startup warm")]["ok"]
+
+
+def test_profile_kinds_and_table():
+    from fusepass.bench.timing import _kind, render_profile
+
+    assert _kind("_dequant_gemv_kernel") == "fusepass quantized linear"
+    assert _kind("_gdn_state_kernel") == "fusepass GDN"
+    # Inductor's kernels quote the ops they fuse: still Inductor's, not attention.
+    assert _kind("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_0") == "Inductor-generated"
+    assert _kind("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16") == "attention"
+    assert _kind("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT") == "cuBLAS/CUTLASS matmul"
+    assert _kind("void at::native::vectorized_elementwise_kernel<FillFunctor>") == "copies and fills"
+    assert _kind("something_else") == "other aten"
+    prof = {"kernels_per_call": 3.0, "kernel_ms_per_call": 0.5, "span_ms_per_call": 0.6,
+            "kinds": {"attention": {"ms": 0.4, "kernels": 2.0}, "other aten": {"ms": 0.1, "kernels": 1.0}},
+            "top": [{"kernel": "flash_fwd", "kind": "attention", "calls": 2.0, "ms": 0.4}]}
+    text = render_profile("replay B1 fusepass", prof)
+    assert text.startswith("replay B1 fusepass: 3 kernels per call, 0.500 ms")
+    assert "flash_fwd" in text and "0.400" in text
+
+
+@pytest.mark.gpu
+def test_gpu_profile_counts_a_calls_kernels():
+    import torch
+
+    from fusepass.bench.timing import profile_kernels
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    prof = profile_kernels(lambda: (a @ a).relu_(), calls=3)
+    assert prof["kernels_per_call"] == 2, prof
+    assert prof["kernel_ms_per_call"] > 0 and prof["span_ms_per_call"] >= prof["kernel_ms_per_call"] * 0.99
+    assert "cuBLAS/CUTLASS matmul" in prof["kinds"], prof["kinds"]
+
+
+def test_prefill_reference_is_fp32_in_half_precision(tmp_path):
+    pytest.importorskip("transformers")
+    import argparse
+
+    import torch
+
+    from fusepass.bench import e2e
+
+    args = argparse.Namespace(quick=True, device="cpu", model="tiny-llama", dtype="bfloat16", backends="eager",
+                              out=str(tmp_path), layers="2", quantize=None, group_size=128, prompt=16, repeat=1,
+                              child_timeout=10, threads=1, command_line="test", model_given=True, max_seconds=None)
+    run = e2e.Run(args)
+    model = run.get_model()
+    ref, eager_err, what = e2e._prefill_references(run, model, [8])
+    assert what == "an fp32 copy of the model"
+    assert ref[8].dtype == torch.float32
+    # bf16 eager differs from the fp32 model by its roundings: more than nothing, less than the table.
+    assert 0 < eager_err[8] < 0.05
+    assert next(model.parameters()).dtype == torch.bfloat16  # the model itself is untouched

@@ -147,9 +147,9 @@ _KINDS = [
     ("fusepass quantized linear", ("_dequant_", "_splitk_reduce")),
     ("fusepass GDN", ("_gdn_",)),
     ("fusepass norm/activation", ("_rms_norm", "_gated_act")),
-    ("cuBLAS/CUTLASS matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitkreduce")),
+    ("Inductor-generated", ("triton_",)),  # before attention: its names quote the ops they fuse
     ("attention", ("flash", "fmha", "attention", "sdpa")),
-    ("Inductor-generated", ("triton_",)),
+    ("cuBLAS/CUTLASS matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitkreduce")),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
 ]
 
