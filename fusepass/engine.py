@@ -49,7 +49,7 @@ from torch._inductor.pattern_matcher import (
 from torch.utils import _pytree as pytree
 
 from .kernels._common import inline_kernels
-from .match import MatchInfo, hint
+from .match import MatchInfo, hint, scalar_input
 from .options import Options
 from .report import GraphReport, Hit, Refusal
 from .rule import Form, Region, Rule, rules
@@ -309,6 +309,10 @@ def _verify(cf: CompiledForm, m: Match, args: list[Any]) -> str | None:
 
     with unset_fake_temporarily(), torch.no_grad():
         concrete = [real(a) for a in args]
+        # A scalar the graph feeds as a tensor (dynamic=True's eps) takes the
+        # rule's own value: a random one may be negative (a NaN norm proves nothing).
+        concrete = [torch.full_like(c, cf.rule.scalars[n]) if n in cf.rule.scalars and isinstance(c, torch.Tensor)
+                    else c for n, c in zip(cf.argnames, concrete)]
         expected = pytree.tree_leaves(cf.form.search(*concrete))
         actual = pytree.tree_leaves(cf.form.replace(*concrete))
         for e, a in zip(expected, actual):
@@ -447,7 +451,9 @@ def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") ->
                 m = cf.pattern.match(node)
                 if not is_match(m):
                     continue
-                args = [m.kwargs[name] for name in cf.argnames]
+                # A scalar Dynamo made a graph input: the input, not its convert.
+                args = [scalar_input(m.kwargs[name]) if name in rule.scalars else m.kwargs[name]
+                        for name in cf.argnames]
                 info = MatchInfo(rule.name, cf.form.name, cf.dtype, dict(zip(cf.argnames, args)),
                                  list(m.nodes), [o for o in m.output_nodes() if o is not None])
                 verify = (lambda cf=cf, m=m, args=args: _verify(cf, m, args)) if options.verify else None

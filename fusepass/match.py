@@ -37,9 +37,66 @@ class MatchInfo:
     def is_node(self, name: str) -> bool:
         return isinstance(self.inputs[name], torch.fx.Node)
 
+    def scalar_refusal(self, name: str, like: torch.Tensor) -> str | None:
+        """Why input ``name`` (a Python number in the search function) cannot
+        go to an op beside ``like``: None for a number, or a 0-dim tensor the
+        op reads at run time (:func:`tensor_scalar_refusal`)."""
+        if self.is_node(name):
+            return tensor_scalar_refusal(name, self.inputs[name], like)
+        value = self.val(name)
+        return None if isinstance(value, (int, float)) else f"{name} is {type(value).__name__}, not a Python number"
+
     @property
     def output_val(self) -> Any:
         return self.outputs[0].meta.get("val")
+
+
+def scalar_input(arg: Any) -> Any:
+    """A Python float Dynamo made a graph input, as that input; anything else as it is.
+
+    With ``dynamic=True`` torch does not specialise floats
+    (``specialize_float=False``): an eps held in a module attribute or a
+    global reaches the post-grad graph as a 0-dim fp64 CPU placeholder,
+    converted to fp32 where it is added, and Dynamo does not guard on its
+    value.  The rules pass the placeholder itself to the op, which reads it
+    when it runs; the ops compute in fp32 (the convert's rounding), and the
+    convert, left without users, no longer costs a CPU kernel per call.
+    """
+    if not (isinstance(arg, torch.fx.Node) and arg.target == torch.ops.prims.convert_element_type.default
+            and arg.args[1] == torch.float32):
+        return arg
+    src = arg.args[0]
+    val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    if (src.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() == 0
+            and val.dtype.is_floating_point and val.device.type == "cpu"):
+        return src
+    return arg
+
+
+def tensor_scalar_refusal(name: str, node: torch.fx.Node, like: torch.Tensor) -> str | None:
+    """Why ``node`` (what the graph feeds a scalar of the search function, such
+    as eps) cannot be a 0-dim tensor an op beside ``like`` reads when it runs;
+    None when it can."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return f"{name} is a {type(val).__name__} ({node.name}), not a number or a 0-dim tensor"
+    if val.dim() != 0:
+        return f"{name} is a tensor of shape {shape_str(val)} ({node.name}), not one number per call"
+    if not val.dtype.is_floating_point:
+        return f"{name} is a {val.dtype} tensor ({node.name}), not a float"
+    if val.device == like.device:
+        return None  # read by the kernel (or the CPU body) itself
+    if val.device.type != "cpu":
+        return f"{name} is on {val.device} ({node.name}), the op runs on {like.device}"
+    # A CPU eps beside a GPU op is read on the host when the op runs.  In a
+    # CUDA graph the op runs once, at capture: replays would keep that value
+    # (Inductor's own kernels get such scalars copied to the GPU first).
+    from torch._inductor import config
+
+    if config.triton.cudagraphs:
+        return (f"{name} is a CPU scalar ({node.name}) and the graph is captured in a CUDA graph: "
+                "a replay would keep the value read at capture")
+    return None
 
 
 def same(a: Any, b: Any) -> bool:

@@ -254,6 +254,38 @@ def test_dynamic_shapes_keep_the_rewrite_without_recompiling():
     assert report.count("rms_norm") == 1
 
 
+class _Norm(torch.nn.Module):
+    """An HF-style RMSNorm with its eps in a module attribute."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+def test_dynamic_eps_in_a_module_attribute_is_read_at_run_time():
+    """With dynamic=True the eps attribute is a graph input, not a constant:
+    still rewritten, one graph for every length, and a new eps is used
+    without a recompile (Dynamo does not guard on it); verify mode accepts it."""
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    norm = _Norm(32)
+    f = torch.compile(norm, backend="fusepass", dynamic=True, options={"verify": True})
+    with torch.no_grad():
+        for rows, eps in ((3, 1e-6), (9, 1e-6), (5, 0.5)):
+            norm.variance_epsilon = eps
+            x = torch.randn(rows, 32)
+            assert_close(f(x), norm(x), f"rows={rows} eps={eps}")
+    report = fusepass.last_report()
+    assert len(report.graphs) == 1, str(report)
+    assert report.count("rms_norm") == 1 and not report.reasons("rms_norm"), str(report)
+
+
 def test_training_graphs_are_left_to_inductor_with_the_reason():
     torch._dynamo.reset()
     fusepass.reset_reports()

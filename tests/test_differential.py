@@ -89,22 +89,25 @@ def test_near_miss_mutations_are_refused_with_their_reasons():
         _block(mutation="returned", pick=3),  # the mean
         _block(mutation="reduction_dim"),
         _block(mutation="keepdim_off", shape=(8, 16)),
-        _block(scalar_as_tensor=True),
+        diff.BlockSpec("rms_norm", "near-miss", "eps per row"),
         _block(mutation="extra_cast", pick=2),
         _block(mutation="reused", pick=4),
         _block(mutation="constant"),  # x ** 3
         _block(name="no_upcast", dtype=torch.float64),  # (the hf form casts to fp32 and back: no match)
-        _block(),  # and one that is rewritten
+        _block(),  # and those that are rewritten: eps a number,
+        _block(scalar_as_tensor=True),  # a 0-d tensor input (what dynamic=True makes of a float),
+        _block(scalar_as_tensor=True, pick=1),  # one computed in the graph: the op reads it when it runs
     )
     program = diff.build(diff.ProgramSpec(blocks, seed=1))
     assert [b.spec for b in program.blocks] == list(blocks), program.dropped
     outcome = diff.run(program)
     assert not outcome.failures, "\n".join(outcome.failures)
     reasons = " | ".join(outcome.report.reasons("rms_norm"))
-    for fragment in ("also used outside", "not the last dim", "keepdim=False", "eps is a tensor",
+    for fragment in ("also used outside", "not the last dim", "keepdim=False", "not one number per call",
                      "mean of x**3", "float64 has no kernel"):
         assert fragment in reasons, f"{fragment!r} not in {reasons}"
-    assert outcome.report.count("rms_norm") == 1
+    assert outcome.report.count("rms_norm") == 3, str(outcome.report)
+    assert "scalar computed" in program.blocks[-1].features
 
 
 def test_operands_and_values_are_drawn_as_specified():

@@ -63,6 +63,11 @@ def _t(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=dtype)
 
 
+def _eps64():
+    """eps as dynamic=True passes it: a 0-dim fp64 CPU tensor (the ops' ``eps_tensor``)."""
+    return torch.tensor(1e-5, dtype=torch.float64)
+
+
 # Layouts and dtypes the rules' example inputs do not reach: leading dims,
 # non-contiguous rows, fp64 (the ops serve it from the reference), empty rows.
 TABLE: dict[str, list[tuple[str, callable]]] = {
@@ -74,6 +79,8 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("fp64", lambda: (_t(3, 9, dtype=torch.float64), _t(9, dtype=torch.float64), 1e-6, 0.0, False,
                           torch.float64)),
         ("empty-rows", lambda: (_t(0, 8), _t(8), 1e-6, 0.0, False, torch.float32)),
+        ("eps-tensor-bf16", lambda: (_t(4, 16, dtype=torch.bfloat16), _t(16, dtype=torch.bfloat16), 0.0, 0.0,
+                                     True, torch.bfloat16, _eps64())),
     ],
     "rms_norm_gated": [
         ("3d-bf16-cast-silu", lambda: (_t(2, 3, 33, dtype=torch.bfloat16), _t(2, 3, 33, dtype=torch.bfloat16),
@@ -85,6 +92,8 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("fp64", lambda: (_t(3, 9, dtype=torch.float64), _t(3, 9, dtype=torch.float64), _t(9, dtype=torch.float64),
                           1e-6, True, "silu")),
         ("empty-rows", lambda: (_t(0, 8), _t(0, 8), _t(8), 1e-6, False, "silu")),
+        ("eps-tensor-bf16", lambda: (_t(4, 16, dtype=torch.bfloat16), _t(4, 16, dtype=torch.bfloat16),
+                                     _t(16, dtype=torch.bfloat16), 0.0, True, "silu", _eps64())),
     ],
     "add_rms_norm": [
         ("3d-fp16", lambda: (_t(2, 3, 33, dtype=torch.float16), _t(2, 3, 33, dtype=torch.float16),
@@ -92,6 +101,8 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("sliced-rows-fp32", lambda: (_t(4, 19)[:, :16], _t(4, 16), _t(16), 1e-6, 1.0, False, torch.float32)),
         ("fp64", lambda: (_t(3, 9, dtype=torch.float64), _t(3, 9, dtype=torch.float64),
                           _t(9, dtype=torch.float64), 1e-6, 0.0, False, torch.float64)),
+        ("eps-tensor-bf16", lambda: (_t(4, 16, dtype=torch.bfloat16), _t(4, 16, dtype=torch.bfloat16),
+                                     _t(16, dtype=torch.bfloat16), 0.0, 0.0, True, torch.bfloat16, _eps64())),
     ],
     "swiglu": [
         ("chunked-halves-bf16", lambda: _t(6, 2 * 33, dtype=torch.bfloat16).chunk(2, -1)),

@@ -182,6 +182,21 @@ def test_op_fp64_goes_to_the_reference():
     torch.testing.assert_close(y.cpu(), reference64(x.cpu(), z.cpu(), w.cpu(), True, "silu"), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("looped", [False, True], ids=["tile", "looped"])
+def test_eps_tensor_is_read_when_the_kernel_runs(looped):
+    """eps as a 0-dim tensor (dynamic=True's unspecialised float) gives the
+    float eps's result exactly: on x's device the kernel loads it, a CPU one
+    (on a GPU) goes as its value; the op takes it as eps_tensor."""
+    x, z, w = make((5, 20000 if looped else 33), torch.bfloat16)
+    want = K.rms_norm_gated_fwd(x, z, w, 0.5)
+    for eps in (torch.tensor(0.5, dtype=torch.float64, device=DEVICE), torch.tensor(0.5)):
+        assert torch.equal(K.rms_norm_gated_fwd(x, z, w, eps), want), f"eps on {eps.device}"
+    clear_kernel_fallbacks()
+    with _op_path():
+        y = torch.ops.fusepass.rms_norm_gated(x, z, w, EPS, True, "silu", torch.tensor(0.5))
+    assert torch.equal(y, want) and not kernel_fallbacks()
+
+
 def test_op_kernel_failure_falls_back():
     x, z, w = make((5, 16), torch.bfloat16)
     expected = K.rms_norm_gated_reference(x, z, w, EPS, True, "silu")
@@ -258,8 +273,6 @@ def test_hybrid_model_gated_norm_is_one_op_per_gdn_layer(name):
     assert_close(actual, expected, f"{name} bf16 logits")
 
 
-# ---------------------------------------------------------------- on a GPU ----
-
 def _hf_gated(x, z, w):
     """transformers' Qwen3_5RMSNormGated.forward, weight as an argument."""
     h = x.to(torch.float32)
@@ -267,6 +280,22 @@ def _hf_gated(x, z, w):
     h = w * h.to(x.dtype)
     return (h * torch.nn.functional.silu(z.to(torch.float32))).to(x.dtype)
 
+
+def test_dynamic_tokens_share_one_graph():
+    """dynamic=True: the global EPS is a graph input (not specialised), still rewritten; one graph."""
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    fn = torch.compile(_hf_gated, backend="fusepass", dynamic=True)
+    t = TOLERANCES[torch.bfloat16]
+    for tokens in (3, 100, 1000):
+        x, z, w = make((tokens * 32, 128), torch.bfloat16, seed=tokens)
+        torch.testing.assert_close(fn(x, z, w), _hf_gated(x, z, w), atol=t.atol, rtol=t.rtol)
+    report = fusepass.last_report()
+    assert len(report.graphs) == 1, str(report)
+    assert report.count("rms_norm_gated") >= 1, str(report)
+
+
+# ---------------------------------------------------------------- on a GPU ----
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 4096, 16384], ids=lambda t: f"T{t}-H32-D128")
@@ -286,18 +315,6 @@ def test_gpu_real_sizes_kernel_and_compiled(tokens):
     assert fusepass.last_report().count("rms_norm_gated") == 1, str(fusepass.last_report())
     torch.testing.assert_close(out, expected, atol=t.atol, rtol=t.rtol)
     assert not kernel_fallbacks()
-
-
-@pytest.mark.gpu
-def test_gpu_dynamic_tokens_share_one_graph():
-    torch._dynamo.reset()
-    fusepass.reset_reports()
-    fn = torch.compile(_hf_gated, backend="fusepass", dynamic=True)
-    t = TOLERANCES[torch.bfloat16]
-    for tokens in (3, 100, 1000):
-        x, z, w = make((tokens * 32, 128), torch.bfloat16, seed=tokens)
-        torch.testing.assert_close(fn(x, z, w), _hf_gated(x, z, w), atol=t.atol, rtol=t.rtol)
-    assert fusepass.last_report().count("rms_norm_gated") >= 1
 
 
 @pytest.mark.gpu

@@ -290,17 +290,20 @@ def _opcheck_samples(op):
     xt = torch.randn(16, 6).t()  # non-contiguous fp32
     wt = torch.randn(16)
     x64 = torch.randn(4, 16, dtype=torch.float64)
+    eps64 = torch.tensor(0.5, dtype=torch.float64)  # dynamic=True's unspecialised float
     if op == "rms_norm":
         return [
             (x, w, EPS, 0.0, True, torch.bfloat16),
             (xt, wt, 1e-5, 1.0, False, torch.float32),
             (x, wt, EPS, 0.0, True, torch.float32),
             (x64, x64[0], EPS, 0.0, False, torch.float64),
+            (x, w, 0.0, 0.0, True, torch.bfloat16, eps64),
         ]
     return [
         (x, res, w, EPS, 0.0, True, torch.bfloat16),
         (xt, torch.randn(6, 16), wt, 1e-5, 1.0, False, torch.float32),
         (x64, x64, x64[0], EPS, 1.0, True, torch.float64),
+        (x, res, w, 0.0, 1.0, False, torch.bfloat16, eps64),
     ]
 
 
@@ -380,6 +383,28 @@ def test_cuda_impl_runs_the_kernel(op, fallbacks, monkeypatch):
     want = getattr(K, f"{op}_reference")(*args64)
     for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         assert g.dtype == torch.float64 and torch.equal(g, r)
+    assert fallbacks() == {}
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("variant", K.VARIANTS)
+def test_eps_tensor_is_read_when_the_kernel_runs(op, variant, fallbacks):
+    """eps as a 0-dim tensor (dynamic=True's unspecialised float) gives the
+    float eps's result exactly: on x's device the kernel loads it, a CPU one
+    (on a GPU) goes as its value.  eps = 0.5 moves the output by ~20%."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, res, w = (t.to(device) for t in make((5, 33), torch.bfloat16))
+    launch = K.rms_norm_fwd if op == "rms_norm" else K.add_rms_norm_fwd
+    args, flags = _op_args(op, x, res, w), (0.0, True, torch.bfloat16)
+    want = launch(*args, 0.5, *flags, **forced(variant, 33))
+    for eps in (torch.tensor(0.5, dtype=torch.float64, device=device), torch.tensor(0.5)):
+        got = launch(*args, eps, *flags, **forced(variant, 33))
+        for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert torch.equal(g, r), f"eps on {eps.device}"
+    # The op, through its CUDA implementation: eps_tensor wins over eps.
+    got = _cuda_impl(op)(*args, 1e-6, *flags, eps_tensor=torch.tensor(0.5))
+    for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        torch.testing.assert_close(g, r, atol=TOLERANCES[torch.bfloat16].atol, rtol=TOLERANCES[torch.bfloat16].rtol)
     assert fallbacks() == {}
 
 

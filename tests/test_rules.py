@@ -5,13 +5,16 @@ and near-misses: each form must be rewritten and match its search function
 run eagerly (per dtype), each near-miss must be refused with its reason.
 """
 
+import contextlib
+
 import pytest
 import torch
 
 import fusepass
-from fusepass.testing import check_rule
+from fusepass.testing import assert_close, check_rule, differential
 
 RULES = [r.name for r in fusepass.rules()]
+SCALAR_RULES = [r.name for r in fusepass.rules() if r.scalars]
 
 
 @pytest.mark.parametrize("name", RULES)
@@ -42,3 +45,61 @@ def test_patterns_cover_every_dtype_and_swapped_operands():
     forms = compile_rule(fusepass.get_rule("rms_norm"))
     assert {cf.dtype for cf in forms} == {torch.float32, torch.float16, torch.bfloat16}
     assert any(cf.variant == "swapped" for cf in forms)
+
+
+def _longer(inputs, k):
+    """The inputs with k times the rows: every tensor shaped like the main operand repeats."""
+    main = inputs[0].shape
+    return [t.repeat(k, *[1] * (t.dim() - 1)) if t.shape == main else t for t in inputs]
+
+
+@pytest.mark.parametrize("name", SCALAR_RULES)
+def test_runtime_scalars_are_read_at_run_time(name):
+    """dynamic=True leaves a Python float unspecialised: eps reaches the graph
+    as a 0-dim CPU input.  The rule still rewrites, one graph serves every
+    length and every eps, and the op reads the eps of each call (0.5 against
+    1e-6 moves the output by ~20%) -- through its CPU body and its Triton kernel."""
+    rule = fusepass.get_rule(name)
+    form = rule.forms[0]
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    fn = torch.compile(form.search, backend="fusepass", dynamic=True)
+    torch.manual_seed(0)
+    inputs = rule.inputs(form, torch.float32)
+    calls = [(_longer(inputs, k), dict.fromkeys(rule.scalars, eps)) for k, eps in ((1, 1e-6), (3, 0.5))]
+    with torch.no_grad():
+        kernels = differential.triton_on_cpu() if differential.interpreting() else contextlib.nullcontext()
+        for path in (contextlib.nullcontext(), kernels):
+            with path:
+                for args, scalars in calls:
+                    assert_close(fn(*args, **scalars), form.search(*args, **scalars), f"{name} eps={scalars}")
+    report = fusepass.last_report()
+    assert len(report.graphs) == 1, str(report)  # no recompile for another length or eps
+    assert report.count(name) == 1 and not report.reasons(name), str(report)
+
+
+def test_tensor_scalar_refusals():
+    """What a rule's eps may be besides a number, decided from the matched
+    node alone (the meta device stands in for a GPU)."""
+    from fusepass.match import scalar_input, tensor_scalar_refusal
+
+    g = torch.fx.Graph()
+
+    def node(val, op="placeholder", name="eps"):
+        n = g.placeholder(name) if op == "placeholder" else g.call_function(torch.ops.aten.mul.Tensor, ())
+        n.meta["val"] = val
+        return n
+
+    cpu, gpu = torch.empty(4, 8), torch.empty(4, 8, device="meta")
+    eps = node(torch.tensor(1e-6, dtype=torch.float64))
+    convert = g.call_function(torch.ops.prims.convert_element_type.default, (eps, torch.float32))
+    assert scalar_input(convert) is eps  # dynamic=True's unspecialised float: the input itself
+    assert tensor_scalar_refusal("eps", eps, cpu) is None
+    assert tensor_scalar_refusal("eps", node(torch.tensor(1e-6), op="call"), cpu) is None  # computed: read all the same
+    assert tensor_scalar_refusal("eps", eps, gpu) is None  # read on the host when the op runs
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        assert "CUDA graph" in tensor_scalar_refusal("eps", eps, gpu)  # a replay would keep the captured value
+        assert tensor_scalar_refusal("eps", eps, cpu) is None
+    assert "not one number" in tensor_scalar_refusal("eps", node(torch.zeros(4, 1)), cpu)
+    assert "not a float" in tensor_scalar_refusal("eps", node(torch.tensor(1)), cpu)
+    assert "on meta" in tensor_scalar_refusal("eps", node(torch.empty((), device="meta")), cpu)

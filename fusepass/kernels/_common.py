@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
 import torch
+import triton
+import triton.language as tl
 
 log = logging.getLogger("fusepass")
 T = TypeVar("T")
@@ -81,6 +83,51 @@ def rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """:func:`row_view`, or a contiguous [M, n] copy where no view exists."""
     view = row_view(t, n)
     return view if view is not None else t.contiguous().view(-1, n)
+
+
+# -- a scalar read at run time ---------------------------------------------------
+#
+# With ``dynamic=True`` torch does not specialise Python floats
+# (``specialize_float=False``): an RMSNorm's eps reaches the graph as a 0-dim
+# fp64 CPU input, whose value Dynamo does not guard on.  The ops take such an
+# eps as ``eps_tensor`` and read it when they run: a 0-dim tensor on the
+# kernel's device goes to the kernel as a pointer (loaded there, no host
+# sync), any other as its value (a CPU tensor: read on the host, no device
+# sync), as Inductor passes a 0-dim CPU graph input to its own kernels.
+
+
+def eps_args(eps: float | torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    """An op's ``(eps, eps_tensor)`` for an eps that is a number or a 0-dim tensor."""
+    return (0.0, eps) if isinstance(eps, torch.Tensor) else (eps, None)
+
+
+def check_eps_tensor(eps_tensor: torch.Tensor | None) -> None:
+    # One number per call: a broadcasting eps would change the output's shape.
+    torch._check(eps_tensor is None or eps_tensor.dim() == 0,
+                 lambda: f"eps_tensor must be 0-dim, got shape {tuple(eps_tensor.shape)}")
+
+
+def scalar_arg(value: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
+    """A float kernel argument given as a number or a 0-dim tensor: a tensor on
+    ``like``'s device goes as a pointer (:func:`scalar_fp32` loads it), anything
+    else as a Python float."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == like.device else float(value)
+    return float(value)
+
+
+@triton.jit
+def scalar_fp32(v):
+    # A number or a pointer to one (scalar_arg), in fp32.  Inductor passes
+    # Python floats to kernels it launches as fp64: the row math stays in
+    # fp32.  The branch is resolved at compile time: for a number the three
+    # norm kernels compile to the PTX they had with tl.cast(v, tl.float32)
+    # (Triton 3.9, sm_90, compiled offline: identical but for debug info).
+    # to_tensor: the interpreter passes a Python float as it is.
+    v = tl.to_tensor(v)
+    if v.dtype.is_ptr():
+        v = tl.load(v)
+    return v.to(tl.float32)
 
 
 class InjectedKernelFailure(RuntimeError):

@@ -40,7 +40,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import inline_enabled, launch_traced, on_device, run_kernel, sm_count
+from fusepass.kernels._common import (
+    check_eps_tensor,
+    eps_args,
+    inline_enabled,
+    launch_traced,
+    on_device,
+    run_kernel,
+    scalar_arg,
+    scalar_fp32,
+    sm_count,
+)
 from fusepass.kernels._common import rows as _rows  # [M, N] rows: a view where one exists, else a copy
 from fusepass.match import hint
 
@@ -68,10 +78,9 @@ def _rms_norm_fwd_kernel(
 ):
     # Variants ``row`` (BM = 1) and ``tile``: BN >= N, each row is read once
     # and stays in registers between the reduction and the scaling.
-    # Inductor passes Python floats to kernels it launches as fp64: keep the
-    # row math in fp32.
-    eps = tl.cast(eps, tl.float32)
-    weight_offset = tl.cast(weight_offset, tl.float32)
+    # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
+    eps = scalar_fp32(eps)
+    weight_offset = tl.cast(weight_offset, tl.float32)  # fp64 when Inductor launches the kernel
     i_m = tl.program_id(0)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = tl.arange(0, BN)
@@ -164,7 +173,7 @@ def _rms_norm_fwd_looped_kernel(
     # (the second time from L2: the launcher sizes the grid so that the rows
     # in flight fit in about half of the 50 MB L2 of an H100/H200).
     # int64 rows: M * stride passes 2**31 at 8192 tokens x 262144.
-    eps = tl.cast(eps, tl.float32)  # fp64 when Inductor launches it (see above)
+    eps = scalar_fp32(eps)
     weight_offset = tl.cast(weight_offset, tl.float32)
     i_p = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BN)
@@ -386,7 +395,7 @@ def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overri
         sh = N
     w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
     cfg = rms_norm_config(M, N, x.element_size(), sm_count(x.device), residual=res is not None, **overrides)
-    args = (x2, r2, w, y, h, sx, sr, N, sh, M, N, float(eps), float(weight_offset))
+    args = (x2, r2, w, y, h, sx, sr, N, sh, M, N, scalar_arg(eps, x), float(weight_offset))
     with on_device(x):
         if cfg.variant == "looped":
             _rms_norm_fwd_looped_kernel[(cfg.num_programs,)](
@@ -403,7 +412,7 @@ def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overri
 def rms_norm_fwd(
     x: Tensor,
     weight: Tensor,
-    eps: float,
+    eps: float | Tensor,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
     out_dtype: torch.dtype | None = None,
@@ -411,7 +420,8 @@ def rms_norm_fwd(
     out: Tensor | None = None,
     **overrides,
 ) -> Tensor:
-    """``rms_norm`` with the Triton kernel.  ``out`` (optional, contiguous, x's
+    """``rms_norm`` with the Triton kernel.  ``eps`` is a number or a 0-dim
+    tensor (read when the kernel runs).  ``out`` (optional, contiguous, x's
     shape, ``out_dtype``) receives the result; ``overrides`` are
     :func:`rms_norm_config`'s ``variant``, ``block_m``, ``block_n``,
     ``num_warps``, ``num_programs``."""
@@ -426,7 +436,7 @@ def add_rms_norm_fwd(
     x: Tensor,
     residual: Tensor,
     weight: Tensor,
-    eps: float,
+    eps: float | Tensor,
     weight_offset: float = 0.0,
     cast_before_weight: bool = False,
     out_dtype: torch.dtype | None = None,
@@ -495,19 +505,32 @@ def _add_rms_norm_ref_out(x, residual, weight, eps, weight_offset, cast_before_w
 
 @torch.library.custom_op("fusepass::rms_norm", mutates_args=())
 def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, weight_offset: float, cast_before_weight: bool, out_dtype: torch.dtype
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    weight_offset: float,
+    cast_before_weight: bool,
+    out_dtype: torch.dtype,
+    eps_tensor: Tensor | None = None,
 ) -> Tensor:
-    """RMSNorm over the last dim, contiguous.  This body serves CPU and every non-CUDA device."""
+    """RMSNorm over the last dim, contiguous.  ``eps_tensor`` (0-dim, any
+    device), when given, is the eps instead of ``eps``, read at run time.
+    This body serves CPU and every non-CUDA device."""
+    check_eps_tensor(eps_tensor)
+    eps = eps if eps_tensor is None else eps_tensor
     return _rms_norm_ref_out(x, weight, eps, weight_offset, cast_before_weight, out_dtype)
 
 
 @rms_norm.register_fake
-def _rms_norm_fake(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
+def _rms_norm_fake(x, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
+    check_eps_tensor(eps_tensor)
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
 @rms_norm.register_kernel("cuda")
-def _rms_norm_cuda(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
+def _rms_norm_cuda(x, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
+    check_eps_tensor(eps_tensor)
+    eps = eps if eps_tensor is None else eps_tensor
     args = (x, weight, eps, weight_offset, cast_before_weight, out_dtype)
     if not _kernel_handles(x, weight, out_dtype):
         return _rms_norm_ref_out(*args)
@@ -529,19 +552,26 @@ def add_rms_norm(
     weight_offset: float,
     cast_before_weight: bool,
     out_dtype: torch.dtype,
+    eps_tensor: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual), x + residual), contiguous.  This body serves CPU and every non-CUDA device."""
+    """(rms_norm(x + residual), x + residual), contiguous; ``eps_tensor`` as
+    for ``fusepass::rms_norm``.  This body serves CPU and every non-CUDA device."""
+    check_eps_tensor(eps_tensor)
+    eps = eps if eps_tensor is None else eps_tensor
     return _add_rms_norm_ref_out(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
 
 
 @add_rms_norm.register_fake
-def _add_rms_norm_fake(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype):
+def _add_rms_norm_fake(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
     _check_residual(x, residual)
+    check_eps_tensor(eps_tensor)
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape)
 
 
 @add_rms_norm.register_kernel("cuda")
-def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype):
+def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
+    check_eps_tensor(eps_tensor)
+    eps = eps if eps_tensor is None else eps_tensor
     args = (x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
     if not _kernel_handles(x, weight, out_dtype, residual):
         return _add_rms_norm_ref_out(*args)
@@ -586,25 +616,36 @@ def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
     return (y, out["h"].view(x.shape)) if res is not None else y
 
 
-def _inline_ok(x: Tensor, weight: Tensor, out_dtype: torch.dtype, residual: Tensor | None = None) -> bool:
+def _inline_ok(x: Tensor, weight: Tensor, eps, out_dtype: torch.dtype, residual: Tensor | None = None) -> bool:
+    # A tensor eps (what dynamic=True makes of a Python float: a 0-dim CPU
+    # graph input) goes through the op, which reads it when it runs: on the
+    # host for a CPU eps (no device sync), in the kernel for one on x's device.
+    # Inlined, Inductor would pass a 0-dim CPU graph input to the kernel as a
+    # value (codegen/triton_utils.py, should_unwrap_unspec_arg), but that
+    # launch has not been run on a GPU yet.
     # Rows longer than the one-pass kernel holds (the persistent looped
     # variant) go through the op: launched from Inductor's generated code that
     # kernel measured slower than the same launch from the op (H200, Triton
     # 3.6, GPU time: 2048x65536 RMSNorm 202.5 vs 177.9 µs, add+RMSNorm 295.8
     # vs 284.8), and at such sizes the op's CPU cost hides behind the GPU's.
-    return inline_enabled(x) and not _long_row(x.shape[-1]) and _kernel_handles(x, weight, out_dtype, residual)
+    return (inline_enabled(x) and not isinstance(eps, Tensor) and not _long_row(x.shape[-1])
+            and _kernel_handles(x, weight, out_dtype, residual))
 
 
 def rms_norm_call(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
     """What the rules put in a graph: the kernel itself when the engine inlines
-    kernels for a CUDA graph, else the ``fusepass::rms_norm`` op."""
-    if _inline_ok(x, weight, out_dtype):
+    kernels for a CUDA graph, else the ``fusepass::rms_norm`` op.  ``eps`` is a
+    number or a 0-dim tensor (see :func:`fusepass.match.scalar_input`)."""
+    if _inline_ok(x, weight, eps, out_dtype):
         return _traced(x, None, weight, eps, weight_offset, cast_before_weight, out_dtype)
-    return torch.ops.fusepass.rms_norm(x, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    eps, eps_tensor = eps_args(eps)
+    return torch.ops.fusepass.rms_norm(x, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor)
 
 
 def add_rms_norm_call(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype):
     """As :func:`rms_norm_call`, for ``fusepass::add_rms_norm``."""
-    if _inline_ok(x, weight, out_dtype, residual):
+    if _inline_ok(x, weight, eps, out_dtype, residual):
         return _traced(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
-    return torch.ops.fusepass.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    eps, eps_tensor = eps_args(eps)
+    return torch.ops.fusepass.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype,
+                                           eps_tensor)

@@ -32,7 +32,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import inline_enabled, launch_traced, on_device, rows, run_kernel, sm_count
+from fusepass.kernels._common import (
+    check_eps_tensor,
+    eps_args,
+    inline_enabled,
+    launch_traced,
+    on_device,
+    rows,
+    run_kernel,
+    scalar_arg,
+    scalar_fp32,
+    sm_count,
+)
 from fusepass.match import hint
 
 
@@ -79,9 +90,8 @@ def _rms_norm_gated_fwd_kernel(
     BN: tl.constexpr,
     LOOPED: tl.constexpr,
 ):
-    # Inductor passes Python floats to kernels it launches as fp64: keep the
-    # row math in fp32.
-    eps = tl.cast(eps, tl.float32)
+    # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
+    eps = scalar_fp32(eps)
     i_m = tl.program_id(0)
     # int64 row offsets: M * stride passes 2**31 at 16384 tokens x 32 heads x 4096.
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -194,7 +204,7 @@ def rms_norm_gated_fwd(
     x: Tensor,
     gate: Tensor,
     weight: Tensor,
-    eps: float,
+    eps: float | Tensor,
     cast_before_weight: bool = True,
     activation: str = "silu",
     *,
@@ -202,8 +212,9 @@ def rms_norm_gated_fwd(
     block_m: int | None = None,
     num_warps: int | None = None,
 ) -> Tensor:
-    """``rms_norm_gated`` with the Triton kernel.  ``out`` (optional,
-    contiguous, x's shape and dtype) receives the result."""
+    """``rms_norm_gated`` with the Triton kernel.  ``eps`` is a number or a
+    0-dim tensor (read when the kernel runs).  ``out`` (optional, contiguous,
+    x's shape and dtype) receives the result."""
     _check(x, gate, weight, activation)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -220,7 +231,7 @@ def rms_norm_gated_fwd(
     cfg = rms_norm_gated_config(M, N, sm_count(x.device), block_m, num_warps)
     with on_device(x):
         _rms_norm_gated_fwd_kernel[(cfg.num_programs,)](
-            x2, z2, w, out, x2.stride(0), z2.stride(0), N, M, N, float(eps),
+            x2, z2, w, out, x2.stride(0), z2.stride(0), N, M, N, scalar_arg(eps, x),
             **_flags(x, weight, cast_before_weight, activation),
             BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped, num_warps=cfg.num_warps,
         )
@@ -230,7 +241,7 @@ def rms_norm_gated_fwd(
 # ------------------------------------------------------------------- ops ----
 
 
-def rms_norm_gated_reference(x: Tensor, gate: Tensor, weight: Tensor, eps: float, cast_before_weight: bool,
+def rms_norm_gated_reference(x: Tensor, gate: Tensor, weight: Tensor, eps: float | Tensor, cast_before_weight: bool,
                              activation: str) -> Tensor:
     """The op's semantics in plain torch: the CPU implementation and the fallback.
 
@@ -247,11 +258,12 @@ def rms_norm_gated_reference(x: Tensor, gate: Tensor, weight: Tensor, eps: float
     return (p * act(gate.to(wide))).to(x.dtype)
 
 
-def _check_op(x: Tensor, gate: Tensor, weight: Tensor, activation: str) -> None:
+def _check_op(x: Tensor, gate: Tensor, weight: Tensor, activation: str, eps_tensor: Tensor | None) -> None:
     # y has x's shape (the fake says so): a broadcasting gate would make the
     # real output disagree with the fake.
     torch._check(gate.shape == x.shape, lambda: f"gate is {tuple(gate.shape)}, x is {tuple(x.shape)}")
     torch._check(activation in ACTIVATIONS, lambda: f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_eps_tensor(eps_tensor)
 
 
 def _ref_out(x, gate, weight, eps, cast_before_weight, activation) -> Tensor:
@@ -273,22 +285,25 @@ def _kernel_handles(x: Tensor, gate: Tensor, weight: Tensor) -> bool:
 
 @torch.library.custom_op("fusepass::rms_norm_gated", mutates_args=())
 def rms_norm_gated(x: Tensor, gate: Tensor, weight: Tensor, eps: float, cast_before_weight: bool,
-                   activation: str) -> Tensor:
-    """Gated RMSNorm over the last dim, in x's dtype, contiguous.  This body
-    serves CPU and every non-CUDA device."""
-    _check_op(x, gate, weight, activation)
+                   activation: str, eps_tensor: Tensor | None = None) -> Tensor:
+    """Gated RMSNorm over the last dim, in x's dtype, contiguous.  ``eps_tensor``
+    (0-dim, any device), when given, is the eps instead of ``eps``, read at run
+    time.  This body serves CPU and every non-CUDA device."""
+    _check_op(x, gate, weight, activation, eps_tensor)
+    eps = eps if eps_tensor is None else eps_tensor
     return _ref_out(x, gate, weight, eps, cast_before_weight, activation)
 
 
 @rms_norm_gated.register_fake
-def _rms_norm_gated_fake(x, gate, weight, eps, cast_before_weight, activation):
-    _check_op(x, gate, weight, activation)
+def _rms_norm_gated_fake(x, gate, weight, eps, cast_before_weight, activation, eps_tensor=None):
+    _check_op(x, gate, weight, activation, eps_tensor)
     return x.new_empty(x.shape)
 
 
 @rms_norm_gated.register_kernel("cuda")
-def _rms_norm_gated_cuda(x, gate, weight, eps, cast_before_weight, activation):
-    _check_op(x, gate, weight, activation)
+def _rms_norm_gated_cuda(x, gate, weight, eps, cast_before_weight, activation, eps_tensor=None):
+    _check_op(x, gate, weight, activation, eps_tensor)
+    eps = eps if eps_tensor is None else eps_tensor
     args = (x, gate, weight, eps, cast_before_weight, activation)
     if not _kernel_handles(x, gate, weight):
         return _ref_out(*args)
@@ -316,14 +331,18 @@ def _traced(x, gate, weight, eps, cast_before_weight, activation):
     return out["y"].view(x.shape)
 
 
-def _inline_ok(x: Tensor, gate: Tensor, weight: Tensor) -> bool:
-    return (inline_enabled(x) and gate.shape == x.shape and _kernel_handles(x, gate, weight)
+def _inline_ok(x: Tensor, gate: Tensor, weight: Tensor, eps) -> bool:
+    # A tensor eps goes through the op (see fusepass.kernels.rms_norm._inline_ok).
+    return (inline_enabled(x) and not isinstance(eps, Tensor) and gate.shape == x.shape
+            and _kernel_handles(x, gate, weight)
             and all(isinstance(s, int) for s in (*x.stride(), *gate.stride())))
 
 
 def rms_norm_gated_call(x, gate, weight, eps, cast_before_weight, activation):
     """What the rules put in a graph: the kernel itself when the engine inlines
-    kernels for a CUDA graph, else the ``fusepass::rms_norm_gated`` op."""
-    if _inline_ok(x, gate, weight):
+    kernels for a CUDA graph, else the ``fusepass::rms_norm_gated`` op; ``eps``
+    as for :func:`fusepass.kernels.rms_norm.rms_norm_call`."""
+    if _inline_ok(x, gate, weight, eps):
         return _traced(x, gate, weight, eps, cast_before_weight, activation)
-    return torch.ops.fusepass.rms_norm_gated(x, gate, weight, eps, cast_before_weight, activation)
+    eps, eps_tensor = eps_args(eps)
+    return torch.ops.fusepass.rms_norm_gated(x, gate, weight, eps, cast_before_weight, activation, eps_tensor)

@@ -3,8 +3,10 @@
     y = x / sqrt(mean(x², -1) + eps) * w          (plain)
     y = x / sqrt(mean(x², -1) + eps) * (1 + w)    (zero-centred: Gemma, Qwen3-Next, Qwen3.5)
 
-over the last dim, any leading dims, any eps.  The forms below are the ones
-real model code takes after tracing:
+over the last dim, any leading dims, any eps: a constant, or a 0-dim tensor
+the op reads when it runs (``dynamic=True`` makes a Python float a graph
+input: see :func:`fusepass.match.scalar_input`).  The forms below are the
+ones real model code takes after tracing:
 
 - ``hf``: Llama-style: upcast to fp32, normalise, cast back, then times the
   weight (``weight * h.to(input_dtype)``) -- two roundings in half precision;
@@ -26,7 +28,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from fusepass.kernels.rms_norm import rms_norm_call
-from fusepass.match import MatchInfo, same, shape_str
+from fusepass.match import MatchInfo, same, scalar_input, shape_str, tensor_scalar_refusal
 from fusepass.rule import Form, NearMiss, Rule
 
 aten = torch.ops.aten
@@ -73,11 +75,11 @@ def example_inputs(dtype):
 
 def check_norm(m: MatchInfo, x_name: str = "x") -> str | None:
     """Checks shared with add_rms_norm."""
-    if m.is_node("eps"):
-        return f"eps is a tensor ({m.inputs['eps'].name}), not a Python number"
-    if not isinstance(m.val("eps"), (int, float)):
-        return f"eps is {type(m.val('eps')).__name__}, not a Python number"
     x, w = m.val(x_name), m.val("weight")
+    # A number, or a 0-dim tensor read at run time (dynamic=True's unspecialised float).
+    reason = m.scalar_refusal("eps", x)
+    if reason:
+        return reason
     if x.dtype not in SUPPORTED:
         return f"input dtype {x.dtype} has no kernel (fp32/fp16/bf16 only)"
     if w.dtype not in SUPPORTED:
@@ -125,8 +127,11 @@ def explain(rsqrt: torch.fx.Node) -> str | None:
         return "mean with keepdim=False: the result broadcasts differently from a row norm"
     if sq.target == aten.pow.Tensor_Scalar and sq.args[1] != 2:
         return f"mean of x**{sq.args[1]}, not of x**2"
-    if isinstance(add.args[1], torch.fx.Node):
-        return f"eps is a tensor ({add.args[1].name}), not a Python number"
+    eps = scalar_input(add.args[1])
+    if isinstance(eps, torch.fx.Node) and isinstance(val, torch.Tensor):
+        reason = tensor_scalar_refusal("eps", eps, val)
+        if reason:
+            return reason
     for n in (sq, mean, add, rsqrt):
         if len(n.users) > 1:
             users = ", ".join(u.name for u in n.users)
@@ -151,7 +156,7 @@ def _nm_no_keepdim(x, w):
     return w * (h * torch.rsqrt(h.pow(2).mean(-1) + 1e-6)).to(x.dtype)
 
 
-def _nm_tensor_eps(x, w, eps):
+def _nm_eps_per_row(x, w, eps):
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -185,8 +190,8 @@ RULE = Rule(
         NearMiss("variance also returned", _nm_var_reused, _sq, "also used outside"),
         NearMiss("mean over dim 0", _nm_first_dim, _sq, "not the last dim"),
         NearMiss("keepdim=False", _nm_no_keepdim, _sq, "keepdim=False"),
-        NearMiss("eps as a tensor", _nm_tensor_eps,
-                 lambda dt: [*_sq(dt), torch.tensor(1e-6, dtype=torch.float32)], "eps is a tensor"),
+        NearMiss("eps per row", _nm_eps_per_row,
+                 lambda dt: [*_sq(dt), torch.full((8, 1), 1e-6)], "not one number per call"),
         NearMiss("weight (1, hidden)", _nm_weight_2d,
                  lambda dt: [torch.randn(8, 8, dtype=dt), torch.randn(1, 8, dtype=dt)], "weight shape"),
     ],

@@ -72,13 +72,13 @@ def example_inputs(dtype):
 
 
 def check(m: MatchInfo) -> str | None:
-    if m.is_node("eps"):
-        return f"eps is a tensor ({m.inputs['eps'].name}), not a Python number"
-    if not isinstance(m.val("eps"), (int, float)):
-        return f"eps is {type(m.val('eps')).__name__}, not a Python number"
     x, z, w = m.val("x"), m.val("gate"), m.val("weight")
     if not all(isinstance(t, torch.Tensor) for t in (x, z, w)):
         return "x, gate or weight is a Python number, not a tensor"
+    # A number, or a 0-dim tensor read at run time (dynamic=True's unspecialised float).
+    reason = m.scalar_refusal("eps", x)
+    if reason:
+        return reason
     for name, t in (("input", x), ("gate", z), ("weight", w)):
         if t.dtype not in SUPPORTED:
             return f"{name} dtype {t.dtype} has no kernel (fp32/fp16/bf16 only)"
@@ -138,7 +138,7 @@ def _nm_silu_of_normed(x, z, w):
     return (F.silu(h.to(torch.float32)) * z.to(torch.float32)).to(x.dtype)
 
 
-def _nm_tensor_eps(x, z, w, eps):
+def _nm_eps_per_row(x, z, w, eps):
     h = w * _normed(x, eps).to(x.dtype)
     return (h * F.silu(z.to(torch.float32))).to(x.dtype)
 
@@ -180,8 +180,8 @@ RULE = Rule(
         NearMiss("gelu gate", _nm_gelu, _bf16, ""),
         NearMiss("gate before the norm", _nm_gate_first, _bf16, ""),
         NearMiss("silu of the normalised value", _nm_silu_of_normed, _bf16, ""),
-        NearMiss("eps as a tensor", _nm_tensor_eps,
-                 lambda dt: [*_bf16(dt), torch.tensor(1e-6, dtype=torch.float32)], "eps is a tensor"),
+        NearMiss("eps per row", _nm_eps_per_row,
+                 lambda dt: [*_bf16(dt), torch.full((4, 1), 1e-6)], "not one number per call"),
         NearMiss("weight (1, head_dim)", _nm_weight_2d, _bf16_2d_weight, "weight shape"),
     ],
     doc=__doc__,

@@ -12,7 +12,8 @@ random, sometimes mutated into a near-miss:
 - sizes: hidden 0, 1, 7, 33, 4097, 65537, ...; leading dims (), (0,), (3,), (2, 3), ...;
 - dtypes fp32/fp16/bf16 and fp64 (which must be refused or be correct);
 - values: NaN, +Inf or -Inf in the main operand;
-- scalars (eps) as Python numbers or as 0-d tensors;
+- scalars (eps) as Python numbers or as 0-d tensors (inputs, or computed in
+  the graph), which the ops read when they run;
 - mutations of the traced ATen graph of ``search``: an intermediate returned
   or used by another op, a reduction over another dim or without keepdim, a
   constant changed, an extra rounding, the operands of a commutative op swapped.
@@ -490,7 +491,12 @@ class _Builder:
             if name in scalars:
                 if b.scalar_as_tensor:
                     template.append(("t", None))
-                    ins.append(self.leaf(torch.tensor(b.scalar, dtype=torch.float32, device=self.device)))
+                    if b.pick % 2:  # computed in the graph, not an input
+                        leaf = self.leaf(torch.tensor(2 * b.scalar, dtype=torch.float32, device=self.device))
+                        ins.append(self.step(_scale, [leaf], "{args} * 0.5", checked=False)[0])
+                        features.append("scalar computed")
+                    else:
+                        ins.append(self.leaf(torch.tensor(b.scalar, dtype=torch.float32, device=self.device)))
                 else:
                     template.append(("c", b.scalar))
                 continue
