@@ -205,14 +205,24 @@ def _ran(graph: _report.GraphReport, ran: list[_report.GraphReport], keys: list[
 
 
 def _restore(graph: _report.GraphReport, keys: list[str], also: list[str] = ()) -> None:
-    """A cache hit ran no pass: fold in the first record found under ``keys`` (and any under ``also``)."""
+    """A cache hit ran no pass: fold in the first record found under ``keys`` (and any under ``also``).
+
+    The record is also filed under the keys that lacked it: a graph served by
+    Inductor's FX graph cache from another graph's compile (the two differ by a
+    no-op) finds its record under that compile's FX key only, and the next
+    process, served by AOTAutograd's cache, looks under this graph's own key.
+    """
     graph.cache = "hit"
-    found = next((r for r in map(_report.load, keys) if r is not None), None)
+    records = [_report.load(k) for k in keys]
+    found = next((r for r in records if r is not None), None)
     if found is None:
         graph.notes.append(
             "a graph came from the compile cache and fusepass's record of it is missing; "
             "its rewrites are not listed (clear Inductor's cache to recompile it)")
         return
+    for k, r in zip(keys, records):
+        if r is None:
+            _report.store(k, found)
     graph.merge(found)
     for r in map(_report.load, also):
         if r is not None:

@@ -135,6 +135,14 @@ def test_a_cache_hit_from_another_graph_still_lists_the_rewrite(tmp_path, monkey
         _, second = compile_and_run(no_upcast, (x, w))
     assert counters["inductor"]["fxgraph_cache_hit"] == 1, "the two graphs no longer share a cache entry"
     assert second.graphs[0].cache == "hit" and second.count("rms_norm") == first.count("rms_norm") == 1
+    # The next start of the second graph is served by AOTAutograd's cache,
+    # which skips Inductor: the record must be under the second graph's own key.
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        counters.clear()
+        _, third = compile_and_run(no_upcast, (x, w))
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+    assert third.graphs[0].cache == "hit" and third.count("rms_norm") == 1, str(third)
 
 
 def test_warm_cache_without_the_record_says_so(tmp_path, monkeypatch):

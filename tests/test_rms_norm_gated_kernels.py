@@ -282,7 +282,8 @@ def _hf_gated(x, z, w):
 
 
 def test_dynamic_tokens_share_one_graph():
-    """dynamic=True: the global EPS is a graph input (not specialised), still rewritten; one graph."""
+    """dynamic=True: the global EPS is a graph input (not specialised); one graph.  Rewritten on the
+    CPU; on CUDA left to Inductor with the reason (the kernel is inlined only with a constant eps)."""
     torch._dynamo.reset()
     fusepass.reset_reports()
     fn = torch.compile(_hf_gated, backend="fusepass", dynamic=True)
@@ -292,7 +293,11 @@ def test_dynamic_tokens_share_one_graph():
         torch.testing.assert_close(fn(x, z, w), _hf_gated(x, z, w), atol=t.atol, rtol=t.rtol)
     report = fusepass.last_report()
     assert len(report.graphs) == 1, str(report)
-    assert report.count("rms_norm_gated") >= 1, str(report)
+    if DEVICE == "cuda":
+        assert report.count("rms_norm_gated") == 0, str(report)
+        assert any("run-time value" in r.reason for r in report.refusals), str(report)
+    else:
+        assert report.count("rms_norm_gated") >= 1, str(report)
 
 
 # ---------------------------------------------------------------- on a GPU ----

@@ -79,8 +79,9 @@ def test_runtime_scalars_are_read_at_run_time(name):
 
 
 def test_tensor_scalar_refusals():
-    """What a rule's eps may be besides a number, decided from the matched
-    node alone (the meta device stands in for a GPU)."""
+    """What a rule's eps may be besides a number, decided from the matched node alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from fusepass.match import scalar_input, tensor_scalar_refusal
 
     g = torch.fx.Graph()
@@ -90,16 +91,18 @@ def test_tensor_scalar_refusals():
         n.meta["val"] = val
         return n
 
-    cpu, gpu = torch.empty(4, 8), torch.empty(4, 8, device="meta")
+    cpu = torch.empty(4, 8)
     eps = node(torch.tensor(1e-6, dtype=torch.float64))
     convert = g.call_function(torch.ops.prims.convert_element_type.default, (eps, torch.float32))
     assert scalar_input(convert) is eps  # dynamic=True's unspecialised float: the input itself
     assert tensor_scalar_refusal("eps", eps, cpu) is None
     assert tensor_scalar_refusal("eps", node(torch.tensor(1e-6), op="call"), cpu) is None  # computed: read all the same
-    assert tensor_scalar_refusal("eps", eps, gpu) is None  # read on the host when the op runs
-    with torch._inductor.config.patch({"triton.cudagraphs": True}):
-        assert "CUDA graph" in tensor_scalar_refusal("eps", eps, gpu)  # a replay would keep the captured value
-        assert tensor_scalar_refusal("eps", eps, cpu) is None
     assert "not one number" in tensor_scalar_refusal("eps", node(torch.zeros(4, 1)), cpu)
     assert "not a float" in tensor_scalar_refusal("eps", node(torch.tensor(1)), cpu)
     assert "on meta" in tensor_scalar_refusal("eps", node(torch.empty((), device="meta")), cpu)
+    # On CUDA a run-time eps stays with Inductor (the kernel is inlined only with a constant eps).
+    with FakeTensorMode():
+        cuda = torch.empty(4, 8, device="cuda")
+        cuda_eps = torch.empty((), device="cuda")
+    assert "run-time value" in tensor_scalar_refusal("eps", eps, cuda)
+    assert "run-time value" in tensor_scalar_refusal("eps", node(cuda_eps, op="call"), cuda)
