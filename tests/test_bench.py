@@ -123,6 +123,11 @@ def test_bench_e2e_quick(tmp_path, capsys):
             assert "rms_norm" in r["rewrites"], r["rewrites"]
         if r["phase"] in ("decode", "replay") and r.get("ok"):
             assert r["floor_ms"] > 0 and r["pct_floor"] > 0
+    for r in rows:  # decode and replay ran together: the step's time outside the graph
+        if r["phase"] == "decode" and r.get("ok"):
+            replay = next(x for x in rows if x["phase"] == "replay" and x["backend"] == r["backend"])
+            if replay.get("value"):
+                assert r["host_ms_per_step"] == pytest.approx(r["step_ms"] - replay["value"] / 1e3)
     with (tmp_path / "e2e.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert "fusepass rewrites" in (tmp_path / "e2e_table.txt").read_text()

@@ -21,7 +21,9 @@ and fusepass side by side in one process, each phase selectable:
 - ``replay``: the same decode step (one token per sequence, static cache)
   compiled without CUDA graphs, captured into one CUDA graph by hand and
   replayed K times back to back between two events: the GPU time of a step
-  with no launch gaps.  On the CPU: compiled step called back to back.
+  with no launch gaps.  On the CPU: compiled step called back to back.  With
+  ``decode`` in the same run, each decode row also says how much of its step
+  lies outside the graph (generate's own work per token).
 - ``startup``: compile plus first forward, each in a fresh Python process
   sharing an Inductor (and Triton) cache folder: the first process finds it
   empty (cold), the second warm.  fusepass is not imported beforehand: the
@@ -685,6 +687,19 @@ def _vs_inductor(rows: list[dict[str, Any]]) -> None:
         r["vs_inductor"] = r["value"] / i["value"] if faster_is_higher else i["value"] / r["value"]
 
 
+def _host_time(rows: list[dict[str, Any]]) -> None:
+    """Where one run has both, a decode row gets its step's time outside the GPU work:
+    the step through ``generate`` minus the same step replayed from one CUDA graph."""
+    replay = {(r["backend"], r["workload"].split()[-1]): r for r in rows
+              if r["phase"] == "replay" and r.get("value")}
+    for r in rows:
+        if r["phase"] != "decode" or not r.get("step_ms"):
+            continue
+        rp = replay.get((r["backend"], r["workload"].split()[-1]))
+        if rp:
+            r["host_ms_per_step"] = r["step_ms"] - rp["value"] / 1e3
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
@@ -698,6 +713,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             floor = f"{r['pct_floor']:.0f}% of floor ({r['floor_ms'] * 1e3:.0f} µs)"
         if r.get("cpu_s") is not None:  # startup: the process's CPU time too (steadier on a shared machine)
             value += f", cpu {r['cpu_s']:.2f} s"
+        if r.get("host_ms_per_step") is not None:  # decode: what generate adds to the replayed step
+            value += f", {r['step_ms']:.2f} ms/step of which {r['host_ms_per_step']:.2f} outside the graph"
         check = ("ok" if r.get("ok") else "FAIL") + (f" {r['rel_err']:.1e}" if r.get("rel_err") is not None else "")
         lines.append([r["workload"], r["backend"], value,
                       f"{r['vs_inductor']:.3f}x" if r.get("vs_inductor") else "-", floor, check,
@@ -742,6 +759,7 @@ def main(args: argparse.Namespace) -> int:
         {"prefill": phase_prefill, "decode": phase_decode, "replay": phase_replay, "startup": phase_startup}[phase](run)
         run.say(f"phase {phase} done in {time.perf_counter() - t0:.1f} s")
     _vs_inductor(run.rows)
+    _host_time(run.rows)
 
     meta = {**run.meta(), "seconds": round(time.perf_counter() - run.started, 1)}
     output.write_json(run.out / "e2e.json", run.env, run.rows, **meta)
