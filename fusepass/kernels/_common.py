@@ -117,17 +117,21 @@ def scalar_arg(value: float | torch.Tensor, like: torch.Tensor) -> float | torch
 
 
 @triton.jit
-def scalar_fp32(v):
-    # A number or a pointer to one (scalar_arg), in fp32.  Inductor passes
-    # Python floats to kernels it launches as fp64: the row math stays in
-    # fp32.  The branch is resolved at compile time: for a number the three
-    # norm kernels compile to the PTX they had with tl.cast(v, tl.float32)
-    # (Triton 3.9, sm_90, compiled offline: identical but for debug info).
-    # to_tensor: the interpreter passes a Python float as it is.
-    v = tl.to_tensor(v)
-    if v.dtype.is_ptr():
-        v = tl.load(v)
-    return v.to(tl.float32)
+def scalar_fp32(v, IS_PTR: tl.constexpr):
+    # A number, or with IS_PTR a pointer to one (scalar_arg), in fp32.
+    # Inductor passes Python floats to kernels it launches as fp64: the row
+    # math stays in fp32.  A constexpr flag rather than a test of v's type:
+    # Triton 3.6 (the GPU machine's) has no tl.to_tensor, and the interpreter
+    # passes a Python float as it is.
+    if IS_PTR:
+        return tl.load(v).to(tl.float32)
+    else:
+        return tl.cast(v, tl.float32)
+
+
+def is_ptr(value: float | torch.Tensor) -> bool:
+    """The ``IS_PTR`` flag for a :func:`scalar_arg` result."""
+    return isinstance(value, torch.Tensor)
 
 
 class InjectedKernelFailure(RuntimeError):

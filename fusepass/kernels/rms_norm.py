@@ -44,6 +44,7 @@ from fusepass.kernels._common import (
     check_eps_tensor,
     eps_args,
     inline_enabled,
+    is_ptr,
     launch_traced,
     on_device,
     run_kernel,
@@ -75,11 +76,12 @@ def _rms_norm_fwd_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     W_FIRST: tl.constexpr = False,
+    EPS_PTR: tl.constexpr = False,
 ):
     # Variants ``row`` (BM = 1) and ``tile``: BN >= N, each row is read once
     # and stays in registers between the reduction and the scaling.
     # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
-    eps = scalar_fp32(eps)
+    eps = scalar_fp32(eps, EPS_PTR)
     weight_offset = tl.cast(weight_offset, tl.float32)  # fp64 when Inductor launches the kernel
     i_m = tl.program_id(0)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -167,13 +169,14 @@ def _rms_norm_fwd_looped_kernel(
     HAS_RESIDUAL: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BN: tl.constexpr,
+    EPS_PTR: tl.constexpr = False,
 ):
     # Variant ``looped``: a persistent grid of a few programs per SM, each
     # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks, read twice
     # (the second time from L2: the launcher sizes the grid so that the rows
     # in flight fit in about half of the 50 MB L2 of an H100/H200).
     # int64 rows: M * stride passes 2**31 at 8192 tokens x 262144.
-    eps = scalar_fp32(eps)
+    eps = scalar_fp32(eps, EPS_PTR)
     weight_offset = tl.cast(weight_offset, tl.float32)
     i_p = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BN)
@@ -395,17 +398,18 @@ def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overri
         sh = N
     w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
     cfg = rms_norm_config(M, N, x.element_size(), sm_count(x.device), residual=res is not None, **overrides)
-    args = (x2, r2, w, y, h, sx, sr, N, sh, M, N, scalar_arg(eps, x), float(weight_offset))
+    eps = scalar_arg(eps, x)
+    args = (x2, r2, w, y, h, sx, sr, N, sh, M, N, eps, float(weight_offset))
     with on_device(x):
         if cfg.variant == "looped":
             _rms_norm_fwd_looped_kernel[(cfg.num_programs,)](
                 *args, HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                BN=cfg.BN, num_warps=cfg.num_warps,
+                BN=cfg.BN, EPS_PTR=is_ptr(eps), num_warps=cfg.num_warps,
             )
         else:
             _rms_norm_fwd_kernel[(cfg.num_programs,)](
                 *args, HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                BM=cfg.BM, BN=cfg.BN, W_FIRST=cfg.w_first, num_warps=cfg.num_warps,
+                BM=cfg.BM, BN=cfg.BN, W_FIRST=cfg.w_first, EPS_PTR=is_ptr(eps), num_warps=cfg.num_warps,
             )
 
 

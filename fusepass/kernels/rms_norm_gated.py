@@ -36,6 +36,7 @@ from fusepass.kernels._common import (
     check_eps_tensor,
     eps_args,
     inline_enabled,
+    is_ptr,
     launch_traced,
     on_device,
     rows,
@@ -89,9 +90,10 @@ def _rms_norm_gated_fwd_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     LOOPED: tl.constexpr,
+    EPS_PTR: tl.constexpr = False,
 ):
     # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
-    eps = scalar_fp32(eps)
+    eps = scalar_fp32(eps, EPS_PTR)
     i_m = tl.program_id(0)
     # int64 row offsets: M * stride passes 2**31 at 16384 tokens x 32 heads x 4096.
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -230,10 +232,11 @@ def rms_norm_gated_fwd(
     w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
     cfg = rms_norm_gated_config(M, N, sm_count(x.device), block_m, num_warps)
     with on_device(x):
+        eps = scalar_arg(eps, x)
         _rms_norm_gated_fwd_kernel[(cfg.num_programs,)](
-            x2, z2, w, out, x2.stride(0), z2.stride(0), N, M, N, scalar_arg(eps, x),
+            x2, z2, w, out, x2.stride(0), z2.stride(0), N, M, N, eps,
             **_flags(x, weight, cast_before_weight, activation),
-            BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped, num_warps=cfg.num_warps,
+            BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped, EPS_PTR=is_ptr(eps), num_warps=cfg.num_warps,
         )
     return out
 
