@@ -171,24 +171,20 @@ def profile_kernels(fn: Callable[[], Any], calls: int = 3) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    torch.cuda.synchronize()
-    spans = []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    spans: list[float] = []
+    count = 0
+    for _ in range(calls):  # one profile per call: its kernels' span is the call's
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    per_name: dict[str, list[float]] = {}
-    for e in events:
-        per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    # The calls are separated by synchronisations: split the sorted kernels at the largest gaps.
-    starts = sorted((e.time_range.start, e.time_range.end) for e in events)
-    if starts:
-        gaps = sorted(range(1, len(starts)), key=lambda i: starts[i][0] - starts[i - 1][1], reverse=True)
-        cuts = sorted(gaps[: calls - 1])
-        bounds = [0, *cuts, len(starts)]
-        spans = [max(end for _, end in starts[a:b]) - starts[a][0] for a, b in zip(bounds, bounds[1:]) if b > a]
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        count += len(events)
+        for e in events:
+            per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+        if events:
+            spans.append(max(e.time_range.end for e in events) - min(e.time_range.start for e in events))
     kinds: dict[str, list[float]] = {}
     for name, ts in per_name.items():
         k = kinds.setdefault(_kind(name), [0.0, 0.0])
@@ -197,7 +193,7 @@ def profile_kernels(fn: Callable[[], Any], calls: int = 3) -> dict[str, Any]:
     top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:25]
     busy = sum(sum(ts) for ts in per_name.values()) / calls / 1e3
     return {
-        "kernels_per_call": len(events) / calls,
+        "kernels_per_call": count / calls,
         "kernel_ms_per_call": busy,
         "span_ms_per_call": statistics.median(spans) / 1e3 if spans else 0.0,
         "kinds": {k: {"ms": round(v[0], 4), "kernels": round(v[1], 1)}

@@ -101,10 +101,12 @@ def eps_args(eps: float | torch.Tensor) -> tuple[float, torch.Tensor | None]:
     return (0.0, eps) if isinstance(eps, torch.Tensor) else (eps, None)
 
 
-def check_eps_tensor(eps_tensor: torch.Tensor | None) -> None:
-    # One number per call: a broadcasting eps would change the output's shape.
+def op_eps(eps: float, eps_tensor: torch.Tensor | None) -> float | torch.Tensor:
+    """The eps an op body uses: ``eps_tensor`` when given (0-dim: one number
+    per call; a broadcasting eps would change the output's shape), else ``eps``."""
     torch._check(eps_tensor is None or eps_tensor.dim() == 0,
                  lambda: f"eps_tensor must be 0-dim, got shape {tuple(eps_tensor.shape)}")
+    return eps if eps_tensor is None else eps_tensor
 
 
 def scalar_arg(value: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:

@@ -41,8 +41,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import (
-    check_eps_tensor,
     eps_args,
+    op_eps,
     inline_enabled,
     is_ptr,
     launch_traced,
@@ -520,21 +520,19 @@ def rms_norm(
     """RMSNorm over the last dim, contiguous.  ``eps_tensor`` (0-dim, any
     device), when given, is the eps instead of ``eps``, read at run time.
     This body serves CPU and every non-CUDA device."""
-    check_eps_tensor(eps_tensor)
-    eps = eps if eps_tensor is None else eps_tensor
+    eps = op_eps(eps, eps_tensor)
     return _rms_norm_ref_out(x, weight, eps, weight_offset, cast_before_weight, out_dtype)
 
 
 @rms_norm.register_fake
 def _rms_norm_fake(x, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
-    check_eps_tensor(eps_tensor)
+    op_eps(eps, eps_tensor)
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
 @rms_norm.register_kernel("cuda")
 def _rms_norm_cuda(x, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
-    check_eps_tensor(eps_tensor)
-    eps = eps if eps_tensor is None else eps_tensor
+    eps = op_eps(eps, eps_tensor)
     args = (x, weight, eps, weight_offset, cast_before_weight, out_dtype)
     if not _kernel_handles(x, weight, out_dtype):
         return _rms_norm_ref_out(*args)
@@ -560,22 +558,20 @@ def add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual), x + residual), contiguous; ``eps_tensor`` as
     for ``fusepass::rms_norm``.  This body serves CPU and every non-CUDA device."""
-    check_eps_tensor(eps_tensor)
-    eps = eps if eps_tensor is None else eps_tensor
+    eps = op_eps(eps, eps_tensor)
     return _add_rms_norm_ref_out(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
 
 
 @add_rms_norm.register_fake
 def _add_rms_norm_fake(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
     _check_residual(x, residual)
-    check_eps_tensor(eps_tensor)
+    op_eps(eps, eps_tensor)
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape)
 
 
 @add_rms_norm.register_kernel("cuda")
 def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
-    check_eps_tensor(eps_tensor)
-    eps = eps if eps_tensor is None else eps_tensor
+    eps = op_eps(eps, eps_tensor)
     args = (x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
     if not _kernel_handles(x, weight, out_dtype, residual):
         return _add_rms_norm_ref_out(*args)

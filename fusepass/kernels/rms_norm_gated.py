@@ -33,8 +33,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import (
-    check_eps_tensor,
     eps_args,
+    op_eps,
     inline_enabled,
     is_ptr,
     launch_traced,
@@ -261,12 +261,14 @@ def rms_norm_gated_reference(x: Tensor, gate: Tensor, weight: Tensor, eps: float
     return (p * act(gate.to(wide))).to(x.dtype)
 
 
-def _check_op(x: Tensor, gate: Tensor, weight: Tensor, activation: str, eps_tensor: Tensor | None) -> None:
+def _check_op(x: Tensor, gate: Tensor, weight: Tensor, activation: str, eps: float,
+              eps_tensor: Tensor | None) -> float | Tensor:
+    """The op's argument checks; returns the eps to use (:func:`op_eps`)."""
     # y has x's shape (the fake says so): a broadcasting gate would make the
     # real output disagree with the fake.
     torch._check(gate.shape == x.shape, lambda: f"gate is {tuple(gate.shape)}, x is {tuple(x.shape)}")
     torch._check(activation in ACTIVATIONS, lambda: f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check_eps_tensor(eps_tensor)
+    return op_eps(eps, eps_tensor)
 
 
 def _ref_out(x, gate, weight, eps, cast_before_weight, activation) -> Tensor:
@@ -292,21 +294,19 @@ def rms_norm_gated(x: Tensor, gate: Tensor, weight: Tensor, eps: float, cast_bef
     """Gated RMSNorm over the last dim, in x's dtype, contiguous.  ``eps_tensor``
     (0-dim, any device), when given, is the eps instead of ``eps``, read at run
     time.  This body serves CPU and every non-CUDA device."""
-    _check_op(x, gate, weight, activation, eps_tensor)
-    eps = eps if eps_tensor is None else eps_tensor
+    eps = _check_op(x, gate, weight, activation, eps, eps_tensor)
     return _ref_out(x, gate, weight, eps, cast_before_weight, activation)
 
 
 @rms_norm_gated.register_fake
 def _rms_norm_gated_fake(x, gate, weight, eps, cast_before_weight, activation, eps_tensor=None):
-    _check_op(x, gate, weight, activation, eps_tensor)
+    _check_op(x, gate, weight, activation, eps, eps_tensor)
     return x.new_empty(x.shape)
 
 
 @rms_norm_gated.register_kernel("cuda")
 def _rms_norm_gated_cuda(x, gate, weight, eps, cast_before_weight, activation, eps_tensor=None):
-    _check_op(x, gate, weight, activation, eps_tensor)
-    eps = eps if eps_tensor is None else eps_tensor
+    eps = _check_op(x, gate, weight, activation, eps, eps_tensor)
     args = (x, gate, weight, eps, cast_before_weight, activation)
     if not _kernel_handles(x, gate, weight):
         return _ref_out(*args)
