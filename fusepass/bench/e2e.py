@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch
 
 from . import output
+from .ops import rel_err
 from .timing import Timing, copy_bandwidth, environment, profile_kernels, render_profile, sync, time_cpu
 
 # Configs of real checkpoints (config.json's fields that shape the compute).
@@ -314,13 +315,6 @@ def _report_text(backend: str) -> str | None:
     return rewrites(fusepass.last_report())
 
 
-def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double(), expected.double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
-
-
 # -- phases ------------------------------------------------------------------------
 
 def phase_prefill(run: Run) -> None:
@@ -347,7 +341,7 @@ def phase_prefill(run: Run) -> None:
                     logits = call().logits.float()
                     sync(run.device)
                     first_s = time.perf_counter() - t0
-                    err = _err(logits, expected[t])
+                    err = rel_err(logits, expected[t])
                     if backend == "inductor":
                         inductor_err[t] = err
                     limit = max(tolerance(run.dtype).rtol, 2 * eager_err.get(t, 0.0), 2 * inductor_err.get(t, 0.0))
@@ -399,7 +393,7 @@ def _prefill_references(run: Run, model: torch.nn.Module,
         ref_model = None
         if run.cuda:
             torch.cuda.empty_cache()
-    return ref, {t: _err(expected[t], ref[t]) for t in lengths}, "an fp32 copy of the model"
+    return ref, {t: rel_err(expected[t], ref[t]) for t in lengths}, "an fp32 copy of the model"
 
 
 def phase_decode(run: Run) -> None:

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import on_device, rows, run_kernel, sm_count
+from fusepass.kernels._common import cdiv, on_device, rows, run_kernel, sm_count
 
 log = logging.getLogger("fusepass")
 
@@ -403,10 +403,6 @@ _GEMV_MAX_M = 8  # the GEMV's per-row FMA loop is unrolled M times
 _GROUP_M = 8
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -420,8 +416,8 @@ def m_bucket(M: int) -> int:
 
 def _k_split(K: int, BK: int, split: int) -> tuple[int, int, bool]:
     """(K per slice, slices, whether every slice is whole BK tiles ending at K)."""
-    k_split = _cdiv(_cdiv(K, max(1, split)), BK) * BK
-    n = _cdiv(K, k_split)
+    k_split = cdiv(cdiv(K, max(1, split)), BK) * BK
+    n = cdiv(K, k_split)
     return k_split, n, k_split * n == K
 
 
@@ -447,7 +443,7 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     if cfg.kind == "cublas":
         wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
         bn, bk = (16, min(G, 256)) if fmt == "int4" else (16, 256)
-        _run(_dequant_kernel, (_cdiv(N, bn), _cdiv(K, bk)), warmup,
+        _run(_dequant_kernel, (cdiv(N, bn), cdiv(K, bk)), warmup,
              w, scale, zero if zero is not None else scale, wd, N, K, w.stride(0), scale.stride(0),
              FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, BN=bn, BK=bk, num_warps=4)
         if warmup:
@@ -464,14 +460,14 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     meta = dict(FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
                 EVEN_K=even, BN=cfg.BN, BK=cfg.BK, num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.kind == "gemv":
-        _run(_dequant_gemv_kernel, (_cdiv(N, cfg.BN), split), warmup, *args, BM=_pow2(M), **meta)
+        _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, *args, BM=_pow2(M), **meta)
     else:
-        grid = (_cdiv(M, cfg.BM) * _cdiv(N, cfg.BN), split)
+        grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split)
         _run(_dequant_mm_kernel, grid, warmup, *args, BM=cfg.BM, GROUP_M=_GROUP_M,
              DOT_F32=x.dtype == torch.float32 or not x.is_cuda, PERM=bool(cfg.perm) and fmt == "int4", **meta)
     if split > 1:
         block = 1024
-        _run(_splitk_reduce_kernel, (_cdiv(M * N, block),), warmup,
+        _run(_splitk_reduce_kernel, (cdiv(M * N, block),), warmup,
              part, bias if bias is not None else part, out, M, N, split, HAS_BIAS=bias is not None, BLOCK=block,
              num_warps=4)
 
@@ -499,13 +495,13 @@ def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_s
         bk = 1024 if fmt == "int4" else 512
         bk = max(bk, G) if fmt == "int4" else bk
         bn = 8 if fmt == "int4" or M == 1 else max(1, 8 // _pow2(M))
-        return Config("gemv", BN=bn, BK=bk, split=_auto_split(_cdiv(N, bn), K, bk, n_sm), warps=4)
+        return Config("gemv", BN=bn, BK=bk, split=_auto_split(cdiv(N, bn), K, bk, n_sm), warps=4)
     if dtype == torch.float32 or M > 256:
         return CUBLAS
     bm = min(64, max(16, _pow2(M)))
     bk = min(64, G) if fmt == "int4" else 64
     bn = 64 if M <= 64 else 128
-    progs = _cdiv(M, bm) * _cdiv(N, bn)
+    progs = cdiv(M, bm) * cdiv(N, bn)
     return Config("mm", BM=bm, BN=bn, BK=bk, split=_auto_split(progs, K, bk, n_sm), warps=4, stages=3)
 
 
@@ -533,14 +529,14 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
                 continue
             if M == 1 and bn < 4:
                 continue
-            auto = _auto_split(_cdiv(N, bn), K, bk, n_sm)
+            auto = _auto_split(cdiv(N, bn), K, bk, n_sm)
             for split in sorted({1, auto}):
                 add(Config("gemv", BN=bn, BK=bk, split=split, warps=warps))
         if M >= 4 and dtype != torch.float32:
             for bn in (64, 128):
                 bk = min(64, G) if fmt == "int4" else 64
                 for perm in ((0, 1) if fmt == "int4" else (0,)):
-                    add(Config("mm", BM=16, BN=bn, BK=bk, split=_auto_split(_cdiv(N, bn), K, bk, n_sm), stages=4,
+                    add(Config("mm", BM=16, BN=bn, BK=bk, split=_auto_split(cdiv(N, bn), K, bk, n_sm), stages=4,
                                perm=perm))
         return out
     if dtype == torch.float32:
@@ -553,7 +549,7 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
     for bm, bn, bk, warps, stages in shapes:
         if fmt == "int4":
             bk = min(bk, G)
-        progs = _cdiv(M, bm) * _cdiv(N, bn)
+        progs = cdiv(M, bm) * cdiv(N, bn)
         for split in sorted({1, _auto_split(progs, K, bk, n_sm)}):
             for perm in ((0, 1) if fmt == "int4" else (0,)):
                 add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))

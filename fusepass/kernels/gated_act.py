@@ -31,7 +31,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import inline_enabled, launch_traced, on_device, row_view, rows, run_kernel, sm_count
+from fusepass.kernels._common import (
+    cdiv,
+    inline_enabled,
+    launch_traced,
+    on_device,
+    row_view,
+    rows,
+    run_kernel,
+    sm_count,
+)
 from fusepass.match import hint
 
 
@@ -103,12 +112,6 @@ _ELEMS_PER_THREAD = 16
 _PROGRAMS_PER_SM = 2
 
 
-def _cdiv(a: int, b: int) -> int:
-    # triton.cdiv and next_power_of_2 are ConstexprFunctions in Triton 3.9:
-    # ~17 µs per call from Python (measured, this CPU), three calls per launch.
-    return -(-a // b)
-
-
 def _num_warps(bn: int) -> int:
     return max(1, min(8, bn // (32 * _ELEMS_PER_THREAD)))
 
@@ -118,10 +121,10 @@ def _launch_config(M: int, N: int, element_size: int, n_sm: int) -> int:
     vec = 16 // element_size  # elements per 16-byte access
     # Of 4096 and 2048, the block that pads N less, 4096 on a tie: 14336 -> 2048
     # (7 blocks, none padded), 28672 -> 4096, 11008 -> 4096 (3 blocks, 10% padded).
-    bn = _BN_MAX if _cdiv(N, _BN_MAX) * 2 <= _cdiv(N, _BN_MAX // 2) else _BN_MAX // 2
+    bn = _BN_MAX if cdiv(N, _BN_MAX) * 2 <= cdiv(N, _BN_MAX // 2) else _BN_MAX // 2
     # Small M: split the row into more programs so enough SMs issue loads,
     # down to one warp with one 16-byte vector per thread.
-    while bn > 32 * vec and M * _cdiv(N, bn) < _PROGRAMS_PER_SM * n_sm:
+    while bn > 32 * vec and M * cdiv(N, bn) < _PROGRAMS_PER_SM * n_sm:
         bn //= 2
     # No wider than the row, rounded up to a power of two (tl.arange needs one).
     return min(bn, 1 << (N - 1).bit_length())
@@ -169,7 +172,7 @@ def gated_act_fwd(
     g2, u2 = rows(gate, N), rows(up, N)
     if block is None:
         block = _launch_config(M, N, gate.element_size(), sm_count(gate.device))
-    NB = _cdiv(N, block)
+    NB = cdiv(N, block)
     if M * NB >= 2**31:
         raise ValueError(f"{M} x {NB} programs exceed the grid")
     with on_device(gate):
@@ -274,7 +277,7 @@ def _traced(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     M = g2.shape[0]
     out = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
     block = _launch_config(hint(M), N, gate.element_size(), sm_count(gate.device))
-    NB = _cdiv(N, block)
+    NB = cdiv(N, block)
     res = launch_traced(
         _gated_act_fwd_kernel, (M * NB, 1, 1), ["out"],
         g2, u2, out, N, NB, g2.stride(0), u2.stride(0), N,

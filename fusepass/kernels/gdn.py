@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import on_device, run_kernel, sm_count
+from fusepass.kernels._common import cdiv, on_device, run_kernel, sm_count
 
 L2NORM_EPS = 1e-6  # transformers' l2norm(x, dim=-1, eps=1e-6), as FLA
 CHUNK = 64  # tokens per chunk of the chunked form (BT in the kernels)
@@ -465,10 +465,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -535,18 +531,18 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     if output_tf32:
         out_dots = dict(ODT=tl.float32, OPREC="tf32", OEMU=False)
     BK = _pow2(DK)
-    NT = _cdiv(T, CHUNK)
+    NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
     w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
     u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
     if block_v is None:
         block_v = _STATE_BV[-1]
         for bv in _STATE_BV:
-            if B * HV * _cdiv(DV, bv) >= n_sm:
+            if B * HV * cdiv(DV, bv) >= n_sm:
                 block_v = bv
                 break
     BV = min(block_v, _pow2(DV))
-    NV = _cdiv(DV, BV)
+    NV = cdiv(DV, BV)
     if fuse_output is None:
         # The output in the state pass (one launch and the per-chunk states
         # fewer) lengthens the sequential loop: it lost at every shape of
@@ -582,7 +578,7 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
         )
         if not fuse_output:
             BVO = min(64, _pow2(DV))
-            NVO = _cdiv(DV, BVO)
+            NVO = cdiv(DV, BVO)
             _gdn_output_kernel[(NVO * NT * B * HV,)](
                 q, k, g, u, hs, out, T, NT, HV, HV // HK, NVO, scale, *strides,
                 DK=DK, DV=DV, BK=BK, BV=BVO, L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu, **out_dots,
@@ -599,7 +595,7 @@ def _recurrent_block_v(B: int, HV: int, DV: int, n_sm: int) -> int:
     # state read + written at copy bandwidth: 90.6); B1 H32 3.3 µs at 16,
     # 3.4 at 32, 3.9 at 64.  8 warps was slower everywhere.
     bv = min(64, _pow2(DV))
-    while bv > 16 and B * HV * _cdiv(DV, bv) < 4 * n_sm:
+    while bv > 16 and B * HV * cdiv(DV, bv) < 4 * n_sm:
         bv //= 2
     return bv
 
@@ -617,7 +613,7 @@ def gdn_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     h0 = None if initial_state is None else initial_state.contiguous()
     BV = min(block_v or _recurrent_block_v(B, HV, DV, sm_count(q.device)), _pow2(DV))
-    NV = _cdiv(DV, BV)
+    NV = cdiv(DV, BV)
     with on_device(q):
         _gdn_recurrent_kernel[(NV * B * HV,)](
             q, k, v, g, beta, final_state if h0 is None else h0, out, final_state,
