@@ -368,7 +368,8 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default=",".join(FORMATS), help="formats to tune (comma list)")
     p.add_argument("--shapes", default=None,
                    help="NxK list to tune (default the benchmark shapes; Llama-3-8B's k/v projection is 1024x4096)")
-    p.add_argument("--providers", default=None, help="comma list of provider name prefixes")
+    p.add_argument("--providers", default=None, help="comma list of provider names (exact, e.g. inductor without "
+                   "inductor-max-autotune) or name prefixes (gemlite: both formats)")
     p.add_argument("--budget", type=float, default=380, help="seconds before stages stop")
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -408,7 +409,9 @@ def main(argv=None) -> int:
         if args.providers:
             prefixes = args.providers.split(",")
             for c in selected:
-                c.providers = {k: v for k, v in c.providers.items() if any(k.startswith(pr) for pr in prefixes)}
+                names = set(c.providers)
+                c.providers = {k: v for k, v in c.providers.items()
+                               if any(k == pr if pr in names else k.startswith(pr) for pr in prefixes)}
         rows = time_cases(selected, log, args.rep, t_start + args.budget)
         (out_dir / "dequant_matmul_rows.json").write_text(json.dumps(rows, indent=1))
     summary.append(f"total {time.time() - t_start:.0f} s")

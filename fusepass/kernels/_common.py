@@ -228,13 +228,26 @@ def inline_enabled(t: torch.Tensor) -> bool:
             and t.numel() != 0)
 
 
+def missing_args(kernel, args: tuple, kwargs: dict) -> list[str]:
+    """The kernel's parameters that neither ``args`` nor ``kwargs`` give."""
+    return [name for name in kernel.arg_names[len(args):] if name not in kwargs]
+
+
 def launch_traced(kernel, grid: tuple, outputs: list[str], *args, **kwargs) -> dict[str, torch.Tensor]:
     """Trace ``kernel[grid](*args, **kwargs)`` as a functional graph node.
 
     ``outputs`` names the kernel arguments it writes; the node returns fresh
     tensors for them (Inductor's reinplacing pass turns that back into a
     write into the buffer when nothing else reads it).
+
+    Every argument of the kernel must be given, constexprs with defaults
+    included: Inductor sizes its launcher from the arguments in the node, and
+    one left to its default fails at run time (``launcher() missing ...``).
     """
+    missing = missing_args(kernel, args, kwargs)
+    if missing:
+        raise TypeError(f"{kernel.__name__}: a launch in a graph passes every argument (defaults too); "
+                        f"missing {missing}")
     from torch._higher_order_ops.triton_kernel_wrap import (
         TraceableTritonKernelWrapper,
         TracingTritonHOPifier,

@@ -75,8 +75,8 @@ def _rms_norm_fwd_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
-    W_FIRST: tl.constexpr = False,
-    EPS_PTR: tl.constexpr = False,
+    W_FIRST: tl.constexpr,
+    EPS_PTR: tl.constexpr,
 ):
     # Variants ``row`` (BM = 1) and ``tile``: BN >= N, each row is read once
     # and stays in registers between the reduction and the scaling.
@@ -169,7 +169,7 @@ def _rms_norm_fwd_looped_kernel(
     HAS_RESIDUAL: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BN: tl.constexpr,
-    EPS_PTR: tl.constexpr = False,
+    EPS_PTR: tl.constexpr,
 ):
     # Variant ``looped``: a persistent grid of a few programs per SM, each
     # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks, read twice
@@ -604,7 +604,7 @@ def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
     h = torch.empty((M, N), dtype=x.dtype, device=x.device) if res is not None else x2
     cfg = rms_norm_config(hint(M), N, x.element_size(), sm_count(x.device), residual=res is not None)
     flags = dict(HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN,
-                 num_warps=cfg.num_warps)
+                 EPS_PTR=False, num_warps=cfg.num_warps)
     args = (x2, r2, w, y, h, N, N, N, N, M, N, float(eps), float(weight_offset))
     outputs = ["y", "h"] if res is not None else ["y"]
     if cfg.variant == "looped":

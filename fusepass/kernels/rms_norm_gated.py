@@ -90,7 +90,7 @@ def _rms_norm_gated_fwd_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     LOOPED: tl.constexpr,
-    EPS_PTR: tl.constexpr = False,
+    EPS_PTR: tl.constexpr,
 ):
     # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
     eps = scalar_fp32(eps, EPS_PTR)
@@ -329,7 +329,7 @@ def _traced(x, gate, weight, eps, cast_before_weight, activation):
         _rms_norm_gated_fwd_kernel, grid, ["y"],
         x2, z2, weight.contiguous(), y, x2.stride(0), z2.stride(0), N, M, N, float(eps),
         **_flags(x, weight, cast_before_weight, activation),
-        BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped, num_warps=cfg.num_warps,
+        BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped, EPS_PTR=False, num_warps=cfg.num_warps,
     )
     return out["y"].view(x.shape)
 
