@@ -19,7 +19,11 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 E="python3 -m fusepass.cli bench e2e"
 L="--model llama3-8b --layers full --batch 1 --prompt 64 --new-tokens 64"
 Q="--model qwen3.5-9b --layers 4"
-STEPS=${STEPS:-"llama-startup qwen-startup qwen-decode llama-bf16 llama-int8 llama-int4 torchao"}
+# Steps run in the order below, those not yet in BENCHMARKS.md first; the limits are about 1.5x what
+# each took on an H100 at d624c1b where it ran (llama-startup 160 s,
+# qwen-startup 350 s, qwen-decode 55 s, llama-bf16 100 s per backend,
+# llama-int8 115 s).
+STEPS=${STEPS:-"llama-int4 torchao llama-prefill llama-b32 qwen-prefill llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
 
 step() {  # name, seconds, arguments...
   local name=$1 limit=$2; shift 2
@@ -29,11 +33,14 @@ step() {  # name, seconds, arguments...
   echo "   exit $?"; grep -E "^(startup|prefill|decode|replay) " "$OUT/e2e/$name.log" | cut -c1-200
 }
 
-step llama-startup 200 --model llama3-8b --layers 4 --phases startup --repeat 1 --backends inductor,fusepass
-step qwen-startup  420 $Q --phases startup --repeat 1 --prompt 4096 --backends inductor,fusepass --child-timeout 300
-step qwen-decode   300 $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 1 --backends inductor,fusepass
-step llama-bf16    300 $L --phases decode,replay --backends inductor,fusepass --profile
-step llama-int8    240 $L --phases decode,replay --backends fusepass --quantize int8 --profile
 step llama-int4    240 $L --phases decode,replay --backends fusepass --quantize int4 --profile
 step torchao       480 $L --phases decode --backends inductor,fusepass --quantize torchao-int8
+step llama-prefill 360 --model llama3-8b --layers full --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass
+step llama-b32     360 $L --batch 32 --phases decode,replay --backends inductor,fusepass
+step qwen-prefill  540 $Q --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass
+step llama-startup 200 --model llama3-8b --layers 4 --phases startup --repeat 1 --backends inductor,fusepass
+step qwen-startup  420 $Q --phases startup --repeat 1 --prompt 4096 --backends inductor,fusepass --child-timeout 300
+step qwen-decode   120 $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 1 --backends inductor,fusepass
+step llama-bf16    300 $L --phases decode,replay --backends inductor,fusepass --profile
+step llama-int8    240 $L --phases decode,replay --backends fusepass --quantize int8 --profile
 (cd "$OUT" && tar czf e2e.tgz e2e && rm -rf e2e)
