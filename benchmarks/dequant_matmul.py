@@ -11,7 +11,8 @@ against the fp32 dequantize-then-matmul reference before it is timed.
     python benchmarks/dequant_matmul.py --gpu-run [--tune-out plans.json]   # checks, plans, pivot table
 
 Providers: bf16 cuBLAS (``F.linear``), Inductor on the dequant form (default;
-``max-autotune-no-cudagraphs`` in full runs only, it compiles for minutes),
+``max-autotune-no-cudagraphs`` for int8 at the AUTOTUNE_MS sizes of full runs
+only: each compile takes minutes),
 torchao int8 weight-only compiled, gemlite A16W8 / A16W4, fusepass's op.
 """
 
@@ -39,6 +40,7 @@ from fusepass.kernels._common import TOLERANCES  # noqa: E402
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K)
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 QUICK_MS = [1, 16, 64, 1024]
+AUTOTUNE_MS = (1, 16)  # int8, full runs: Inductor max-autotune (minutes per compile; the issue's table has M1)
 GROUP = 128
 FORMATS = ("int8", "int4", "fp8")
 
@@ -146,7 +148,7 @@ def _case(fmt: str, N: int, K: int, M: int, quick: bool, device: str) -> Case:
         providers["cublas-bf16"] = lambda x: F.linear(x, w_deq)
     if fmt == "int8" or not quick:
         providers["inductor"] = _bind(_lazy(lambda: compiled(form)), q, s, z)
-    if not quick:
+    if not quick and fmt == "int8" and M in AUTOTUNE_MS:
         providers["inductor-max-autotune"] = _bind(
             _lazy(lambda: compiled(form, mode="max-autotune-no-cudagraphs")), q, s, z)
     # Peers: CUDA only (gemlite has no CPU path; torchao's CPU int8 is another
