@@ -23,7 +23,7 @@ Q="--model qwen3.5-9b --layers 4"
 # each took on an H100 at d624c1b where it ran (llama-startup 160 s,
 # qwen-startup 350 s, qwen-decode 55 s, llama-bf16 100 s per backend,
 # llama-int8 115 s).
-STEPS=${STEPS:-"llama-int4 torchao llama-prefill llama-b32 qwen-prefill llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
+STEPS=${STEPS:-"llama-int4 torchao llama-prefill llama-b32 qwen-prefill qwen3-decode llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
 
 step() {  # name, seconds, arguments...
   local name=$1 limit=$2; shift 2
@@ -38,6 +38,7 @@ step torchao       480 $L --phases decode --backends inductor,fusepass --quantiz
 step llama-prefill 360 --model llama3-8b --layers full --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass
 step llama-b32     360 $L --batch 32 --phases decode,replay --backends inductor,fusepass
 step qwen-prefill  540 $Q --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass
+step qwen3-decode  300 --model qwen3-8b --layers full --batch 1 --prompt 64 --new-tokens 64 --phases decode,replay --backends inductor,fusepass
 step llama-startup 200 --model llama3-8b --layers 4 --phases startup --repeat 1 --backends inductor,fusepass
 step qwen-startup  420 $Q --phases startup --repeat 1 --prompt 4096 --backends inductor,fusepass --child-timeout 300
 step qwen-decode   120 $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 1 --backends inductor,fusepass
