@@ -259,10 +259,14 @@ def fused_bytes(m: Match) -> int:
     no baseline anyone compiling runs (it counted 1.2 GB per call on a 2-layer
     hybrid model).
     """
-    inside = set(m.nodes)
-    external = {a for n in m.nodes for a in n.all_input_nodes if a not in inside}
-    total = sum(_nbytes(a.meta.get("val")) for a in external)
-    return total + sum(_nbytes(o.meta.get("val")) for o in m.output_nodes() if o is not None)
+    return _io_bytes(m.nodes, [o for o in m.output_nodes() if o is not None])
+
+
+def _io_bytes(nodes: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> int:
+    """The bytes of ``nodes``' inputs from outside them plus those of ``outputs``, each once."""
+    inside = set(nodes)
+    external = {a for n in nodes for a in n.all_input_nodes if a not in inside}
+    return sum(_nbytes(a.meta.get("val")) for a in external) + sum(_nbytes(o.meta.get("val")) for o in outputs)
 
 
 # -- refusals that every rule shares -------------------------------------------
@@ -415,9 +419,8 @@ def _count_pretraced(rule: Rule, graph: torch.fx.Graph, report: GraphReport) -> 
             path, source = where(node)
             val = pytree.tree_leaves(node.meta.get("val"))
             dtype = str(val[0].dtype).replace("torch.", "") if val and isinstance(val[0], torch.Tensor) else ""
-            # The op's own traffic, as fused_bytes counts a match's: inputs once, outputs once.
-            moved = sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes) + _nbytes(node.meta.get("val"))
-            report.hits.append(Hit(rule.name, "pretrace", path, source, moved, dtype))
+            # The op's own traffic, counted as fused_bytes counts a match's.
+            report.hits.append(Hit(rule.name, "pretrace", path, source, _io_bytes([node], [node]), dtype))
 
 
 def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") -> GraphReport:
