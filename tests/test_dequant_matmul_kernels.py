@@ -265,3 +265,37 @@ def test_gpu_real_sizes_every_path(fmt, group, asym):
     torch.cuda.synchronize()
     _assert_close(out, x, w, s, z, b, fmt, group)
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fid", ["int4-g32", "int4-g64-sym", "int4-g128"])
+def test_gpu_int4_gemv_non_finite_and_odd_row_stride(fid):
+    """The GPU's int4 GEMV builds its floats with inline PTX (the interpreter
+    never runs it): infinities as the dequantised matmul gives them, and an x
+    whose rows start at odd element offsets (copied before the pairwise view)."""
+    fmt, group, asym = FORMATS[fid]
+    cfg = dm.Config("gemv", BN=8, BK=1024, split=2)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x, w, s, z, b = (t.cuda() if t is not None else None
+                         for t in _inputs(3, 512, 2048, fmt, group, asym, dtype, bias=False))
+        x[0, 5] = float("inf")
+        x[2, 1001] = float("-inf")
+        out = torch.full((3, 512), float("nan"), dtype=dtype, device="cuda")
+        dm._launch(x, w, s, z, b, out, fmt, group, cfg)
+        ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group)
+        assert torch.isinf(ref).any()
+        torch.testing.assert_close(out, ref, equal_nan=True, atol=TOLERANCES[dtype].atol, rtol=TOLERANCES[dtype].rtol)
+        wide = torch.randn(3, 2049, device="cuda").to(dtype)
+        xo = wide[:, 1:]  # row stride 2049, offset 1: odd in elements
+        out = torch.full((3, 512), float("nan"), dtype=dtype, device="cuda")
+        dm._launch(xo, w, s, z, b, out, fmt, group, cfg)
+        _assert_close(out, xo, w, s, z, b, fmt, group)
+
+
+def test_int4_gemv_x_rows_at_odd_offsets():
+    # The int4 GEMV reads x as pairs of values: rows at odd element offsets are copied first.
+    x, w, s, z, b = _inputs(3, 24, 128, "int4", 32, True, torch.bfloat16)
+    wide = torch.randn(3, 129).to(torch.bfloat16)
+    xo = wide[:, 1:]
+    assert xo.stride(0) % 2 and xo.storage_offset() % 2
+    _assert_close(_run(xo, w, s, z, b, "int4", 32, PATHS["gemv"]), xo, w, s, z, b, "int4", 32)

@@ -85,6 +85,56 @@ def _nibbles_to_f32(b_q, OFFSET: tl.constexpr = 0.0):
 
 
 @triton.jit
+def _nibbles_128(b_q, ASM: tl.constexpr):
+    """uint8 bytes -> (128 + low nibble, 128 + high nibble) as fp32: the nibble
+    goes into bits 16-19 of 128.0's bits, where the mantissa step is 1.  Then
+    (128 + q) - (128 + z) is q - z exactly for every zero point that is a
+    multiple of 2**-16 (all integers, all bf16 values >= 2**-9).  ASM: on the
+    GPU, one PRMT per value builds the float from a masked 32-bit word (four
+    bytes at a time); elsewhere (the interpreter) shifts and masks."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, u, c;
+            mov.b32 c, 0x43000000;
+            and.b32 t, $8, 0x0F0F0F0F;
+            shr.u32 u, $8, 4;
+            and.b32 u, u, 0x0F0F0F0F;
+            prmt.b32 $0, t, c, 0x7044;
+            prmt.b32 $1, t, c, 0x7144;
+            prmt.b32 $2, t, c, 0x7244;
+            prmt.b32 $3, t, c, 0x7344;
+            prmt.b32 $4, u, c, 0x7044;
+            prmt.b32 $5, u, c, 0x7144;
+            prmt.b32 $6, u, c, 0x7244;
+            prmt.b32 $7, u, c, 0x7344;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[b_q], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        b_i = b_q.to(tl.int32)
+        b_lo = (((b_i & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
+        b_hi = (((b_i & 0xF0) << 12) | 0x43000000).to(tl.float32, bitcast=True)
+        return b_lo, b_hi
+
+
+@triton.jit
+def _pair_to_f32(b_x, DT: tl.constexpr):
+    """Two adjacent values of x in one word (int32 for 16-bit x, int64 for fp32;
+    the lower address in the low half) -> (first, second) as fp32."""
+    if DT == tl.bfloat16:
+        return (b_x << 16).to(tl.float32, bitcast=True), (b_x & -65536).to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        b_e = (b_x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        b_o = (b_x >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return b_e, b_o
+    else:
+        b_e = (b_x & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        b_o = (b_x >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return b_e, b_o
+
+
+@triton.jit
 def _dot(a, b, acc, F32: tl.constexpr):
     # F32: fp32 activations ("ieee": exact, no TF32), and the interpreter,
     # whose bf16 dot returns garbage (Triton 3.9, CPU: max error 2e10 on a
@@ -98,11 +148,11 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def _dequant_gemv_kernel(
-    x, w, scale, zero, bias, out, part,
+    x, x2, w, scale, zero, bias, out, part,
     M, N, K, K_SPLIT,
-    stride_xm, stride_wn, stride_sn,
+    stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT).
@@ -118,46 +168,59 @@ def _dequant_gemv_kernel(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
 
     if FMT == "int4":
-        # Packed bytes as [BN, NG, GP]: NG groups of GP bytes each.  x comes as
-        # (even, odd) column pairs split in registers, so the nibbles are never
-        # interleaved.  The zero point is subtracted from each value, not
-        # folded out as sum_k v x - z sum_k x: with an infinite activation the
-        # folded form gives inf - inf = NaN where the dequantised matmul gives
-        # +-inf (the differential tests caught it).
+        # The tile is [NCH, BN, VB]: NCH chunks of VB packed bytes along K (one
+        # 16-byte load per thread), rows second so that a thread's registers
+        # hold several rows at the same columns and convert x's columns once
+        # for all of them.  Each value becomes (128 + q) - (128 + z) in one
+        # FADD (_nibbles_128), goes into an FMA chain held in the thread, and
+        # only the chunk's sum is scaled: nothing crosses threads inside the
+        # loop.  The zero point is subtracted from each value, not folded out
+        # as sum_k v x - z sum_k x: with an infinite activation the folded
+        # form gives inf - inf = NaN where the dequantised matmul gives +-inf
+        # (the differential tests caught it).
         GP: tl.constexpr = G // 2
-        NG: tl.constexpr = BK // G
-        o_g = tl.arange(0, NG)
-        o_j = tl.arange(0, GP)
-        o_t = tl.arange(0, 2)
+        VB: tl.constexpr = 4 if GP >= 4 else GP
+        NCH: tl.constexpr = BK // 2 // VB
+        o_c = tl.arange(0, NCH)
+        o_kp = o_c[:, None, None] * VB + tl.arange(0, VB)[None, None, :]  # [NCH, 1, VB] packed columns
+        acc3 = tl.zeros([BM, NCH, BN], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
-            o_kp = k0 // 2 + o_g[:, None] * GP + o_j[None, :]  # [NG, GP] packed columns
-            o_grp = k0 // G + o_g  # [NG]
-            m_grp = o_grp * G < k_hi
+            kp0 = tl.multiple_of(k0 // 2, BK // 2)  # k_lo and the step are whole tiles
+            m_c = 2 * (kp0 + o_c * VB) < k_hi  # [NCH]: chunks inside the slice (a group never straddles it)
             if EVEN_K:
-                b_q = tl.load(p_wn[:, None, None] + o_kp[None, :, :], mask=m_n[:, None, None], other=0)
+                b_q = tl.load(p_wn[None, :, None] + kp0 + o_kp, mask=m_n[None, :, None], other=0)
             else:
-                b_q = tl.load(p_wn[:, None, None] + o_kp[None, :, :],
-                              mask=m_n[:, None, None] & m_grp[None, :, None], other=0)
-            m_s = m_n[:, None] & m_grp[None, :]
-            b_s = tl.load(scale + o_n[:, None] * stride_sn + o_grp[None, :], mask=m_s, other=0).to(tl.float32)
-            if HAS_ZERO:  # [BN, NG, GP]: v - z, one more FADD per value
-                b_lo_z, b_hi_z = _nibbles_to_f32(b_q)
-                b_z = tl.load(zero + o_n[:, None] * stride_sn + o_grp[None, :], mask=m_s, other=0).to(tl.float32)
-                b_lo_z = b_lo_z - b_z[:, :, None]
-                b_hi_z = b_hi_z - b_z[:, :, None]
-            else:  # v - 8 in the conversion's own FADD
-                b_lo_z, b_hi_z = _nibbles_to_f32(b_q, 8.0)
-            for m in tl.static_range(BM):
-                # Rows past M read row M - 1 (their sums are never stored): no row mask.
-                p_x = x + tl.minimum(m, M - 1) * stride_xm + 2 * o_kp[:, :, None] + o_t[None, None, :]  # [NG, GP, 2]
-                if EVEN_K:
-                    b_x = tl.load(p_x).to(tl.float32)
+                b_q = tl.load(p_wn[None, :, None] + kp0 + o_kp, mask=m_n[None, :, None] & m_c[:, None, None], other=0)
+            m_s = m_c[:, None] & m_n[None, :]
+            p_s = o_n[None, :] * stride_sn + ((2 * kp0 + o_c * (2 * VB)) // G)[:, None]  # [NCH, BN]
+            b_s = tl.load(scale + p_s, mask=m_s, other=0).to(tl.float32)
+            b_lo, b_hi = _nibbles_128(b_q, ASM)
+            if HAS_ZERO and zero.dtype.element_ty == tl.float32:
+                # An fp32 zero point need not be a multiple of 2**-16: q, then q - z
+                # rounded once, as the reference does.
+                b_z = tl.load(zero + p_s, mask=m_s, other=0)[:, :, None]
+                b_lo = (b_lo - 128.0) - b_z
+                b_hi = (b_hi - 128.0) - b_z
+            else:
+                if HAS_ZERO:  # bf16 / fp16: 128 + z is exact for z = 0 and every z >= 2**-9 (bf16), 2**-6 (fp16)
+                    b_c = 128.0 + tl.load(zero + p_s, mask=m_s, other=0).to(tl.float32)[:, :, None]
                 else:
-                    b_x = tl.load(p_x, mask=m_grp[:, None, None], other=0).to(tl.float32)
-                b_xe, b_xo = tl.split(b_x)
-                b_d = tl.sum(b_lo_z * b_xe[None, :, :] + b_hi_z * b_xo[None, :, :], axis=2)  # [BN, NG]
-                b_p = tl.sum(b_s * b_d, axis=1)  # [BN]
-                acc += tl.where(o_m[:, None] == m, b_p[None, :], 0.0)
+                    b_c = 136.0
+                b_lo = b_lo - b_c  # q - z in one FADD
+                b_hi = b_hi - b_c
+            for m in tl.static_range(BM):
+                # x's (even, odd) column pairs, one 32-bit word each (x2 is x viewed
+                # as int32, or int64 for fp32 x), split with a shift or a mask.
+                # Rows past M read row M - 1 (their sums are never stored): no row mask.
+                p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_kp
+                if EVEN_K:
+                    b_x = tl.load(p_x)
+                else:
+                    b_x = tl.load(p_x, mask=m_c[:, None, None], other=0)
+                b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
+                b_d = tl.sum(b_lo * b_xe, axis=2) + tl.sum(b_hi * b_xo, axis=2)  # [NCH, BN]
+                acc3 += tl.where(o_m[:, None, None] == m, (b_d * b_s)[None], 0.0)
+        acc += tl.sum(acc3, axis=1)
     else:
         o_k = tl.arange(0, BK)
         if BM == 1:
@@ -432,6 +495,15 @@ def _run(kernel, grid, warmup: bool, *args, **meta) -> None:
         kernel[grid](*args, **meta)
 
 
+def _pairs(x: Tensor) -> Tensor:
+    """x [M, K] (K even, unit column stride) as [M, K / 2] words, each two adjacent
+    values: int32 for 16-bit x, int64 for fp32.  A row stride or offset that is
+    odd in elements cannot be viewed so and is copied."""
+    if x.stride(0) % 2 or x.storage_offset() % 2:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
+
+
 def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
             fmt: str, G: int, cfg: Config, warmup: bool = False) -> None:
     """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``; all operands as the op checked them,
@@ -460,7 +532,10 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     meta = dict(FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
                 EVEN_K=even, BN=cfg.BN, BK=cfg.BK, num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.kind == "gemv":
-        _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, *args, BM=_pow2(M), **meta)
+        x2 = _pairs(x) if fmt == "int4" else x
+        asm = fmt == "int4" and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and (G // 2) % 4 == 0
+        _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, x, x2, *args[1:11], x.stride(0), x2.stride(0),
+             *args[12:], BM=_pow2(M), ASM=asm, **meta)
     else:
         grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split)
         _run(_dequant_mm_kernel, grid, warmup, *args, BM=cfg.BM, GROUP_M=_GROUP_M,
@@ -520,12 +595,18 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         bm = _pow2(M)
         shapes = ((8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (2, 1024, 4),
                   (2, 512, 4), (1, 1024, 4))
+        if fmt == "int4":
+            # One 4-byte chunk per thread per row (128 bytes per warp): a tile
+            # of 128 * warps bytes keeps every thread on its own columns with
+            # all BN rows in its registers (the kernel's comment says why).
+            shapes = tuple((bn, 128 * warps, warps) for bn, warps in
+                           ((8, 4), (4, 4), (16, 4), (8, 8), (4, 8), (16, 8), (8, 2), (4, 2), (2, 4)))
         for bn, kbytes, warps in shapes:
             bk = max(kbytes * per_byte, G if fmt == "int4" else 1)
             # int8 / fp8 keep a [BM, BN, BK] fp32 sum: at most 64 registers per thread.
             if fmt != "int4" and bm * bn * bk > 64 * 32 * warps:
                 continue
-            if fmt == "int4" and M > 2 and bn * kbytes > 4096 * warps // 4:  # per-row loop unrolled M times
+            if fmt == "int4" and bm * bn > 64:  # [BM, BN] sums per thread
                 continue
             if M == 1 and bn < 4:
                 continue
