@@ -19,11 +19,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 E="python3 -m fusepass.cli bench e2e"
 L="--model llama3-8b --layers full --batch 1 --prompt 64 --new-tokens 64"
 Q="--model qwen3.5-9b --layers 4"
-# Steps run in the order below, those not yet in BENCHMARKS.md first; the limits are about 1.5x what
-# each took on an H100 at d624c1b where it ran (llama-startup 160 s,
+# Steps run in the order of STEPS, those not yet in BENCHMARKS.md first; the limits are about 1.5x what
+# each took on an H100 where it ran (d624c1b: llama-startup 160 s,
 # qwen-startup 350 s, qwen-decode 55 s, llama-bf16 100 s per backend,
-# llama-int8 115 s).
-STEPS=${STEPS:-"llama-int4 torchao llama-prefill llama-b32 qwen-prefill qwen3-decode llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
+# llama-int8 115 s; 8914f03: llama-int4 about 120 s, llama-prefill and
+# llama-b32 about 400 s together).
+STEPS=${STEPS:-"torchao qwen3-decode qwen-prefill llama-int4 llama-prefill llama-b32 llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
 
 step() {  # name, seconds, arguments...
   local name=$1 limit=$2; shift 2
