@@ -53,6 +53,11 @@ def loosest(dtypes, default: torch.dtype = torch.float32) -> torch.dtype:
     return max(known, key=lambda d: (TOLERANCES[d].rtol, TOLERANCES[d].atol), default=default)
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run under the interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; 1 elsewhere (the interpreter: fewest programs, fastest tests)."""

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv, on_device, rows, run_kernel, sm_count
+from fusepass.kernels._common import cdiv, interpreting, on_device, rows, run_kernel, sm_count
 
 log = logging.getLogger("fusepass")
 
@@ -168,8 +168,8 @@ def _dequant_gemv_kernel(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
 
     if FMT == "int4":
-        # The tile is [NCH, BN, VB]: NCH chunks of VB packed bytes along K (one
-        # 16-byte load per thread), rows second so that a thread's registers
+        # The tile is [NCH, BN, VB]: NCH chunks of VB (4) packed bytes along K,
+        # one chunk per thread per row, rows second so that a thread's registers
         # hold several rows at the same columns and convert x's columns once
         # for all of them.  Each value becomes (128 + q) - (128 + z) in one
         # FADD (_nibbles_128), goes into an FMA chain held in the thread, and
@@ -527,18 +527,20 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         return
     k_split, split, even = _k_split(K, cfg.BK, cfg.split)
     part = _workspace(split, M, N, x) if split > 1 else out
-    args = (x, w, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
-            M, N, K, k_split, x.stride(0), w.stride(0), scale.stride(0) if fmt == "int4" else 1)
+    operands = (w, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
+                M, N, K, k_split)
+    w_strides = (w.stride(0), scale.stride(0) if fmt == "int4" else 1)
     meta = dict(FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
                 EVEN_K=even, BN=cfg.BN, BK=cfg.BK, num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.kind == "gemv":
-        x2 = _pairs(x) if fmt == "int4" else x
-        asm = fmt == "int4" and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and (G // 2) % 4 == 0
-        _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, x, x2, *args[1:11], x.stride(0), x2.stride(0),
-             *args[12:], BM=_pow2(M), ASM=asm, **meta)
+        # int4 reads x as value pairs; its PTX nibble path wants 4-byte chunks within a group (G >= 8).
+        xp = _pairs(x) if fmt == "int4" else x
+        asm = fmt == "int4" and x.is_cuda and not interpreting() and G >= 8
+        _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, x, xp, *operands, x.stride(0), xp.stride(0),
+             *w_strides, BM=_pow2(M), ASM=asm, **meta)
     else:
         grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split)
-        _run(_dequant_mm_kernel, grid, warmup, *args, BM=cfg.BM, GROUP_M=_GROUP_M,
+        _run(_dequant_mm_kernel, grid, warmup, x, *operands, x.stride(0), *w_strides, BM=cfg.BM, GROUP_M=_GROUP_M,
              DOT_F32=x.dtype == torch.float32 or not x.is_cuda, PERM=bool(cfg.perm) and fmt == "int4", **meta)
     if split > 1:
         block = 1024

@@ -38,7 +38,6 @@ fp32 for fp32 inputs.  H100, issue 8's shapes, bf16: relative error norm
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv, on_device, run_kernel, sm_count
+from fusepass.kernels._common import cdiv, interpreting, on_device, run_kernel, sm_count
 
 L2NORM_EPS = 1e-6  # transformers' l2norm(x, dim=-1, eps=1e-6), as FLA
 CHUNK = 64  # tokens per chunk of the chunked form (BT in the kernels)
@@ -461,10 +460,6 @@ _STATE_BV = (64, 32)
 RECURRENT_MAX_T = 16
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -521,7 +516,7 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     h0 = None if initial_state is None else initial_state.contiguous()
     dt = q.dtype
     DT, PREC = _TL_DTYPES[dt], ("ieee" if dt == torch.float32 else "tf32")
-    emu = dt == torch.bfloat16 and _interpreting()
+    emu = dt == torch.bfloat16 and interpreting()
     # The output's dots in bf16/fp16 (default) or on fp32 operands in tf32
     # (output_tf32).  H100, real sizes, bf16, relative error norm against the
     # fp64 recurrence: 4.1e-3 in bf16 against 3.2e-3 in tf32 (FLA 0.6: 4.4e-3);
@@ -620,7 +615,7 @@ def gdn_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
             T, HV, HV // HK, NV, scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
             DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
-            EMU=q.dtype == torch.bfloat16 and _interpreting(), EPS=L2NORM_EPS,
+            EMU=q.dtype == torch.bfloat16 and interpreting(), EPS=L2NORM_EPS,
             num_warps=num_warps or 4,
         )
     return out, final_state

@@ -54,7 +54,6 @@ import contextlib
 import functools
 import inspect
 import math
-import os
 import re
 import time
 import traceback
@@ -67,7 +66,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels._common import clear_kernel_fallbacks, kernel_fallbacks, loosest, tolerance
+from ..kernels._common import clear_kernel_fallbacks, interpreting, kernel_fallbacks, loosest, tolerance
 from ..report import RewriteReport, last_report, reset_reports
 from ..rule import Rule, rules
 
@@ -765,11 +764,6 @@ def cuda_impl(op: str) -> Callable[..., Any]:
     if opdef is None or "cuda" not in opdef._backend_fns:
         raise LookupError(f"fusepass::{op} has no CUDA implementation registered with torch.library.custom_op")
     return opdef._backend_fns["cuda"]
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run under the interpreter (on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @contextlib.contextmanager
