@@ -6,7 +6,12 @@
 # gpu_check.sh (torchao for --quantize torchao-int8).  STEPS picks a subset:
 #
 #   STEPS="llama-startup qwen-startup" FUSEPASS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_e2e.sh
+#
+# BUDGET (seconds, default none) caps the whole script: a step's limit shrinks
+# to what is left and a step with under a minute left is skipped, so that the
+# archive is written before an outer time limit (a device call's) ends it.
 set -u
+T0=$SECONDS
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT/e2e"
 export PYTHONUNBUFFERED=1 FUSEPASS_COMMIT=${FUSEPASS_COMMIT:-unknown}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -26,23 +31,32 @@ Q="--model qwen3.5-9b --layers 4"
 # llama-b32 about 400 s together).
 STEPS=${STEPS:-"torchao qwen3-decode qwen-prefill llama-int4 llama-prefill llama-b32 llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
 
-step() {  # name, seconds, arguments...
+run_step() {  # name, seconds, arguments...
   local name=$1 limit=$2; shift 2
-  case " $STEPS " in *" $name "*) ;; *) return ;; esac
+  if [ -n "${BUDGET:-}" ]; then
+    local left=$((BUDGET - (SECONDS - T0) - 15))
+    if [ "$left" -lt 60 ]; then echo "== $name skipped: ${left} s left of BUDGET=${BUDGET}"; return; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "== $name (limit ${limit} s): $E $*"
   timeout "$limit" $E "$@" --out "$OUT/e2e/$name" > "$OUT/e2e/$name.log" 2>&1
   echo "   exit $?"; grep -E "^(startup|prefill|decode|replay) " "$OUT/e2e/$name.log" | cut -c1-200
 }
 
-step llama-int4    240 $L --phases decode,replay --backends fusepass --quantize int4 --profile
-step torchao       480 $L --phases decode --backends inductor,fusepass --quantize torchao-int8
-step llama-prefill 360 --model llama3-8b --layers full --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass
-step llama-b32     360 $L --batch 32 --phases decode,replay --backends inductor,fusepass
-step qwen-prefill  540 $Q --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass
-step qwen3-decode  300 --model qwen3-8b --layers full --batch 1 --prompt 64 --new-tokens 64 --phases decode,replay --backends inductor,fusepass
-step llama-startup 200 --model llama3-8b --layers 4 --phases startup --repeat 1 --backends inductor,fusepass
-step qwen-startup  420 $Q --phases startup --repeat 1 --prompt 4096 --backends inductor,fusepass --child-timeout 300
-step qwen-decode   120 $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 1 --backends inductor,fusepass
-step llama-bf16    300 $L --phases decode,replay --backends inductor,fusepass --profile
-step llama-int8    240 $L --phases decode,replay --backends fusepass --quantize int8 --profile
+for name in $STEPS; do
+  case $name in
+    llama-int4)    run_step $name 240 $L --phases decode,replay --backends fusepass --quantize int4 --profile ;;
+    torchao)       run_step $name 480 $L --phases decode --backends inductor,fusepass --quantize torchao-int8 ;;
+    llama-prefill) run_step $name 360 --model llama3-8b --layers full --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass ;;
+    llama-b32)     run_step $name 360 $L --batch 32 --phases decode,replay --backends inductor,fusepass ;;
+    qwen-prefill)  run_step $name 540 $Q --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass ;;
+    qwen3-decode)  run_step $name 300 --model qwen3-8b --layers full --batch 1 --prompt 64 --new-tokens 64 --phases decode,replay --backends inductor,fusepass ;;
+    llama-startup) run_step $name 200 --model llama3-8b --layers 4 --phases startup --repeat 1 --backends inductor,fusepass ;;
+    qwen-startup)  run_step $name 420 $Q --phases startup --repeat 1 --prompt 4096 --backends inductor,fusepass --child-timeout 300 ;;
+    qwen-decode)   run_step $name 120 $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 1 --backends inductor,fusepass ;;
+    llama-bf16)    run_step $name 300 $L --phases decode,replay --backends inductor,fusepass --profile ;;
+    llama-int8)    run_step $name 240 $L --phases decode,replay --backends fusepass --quantize int8 --profile ;;
+    *) echo "== $name: no such step" ;;
+  esac
+done
 (cd "$OUT" && tar czf e2e.tgz e2e && rm -rf e2e)
