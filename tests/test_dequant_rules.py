@@ -126,6 +126,15 @@ class SymInt4(torch.nn.Module):
         return F.linear(x, ((q - 8) * self.scale[..., None]).view(n, -1), self.bias)
 
 
+class AqtInt8(GptFast):
+    """What torchao's AffineQuantizedTensor (torchao <= 0.17) computes for its int8 weight-only linear:
+    x flattened, transpose before the convert, the scale kept in the model's dtype."""
+
+    def forward(self, x):
+        y = torch.mm(x.reshape(-1, x.shape[-1]), self.weight.t().to(x.dtype)) * self.scales
+        return y.reshape(*x.shape[:-1], -1)
+
+
 def _quantized(fmt, dtype, **kw):
     def make(lin):
         m = torch.nn.Sequential(lin)
@@ -139,6 +148,8 @@ CASES = [
     ("int8-linear-bias-3d-bf16", _quantized("int8", torch.bfloat16), torch.bfloat16, (2, 3, 64), "dequant_matmul"),
     ("int8-matmul-2d-fp16", lambda lin: MatmulInt8(lin), torch.float16, (5, 64), "dequant_matmul"),
     ("int8-gptfast-3d-fp32", GptFast, torch.float32, (2, 3, 64), "dequant_matmul"),
+    ("int8-torchao-aqt-3d-bf16", AqtInt8, torch.bfloat16, (2, 3, 64), "dequant_matmul_torchao"),
+    ("int8-torchao-aqt-2d-fp32", AqtInt8, torch.float32, (1, 64), "dequant_matmul_torchao"),
     ("fp8-linear-2d-bf16", _quantized("fp8", torch.bfloat16), torch.bfloat16, (4, 64), "dequant_matmul"),
     ("int4-asym-g64-3d-fp16", _quantized("int4", torch.float16, group_size=64), torch.float16, (2, 3, 64),
      "dequant_matmul_int4"),
