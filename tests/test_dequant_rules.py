@@ -182,6 +182,39 @@ def test_dynamic_m_one_compile():
     assert len(report.graphs) == 1 and report.count("dequant_matmul") == 1, str(report)
 
 
+def _mm_count(fn, *specs):
+    """aten.mm nodes when ``fn`` is traced with fusepass's decompositions on fake CUDA tensors
+    (no GPU needed), with coordinate-descent tuning on, as torchao's quantize_ leaves it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch._inductor.decomposition import select_decomp_table
+
+    from fusepass.backend import quantized_matvec_stays_mm
+
+    with FakeTensorMode():
+        args = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in specs]
+    with torch._inductor.config.patch(coordinate_descent_tuning=True), quantized_matvec_stays_mm():
+        gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    return sum(n.target == torch.ops.aten.mm.default for n in gm.graph.nodes)
+
+
+def test_decode_matvec_on_a_quantized_weight_stays_an_mm():
+    """Inductor turns an M = 1 mm into a multiply and a sum under coordinate-descent tuning; one on a
+    dequantized weight must stay an mm for the rules to see it, one on a plain weight decomposes."""
+    bf16 = torch.bfloat16
+    x, w8, wf, s = ((1, 64), bf16), ((96, 64), torch.int8), ((96, 64), bf16), ((96,), bf16)
+    packed, gs = ((96, 32), torch.uint8), ((96, 2), bf16)
+    assert _mm_count(lambda x, q, s: (x @ q.t().to(x.dtype)) * s, x, w8, s) == 1  # torchao <= 0.17
+    assert _mm_count(lambda x, q, s: x @ (q.to(x.dtype) * s.unsqueeze(1)).t(), x, w8, s) == 1
+    assert _mm_count(lambda x, p, s: x @ ((_unpack(p).to(x.dtype).view(96, 2, 32) - 8) * s.unsqueeze(-1))
+                     .view(96, 64).t(), x, packed, gs) == 1
+    assert _mm_count(lambda x, w: x @ w.t(), x, wf) == 0  # Inductor's own decomposition
+    assert _mm_count(lambda x, w: x @ w.t(), ((4, 64), bf16), wf) == 1  # M > 1: never decomposed
+    from torch._inductor.decomposition import decompositions, select_decomp_table
+    assert select_decomp_table()[torch.ops.aten.mm.default] is decompositions[torch.ops.aten.mm.default]  # restored
+
+
 def test_quantized_weight_used_elsewhere_is_still_rewritten():
     """The stored weight is an input the op reads: other users change nothing."""
     module = _quantized("int8", torch.float32)(_linear(64, 40)).eval()

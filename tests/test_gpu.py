@@ -154,3 +154,25 @@ def test_training_on_gpu_matches_inductor_gradients():
     # Training graphs keep their intermediates for backward: refused, with the reason.
     assert report.count("rms_norm") + report.count("add_rms_norm") == 0
     assert any("saved for backward" in r for r in report.reasons())
+
+
+@pytest.mark.parametrize("form", ["torchao-aqt", "gpt-fast"])
+def test_decode_dequant_matmul_under_coordinate_descent_tuning(form):
+    """torchao's quantize_ (and gpt-fast) turn coordinate-descent tuning on, under which Inductor
+    decomposes an M = 1 mm before the post-grad passes: the rule must still see the decode matmul."""
+    q = torch.randint(-127, 128, (1024, 4096), dtype=torch.int8, device="cuda")
+    s = (torch.rand(1024, device="cuda") / 400 + 1e-3).to(torch.bfloat16)
+
+    def fn(x):
+        if form == "torchao-aqt":  # AffineQuantizedTensor's int8 weight-only linear (torchao <= 0.17)
+            return (torch.mm(x.reshape(-1, 4096), q.t().to(x.dtype)) * s).reshape(1, 1, -1)
+        return torch.nn.functional.linear(x, q.to(x.dtype)) * s  # gpt-fast
+
+    x = torch.randn(1, 1, 4096, dtype=torch.bfloat16, device="cuda")
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with torch.no_grad(), torch._inductor.config.patch(coordinate_descent_tuning=True):
+        out = torch.compile(fn, backend="fusepass")(x)
+    report = fusepass.last_report()
+    assert len(report.hits) == 1, str(report)
+    assert_close(out, fn(x), form)

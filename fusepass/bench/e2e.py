@@ -312,7 +312,9 @@ def _report_text(backend: str) -> str | None:
         return None
     import fusepass
 
-    return rewrites(fusepass.last_report())
+    report = fusepass.last_report()
+    print(report, file=sys.stderr)  # the whole report (refusals and their reasons) into the log
+    return rewrites(report)
 
 
 # -- phases ------------------------------------------------------------------------
