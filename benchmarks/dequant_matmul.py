@@ -380,6 +380,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     t_start = time.time()
     out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     logf = open(out_dir / "dequant_matmul_log.txt", "a")
 
     def log(msg):
