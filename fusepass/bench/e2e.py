@@ -436,7 +436,9 @@ def phase_decode(run: Run) -> None:
                 from torch._dynamo.utils import counters
 
                 graphs = counters["stats"]["unique_graphs"]
+                skips = counters["inductor"]["cudagraph_skips"]
                 first_s = generate(new)
+                skips = counters["inductor"]["cudagraph_skips"] - skips if run.cuda else 0  # none to take on a CPU
                 if backend != "eager" and counters["stats"]["unique_graphs"] == graphs:
                     raise RuntimeError("generate compiled nothing: this transformers did not take its compile "
                                        "path (static cache + compile_config)")
@@ -467,8 +469,12 @@ def phase_decode(run: Run) -> None:
                 floor_tok_s=batch / floor * 1e3, first_generate_s=round(first_s, 2),
                 generate_n_s=statistics.median(full), generate_1_s=statistics.median(one),
                 rewrites=_report_text(backend),
-                notes=f"prompt {prompt}, {new} new tokens; tok/s = B*(N-1)/(t(N new) - t(1 new))",
+                notes=f"prompt {prompt}, {new} new tokens; tok/s = B*(N-1)/(t(N new) - t(1 new))"
+                      + (f"; CUDA graphs skipped {skips} time(s) (TORCH_LOGS=perf_hints says why)" if skips else ""),
+                cudagraph_skips=skips,
             )
+            if skips:
+                run.say(f"decode B={batch} {backend}: Inductor skipped CUDA graphs {skips} time(s)")
             run.say(f"decode B={batch} {backend}: {row['value']:.0f} tok/s ({per_step.median:.3f} ms/step, "
                     f"floor {floor:.3f} ms)")
 
