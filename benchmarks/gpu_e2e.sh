@@ -28,7 +28,8 @@ Q="--model qwen3.5-9b --layers 4"
 # each took on an H100 where it ran (d624c1b: llama-startup 160 s,
 # qwen-startup 350 s, qwen-decode 55 s, llama-bf16 100 s per backend,
 # llama-int8 115 s; 8914f03: llama-int4 about 120 s, llama-prefill and
-# llama-b32 about 400 s together).
+# llama-b32 about 400 s together; 7cb579e: qwen3-decode 275 s; c11019f:
+# torchao 305 s, Inductor's compile with coordinate-descent tuning 200 s of it).
 STEPS=${STEPS:-"torchao qwen3-decode qwen-prefill llama-int4 llama-prefill llama-b32 llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
 
 run_step() {  # name, seconds, arguments...
@@ -50,7 +51,7 @@ for name in $STEPS; do
     llama-prefill) run_step $name 360 --model llama3-8b --layers full --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass ;;
     llama-b32)     run_step $name 360 $L --batch 32 --phases decode,replay --backends inductor,fusepass ;;
     qwen-prefill)  run_step $name 540 $Q --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass ;;
-    qwen3-decode)  run_step $name 300 --model qwen3-8b --layers full --batch 1 --prompt 64 --new-tokens 64 --phases decode,replay --backends inductor,fusepass ;;
+    qwen3-decode)  run_step $name 420 --model qwen3-8b --layers full --batch 1 --prompt 64 --new-tokens 64 --phases decode,replay --backends inductor,fusepass ;;
     llama-startup) run_step $name 200 --model llama3-8b --layers 4 --phases startup --repeat 1 --backends inductor,fusepass ;;
     qwen-startup)  run_step $name 420 $Q --phases startup --repeat 1 --prompt 4096 --backends inductor,fusepass --child-timeout 300 ;;
     qwen-decode)   run_step $name 120 $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 1 --backends inductor,fusepass ;;
