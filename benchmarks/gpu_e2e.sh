@@ -30,7 +30,7 @@ Q="--model qwen3.5-9b --layers 4"
 # llama-int8 115 s; 8914f03: llama-int4 about 120 s, llama-prefill and
 # llama-b32 about 400 s together; 7cb579e: qwen3-decode 275 s; c11019f:
 # torchao 305 s, Inductor's compile with coordinate-descent tuning 200 s of it).
-STEPS=${STEPS:-"torchao qwen3-decode qwen-prefill llama-int4 llama-prefill llama-b32 llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
+STEPS=${STEPS:-"qwen-prefill torchao qwen3-decode llama-int4 llama-prefill llama-b32 llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
 
 run_step() {  # name, seconds, arguments...
   local name=$1 limit=$2; shift 2
