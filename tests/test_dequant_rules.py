@@ -169,8 +169,10 @@ def test_hand_written_module_is_rewritten(case):
     assert_close(out, expected, case[0])
 
 
-def test_dynamic_m_one_compile():
-    module = _quantized("int8", torch.float32)(_linear(64, 40)).eval()
+@pytest.mark.parametrize("make,rule", [(_quantized("int8", torch.float32), "dequant_matmul"),
+                                       (AqtInt8, "dequant_matmul_torchao")], ids=["int8", "torchao-aqt"])
+def test_dynamic_m_one_compile(make, rule):
+    module = make(_linear(64, 40)).eval()
     torch._dynamo.reset()
     fusepass.reset_reports()
     compiled = torch.compile(module, backend="fusepass", dynamic=True)
@@ -179,7 +181,7 @@ def test_dynamic_m_one_compile():
             x = torch.randn(2, m, 64)
             assert_close(compiled(x), module(x), f"M={m}")
     report = fusepass.last_report()
-    assert len(report.graphs) == 1 and report.count("dequant_matmul") == 1, str(report)
+    assert len(report.graphs) == 1 and report.count(rule) == 1, str(report)
 
 
 def _mm_count(fn, *specs):
