@@ -49,7 +49,7 @@ from torch._inductor.pattern_matcher import (
 from torch.utils import _pytree as pytree
 
 from .kernels._common import inline_kernels
-from .match import MatchInfo, hint, scalar_input
+from .match import MatchInfo, concrete, hint, scalar_input
 from .options import Options
 from .report import GraphReport, Hit, Refusal
 from .rule import Form, Region, Rule, rules
@@ -295,8 +295,6 @@ def outside_use(m: Match) -> str | None:
 
 def _verify(cf: CompiledForm, m: Match, args: list[Any]) -> str | None:
     """Run the match's search function and its replacement on random inputs."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     from .kernels._common import tolerance
 
     def real(a: Any) -> Any:
@@ -311,14 +309,14 @@ def _verify(cf: CompiledForm, m: Match, args: list[Any]) -> str | None:
         low = 0 if val.dtype == torch.uint8 else -8
         return torch.randint(low, low + 16, shape, dtype=val.dtype, device=val.device)
 
-    with unset_fake_temporarily(), torch.no_grad():
-        concrete = [real(a) for a in args]
+    with concrete():  # see concrete(): never under the Python dispatcher
+        values = [real(a) for a in args]
         # A scalar the graph feeds as a tensor (dynamic=True's eps) takes the
         # rule's own value: a random one may be negative (a NaN norm proves nothing).
-        concrete = [torch.full_like(c, cf.rule.scalars[n]) if n in cf.rule.scalars and isinstance(c, torch.Tensor)
-                    else c for n, c in zip(cf.argnames, concrete)]
-        expected = pytree.tree_leaves(cf.form.search(*concrete))
-        actual = pytree.tree_leaves(cf.form.replace(*concrete))
+        values = [torch.full_like(c, cf.rule.scalars[n]) if n in cf.rule.scalars and isinstance(c, torch.Tensor)
+                  else c for n, c in zip(cf.argnames, values)]
+        expected = pytree.tree_leaves(cf.form.search(*values))
+        actual = pytree.tree_leaves(cf.form.replace(*values))
         for e, a in zip(expected, actual):
             if e.shape != a.shape or e.dtype != a.dtype:
                 return f"verification failed: replacement gives {a.dtype}{tuple(a.shape)}, search {e.dtype}{tuple(e.shape)}"

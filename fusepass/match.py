@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -118,3 +119,25 @@ def hint(v: Any) -> int:
             return int(h)
         return int(node.shape_env.size_hint(node.expr))
     return int(v)
+
+
+@contextlib.contextmanager
+def concrete() -> Iterator[None]:
+    """Real tensors inside a compile (a rule's proof on random inputs, verify
+    mode): fake mode off, no autograd, and the Python dispatcher off.
+
+    Inductor runs its passes with the Python dispatcher on.  That dispatcher
+    resolves the dispatch key of each op overload once and caches it
+    (``OpOverload._dispatch_cache``, torch 2.13), and torch does not drop the
+    entry when the kernel it names goes away: a ``torch.library`` CPU kernel
+    registered over a fusepass op and removed again (``_scoped_library``)
+    leaves ``CPU -> CPU`` behind, and the op's next call on CPU tensors under
+    that dispatcher jumps through the now empty table slot -- a segfault, not
+    an exception.  The C++ dispatcher's own table follows every
+    (de)registration, and it is what eager code and the compiled program
+    call through at run time.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad(), torch._C._DisablePythonDispatcher():
+        yield

@@ -1,5 +1,6 @@
 """Every op under ``torch.ops.fusepass``: ``torch.library.opcheck``, the
-fallback when its kernel fails, and verify mode refusing a wrong rule.
+fallback when its kernel fails, verify mode refusing a wrong rule, and a
+compile after a CPU kernel registered over an op was removed again.
 
 Op inputs come from the rules themselves (each form's ``replace`` run on its
 example inputs, the op calls recorded) plus a small table of layouts and
@@ -306,6 +307,77 @@ def test_verify_refuses_a_wrong_rule(replace, dtype):
     measured = float(reasons[0].split("max abs error ")[1].split()[0])
     assert measured > 1e-2, reasons[0]
     assert_close(out, expected, "verify-refused program")
+
+
+# -- a fusepass op whose CPU kernel was overridden and restored ----------------------------
+
+
+def _stale_cpu_dispatch(op: str) -> None:
+    """Leave the state that crashed a compile after tests/test_ops.py: a CPU
+    kernel registered over ``op`` with torch.library (here the op's Triton
+    launcher, as triton_on_cpu registers it), called under the Python
+    dispatcher, which caches ``CPU -> CPU`` on the op overload, then removed.
+    torch does not drop that entry, and the next call on CPU tensors under
+    the Python dispatcher goes to the removed kernel: a segfault."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    differential._uncache_dispatch([op])
+    torch.manual_seed(0)
+    args = TABLE[op][0][1]()
+    with torch.library._scoped_library("fusepass", "IMPL") as lib:
+        lib.impl(op, differential.cuda_impl(op), "CPU")
+        with enable_python_dispatcher():
+            getattr(torch.ops.fusepass, op).default(*args)
+    cache = getattr(torch.ops.fusepass, op).default._dispatch_cache
+    assert cache.get(torch._C.DispatchKey.CPU) == torch._C.DispatchKey.CPU, cache  # the stale entry
+
+
+@pytest.mark.skipif(not differential.interpreting(), reason="CPU tensors through the Triton launcher")
+@pytest.mark.parametrize("rule,options", [("gdn_chunk", {}), ("rms_norm", {"verify": True})],
+                         ids=["gdn-proof", "verify-mode"])
+def test_a_stale_dispatch_entry_does_not_crash_a_compile(rule, options):
+    """The GDN rules' proof and verify mode run fusepass ops on random CPU
+    tensors inside Inductor's pass, where the Python dispatcher is on: with
+    the stale entry above the process died (SIGSEGV in the op's redispatch,
+    tests/test_ops.py before tests/test_differential.py).  They run without
+    that dispatcher, and the rewrite goes through."""
+    fn, inputs, _ = _model_for(rule)
+    _stale_cpu_dispatch(rule)
+    try:
+        expected = fn(*inputs)
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            out, report = compile_and_run(fn, inputs, rules=[rule], **options)
+        assert report.count(rule) == 1, report.reasons(rule)
+        assert_close(out, expected, f"{rule} after a stale dispatch entry",
+                     dtype=loosest(x.dtype for x in inputs if isinstance(x, torch.Tensor)))
+    finally:
+        differential._uncache_dispatch([rule])
+
+
+@pytest.mark.skipif(not differential.interpreting(), reason="CPU tensors through the Triton launcher")
+def test_triton_on_cpu_leaves_no_stale_dispatch_entry():
+    """triton_on_cpu, which left that entry in tests/test_ops.py, clears the
+    Python dispatcher's cache of the ops it overrides on the way in (else
+    that dispatcher keeps the key it resolved before, and never sees the
+    override) and on the way out."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    op = "gdn_chunk"
+    packet = getattr(torch.ops.fusepass, op).default
+    differential._uncache_dispatch([op])
+    torch.manual_seed(0)
+    args = TABLE[op][0][1]()
+    with enable_python_dispatcher():
+        expected = packet(*args)  # caches CPU -> CompositeExplicitAutograd (the torch body)
+    clear_kernel_fallbacks()
+    with differential.triton_on_cpu([op]), enable_python_dispatcher():
+        packet(*args)
+        assert packet._dispatch_cache.get(torch._C.DispatchKey.CPU) == torch._C.DispatchKey.CPU
+    assert not kernel_fallbacks(), kernel_fallbacks()
+    assert torch._C.DispatchKey.CPU not in packet._dispatch_cache, packet._dispatch_cache
+    with enable_python_dispatcher():  # segfaulted with the stale entry
+        out = packet(*args)
+    assert_close(out, expected, op, dtype=torch.bfloat16)
 
 
 # -- kernels put into graphs ----------------------------------------------------------

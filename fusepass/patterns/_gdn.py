@@ -42,7 +42,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fusepass.match import hint, same
+from fusepass.match import concrete, hint, same
 from fusepass.rule import Region
 
 aten = torch.ops.aten
@@ -335,13 +335,11 @@ def _rel(a: torch.Tensor, e: torch.Tensor) -> float:
 
 def verify(body: Body, op: Any, cands: list[Candidate]) -> tuple[Candidate | None, str]:
     """The first candidate whose op call equals the region on random inputs, or the closest miss."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     outputs = [body.o_out] + ([body.state_out] if body.state_out is not None else [])
     gm, inputs = extract(body, outputs)
     o_val = _tensor(body.o_out)
     best = (float("inf"), "")
-    with unset_fake_temporarily(), torch.no_grad():
+    with concrete():  # see concrete(): never under the Python dispatcher
         gen = torch.Generator().manual_seed(0)
         for c in cands:
             device = _tensor(c.roles["q"]).device
