@@ -29,7 +29,10 @@ by timing them once (``dequant_matmul_plan``):
 - ``mm``: M up to a few hundred.  Tensor cores: the weight tile is
   dequantised to x's dtype in the main loop and fed to ``tl.dot``.
 - ``cublas``: large M, where the product is compute-bound: one Triton pass
-  writes the dequantised weight in x's dtype, then ``torch.mm``.
+  writes the dequantised weight in x's dtype, then ``torch.mm``.  Fused
+  tensor-core kernels measured slower there on an H100 (1.24-2.1x cuBLAS's
+  time at M = 1024-4096, against 1.03-1.33x for this; Triton's own bf16 dot
+  reached 1.16-1.39x): ``benchmarks/sweep_dequant_matmul_large_m.py``.
 
 The op receives the user's weight on every call (a functional op cannot keep
 a repacked copy), so every kernel reads the layouts above as they are.
