@@ -30,7 +30,7 @@ Q="--model qwen3.5-9b --layers 4"
 # llama-int8 115 s; 8914f03: llama-int4 about 120 s, llama-prefill and
 # llama-b32 about 400 s together; 7cb579e: qwen3-decode 275 s; c11019f:
 # torchao 305 s, Inductor's compile with coordinate-descent tuning 200 s of it).
-STEPS=${STEPS:-"qwen-prefill torchao qwen3-decode llama-int4 llama-prefill llama-b32 llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
+STEPS=${STEPS:-"qwen-prefill torchao-profile torchao qwen3-decode llama-int4 llama-prefill llama-b32 llama-startup qwen-startup qwen-decode llama-bf16 llama-int8"}
 
 run_step() {  # name, seconds, arguments...
   local name=$1 limit=$2; shift 2
@@ -48,6 +48,7 @@ for name in $STEPS; do
   case $name in
     llama-int4)    run_step $name 240 $L --phases decode,replay --backends fusepass --quantize int4 --profile ;;
     torchao)       run_step $name 480 $L --phases decode --backends inductor,fusepass --quantize torchao-int8 ;;
+    torchao-profile) run_step $name 300 $L --phases replay --backends fusepass --quantize torchao-int8 --profile ;;
     llama-prefill) run_step $name 360 --model llama3-8b --layers full --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass ;;
     llama-b32)     run_step $name 360 $L --batch 32 --phases decode,replay --backends inductor,fusepass ;;
     qwen-prefill)  run_step $name 540 $Q --phases prefill --prefill 512,2048,8192 --backends eager,inductor,fusepass ;;
