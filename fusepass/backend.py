@@ -13,90 +13,24 @@ Dynamo traces, and the backend itself is only called after.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import hashlib
 import itertools
 import logging
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import pretrace as _pretrace
 from . import report as _report
 from .engine import FusePass
+from .matvec import quantized_matvec_stays_mm
 from .options import Options
 
 log = logging.getLogger("fusepass")
 _graph_ids = itertools.count()
 _pretrace.arm()
-
-
-# Stored quantized weights: a matmul operand computed from one of these is a dequantize -> matmul.
-_STORED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
-
-
-def _from_stored_weight(t: Any, depth: int = 12) -> bool:
-    """Whether ``t``, a tensor being traced, is computed from an int8 / uint8 / fp8 tensor
-    within ``depth`` ops (a dequantized weight); False whenever that cannot be told."""
-    try:
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-
-        mode = get_proxy_mode()
-        slot = get_proxy_slot(t, mode.tracer, None) if mode is not None else None
-        if slot is None:
-            return False
-        todo, seen = [(slot.proxy.node, 0)], set()
-        while todo:
-            node, d = todo.pop()
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dtype in _STORED_DTYPES:
-                return True
-            if d < depth and node.op == "call_function":
-                todo += [(a, d + 1) for a in node.all_input_nodes if a not in seen]
-                seen.update(node.all_input_nodes)
-        return False
-    except Exception:  # noqa: BLE001 - tracing internals: when in doubt, Inductor's own decomposition
-        return False
-
-
-def _inductor_mm_decomposition(inductor_mm: Any, a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
-    if (torch._inductor.config.coordinate_descent_tuning and a.device.type not in ("cpu", "mps")
-            and (statically_known_true(a.shape[0] == 1) or statically_known_true(b.shape[1] == 1))
-            and (_from_stored_weight(b) or _from_stored_weight(a))):
-        return NotImplemented  # traced as aten.mm
-    return inductor_mm(a, b, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def quantized_matvec_stays_mm() -> Iterator[None]:
-    """While fusepass compiles: Inductor's decompositions, except that a matrix-vector mm on a
-    dequantized weight stays an mm.
-
-    With coordinate-descent tuning on (torchao's ``quantize_`` turns it on, and
-    gpt-fast), Inductor decomposes an mm with M = 1 or N = 1 into a multiply
-    and a sum while tracing, before any post-grad pass runs: a decode step's
-    dequantize -> matmul would reach the rules in a form none matches.  Other
-    mms decompose as Inductor would.  The table is patched in place, not
-    passed to ``compile_fx``: a table passed there is part of the FX graph
-    cache's key, which cannot hash it, and both caches would be bypassed.
-    """
-    from torch._inductor import decomposition as inductor_decomp
-
-    tables = {id(t): t for t in (inductor_decomp.decompositions, inductor_decomp.select_decomp_table())}
-    saved = [(t, t.get(torch.ops.aten.mm.default)) for t in tables.values()]
-    try:
-        for t, inductor_mm in saved:
-            if inductor_mm is not None:
-                t[torch.ops.aten.mm.default] = functools.partial(_inductor_mm_decomposition, inductor_mm)
-        yield
-    finally:
-        for t, inductor_mm in saved:
-            if inductor_mm is not None:
-                t[torch.ops.aten.mm.default] = inductor_mm
 
 
 def _graph_id() -> str:

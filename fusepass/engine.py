@@ -50,6 +50,7 @@ from torch.utils import _pytree as pytree
 
 from .kernels._common import inline_kernels
 from .match import MatchInfo, concrete, hint, scalar_input
+from .matvec import decompose_kept_matvecs
 from .options import Options
 from .report import GraphReport, Hit, Refusal
 from .rule import Form, Region, Rule, rules
@@ -542,6 +543,14 @@ class FusePass(CustomGraphPass):
             user_pass(graph)
         gm = graph.owning_module
         report = run_rules(gm, self.options, self.graph_id)
+        try:
+            n = decompose_kept_matvecs(gm)
+        except Exception as exc:  # noqa: BLE001 - the kept mm is correct, only not Inductor's fused form
+            report.notes.append(f"a matrix-vector mm on a quantized weight stayed an mm: {type(exc).__name__}: {exc}")
+        else:
+            if n:
+                report.notes.append(f"{n} matrix-vector mm(s) on quantized weights that no rule took: decomposed "
+                                    "as Inductor does under coordinate-descent tuning")
         if self.sink is not None:
             self.sink(report)
 

@@ -192,7 +192,7 @@ def _mm_count(fn, *specs):
 
     from torch._inductor.decomposition import select_decomp_table
 
-    from fusepass.backend import quantized_matvec_stays_mm
+    from fusepass.matvec import quantized_matvec_stays_mm
 
     with FakeTensorMode():
         args = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in specs]
@@ -215,6 +215,36 @@ def test_decode_matvec_on_a_quantized_weight_stays_an_mm():
     assert _mm_count(lambda x, w: x @ w.t(), ((4, 64), bf16), wf) == 1  # M > 1: never decomposed
     from torch._inductor.decomposition import decompositions, select_decomp_table
     assert select_decomp_table()[torch.ops.aten.mm.default] is decompositions[torch.ops.aten.mm.default]  # restored
+
+
+def test_a_kept_matvec_no_rule_takes_is_decomposed_as_inductor_would():
+    """After the rules: an mm kept for them and left alone becomes Inductor's multiply and sum again."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusepass.matvec import decompose_kept_matvecs, quantized_matvec_stays_mm
+
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")
+        q = torch.empty(96, 64, dtype=torch.int8, device="cuda")
+        w = torch.empty(96, 64, dtype=torch.bfloat16, device="cuda")
+
+    def fn(x, q, w):
+        return x @ q.t().to(x.dtype), x @ w.t()
+
+    with torch._inductor.config.patch(coordinate_descent_tuning=True), quantized_matvec_stays_mm():
+        gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(x, q, w)
+        targets = [n.target for n in gm.graph.nodes]
+        assert targets.count(torch.ops.aten.mm.default) == 1 and targets.count(torch.ops.aten.sum.dim_IntList) == 1
+        with V.set_fake_mode(mode):
+            assert decompose_kept_matvecs(gm) == 1
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.aten.mm.default not in targets and targets.count(torch.ops.aten.sum.dim_IntList) == 2
+    with torch._inductor.config.patch(coordinate_descent_tuning=False):
+        assert decompose_kept_matvecs(gm) == 0  # nothing to restore without the tuning
 
 
 def test_quantized_weight_used_elsewhere_is_still_rewritten():
