@@ -21,8 +21,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .kernels.dequant_matmul import WEIGHT_DTYPES
+
 aten = torch.ops.aten
-_STORED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+_STORED_DTYPES = tuple(WEIGHT_DTYPES.values())  # the op's stored weights: int8, int4 packed in uint8, fp8
 _DEPTH = 12  # ops between the stored weight and the mm operand (int4's unpack is the longest chain)
 
 
@@ -114,6 +116,7 @@ def decompose_kept_matvecs(gm: torch.fx.GraphModule) -> int:
                 and (_from_stored(b) or _from_stored(a))):
             continue
         region = Region(form="inductor_mm", anchor=node, nodes=[node], outputs=[node], args=[a, b])
+        # (a, b) only: traced, inductor_mm's optional out_dtype would count as a third input
         region_match(gm.graph, region).replace_by_example(lambda a, b: inductor_mm(a, b), [a, b])
         done += 1
     return done

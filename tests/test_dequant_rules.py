@@ -184,20 +184,24 @@ def test_dynamic_m_one_compile(make, rule):
     assert len(report.graphs) == 1 and report.count(rule) == 1, str(report)
 
 
-def _mm_count(fn, *specs):
-    """aten.mm nodes when ``fn`` is traced with fusepass's decompositions on fake CUDA tensors
-    (no GPU needed), with coordinate-descent tuning on, as torchao's quantize_ leaves it."""
+def _trace_cd(fn, *specs):
+    """``fn`` traced with fusepass's decompositions on fake CUDA tensors (no GPU needed), with
+    coordinate-descent tuning on, as torchao's quantize_ leaves it: (graph module, fake mode)."""
+    from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch._inductor.decomposition import select_decomp_table
-
     from fusepass.matvec import quantized_matvec_stays_mm
 
-    with FakeTensorMode():
+    mode = FakeTensorMode()
+    with mode:
         args = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in specs]
     with torch._inductor.config.patch(coordinate_descent_tuning=True), quantized_matvec_stays_mm():
-        gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+        return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args), mode
+
+
+def _mm_count(fn, *specs):
+    gm, _ = _trace_cd(fn, *specs)
     return sum(n.target == torch.ops.aten.mm.default for n in gm.graph.nodes)
 
 
@@ -219,28 +223,17 @@ def test_decode_matvec_on_a_quantized_weight_stays_an_mm():
 
 def test_a_kept_matvec_no_rule_takes_is_decomposed_as_inductor_would():
     """After the rules: an mm kept for them and left alone becomes Inductor's multiply and sum again."""
-    from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.virtualized import V
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fusepass.matvec import decompose_kept_matvecs, quantized_matvec_stays_mm
+    from fusepass.matvec import decompose_kept_matvecs
 
-    mode = FakeTensorMode()
-    with mode:
-        x = torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")
-        q = torch.empty(96, 64, dtype=torch.int8, device="cuda")
-        w = torch.empty(96, 64, dtype=torch.bfloat16, device="cuda")
-
-    def fn(x, q, w):
-        return x @ q.t().to(x.dtype), x @ w.t()
-
-    with torch._inductor.config.patch(coordinate_descent_tuning=True), quantized_matvec_stays_mm():
-        gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(x, q, w)
-        targets = [n.target for n in gm.graph.nodes]
-        assert targets.count(torch.ops.aten.mm.default) == 1 and targets.count(torch.ops.aten.sum.dim_IntList) == 1
-        with V.set_fake_mode(mode):
-            assert decompose_kept_matvecs(gm) == 1
+    bf16 = torch.bfloat16
+    gm, mode = _trace_cd(lambda x, q, w: (x @ q.t().to(x.dtype), x @ w.t()),
+                         ((1, 64), bf16), ((96, 64), torch.int8), ((96, 64), bf16))
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.aten.mm.default) == 1 and targets.count(torch.ops.aten.sum.dim_IntList) == 1
+    with torch._inductor.config.patch(coordinate_descent_tuning=True), V.set_fake_mode(mode):
+        assert decompose_kept_matvecs(gm) == 1
     targets = [n.target for n in gm.graph.nodes]
     assert torch.ops.aten.mm.default not in targets and targets.count(torch.ops.aten.sum.dim_IntList) == 2
     with torch._inductor.config.patch(coordinate_descent_tuning=False):

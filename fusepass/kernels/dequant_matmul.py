@@ -58,7 +58,7 @@ from fusepass.kernels._common import cdiv, interpreting, on_device, rows, run_ke
 log = logging.getLogger("fusepass")
 
 FORMATS = ("int8", "int4", "fp8")
-_WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
+WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -906,7 +906,7 @@ def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Ten
 def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
            group_size: int) -> None:
     torch._check(fmt in FORMATS, lambda: f"fmt must be one of {FORMATS}, got {fmt!r}")
-    torch._check(weight.dtype == _WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {_WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
+    torch._check(weight.dtype == WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
     torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
     N = weight.shape[0]
     K = weight.shape[1] * (2 if fmt == "int4" else 1)
