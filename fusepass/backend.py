@@ -27,6 +27,7 @@ from . import report as _report
 from .engine import FusePass
 from .matvec import quantized_matvec_stays_mm
 from .options import Options
+from .subclass import flatten_subclass_inputs
 
 log = logging.getLogger("fusepass")
 _graph_ids = itertools.count()
@@ -59,24 +60,38 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     attempts = [opts]
     if opts.inline_kernels and on_cuda:
         attempts.append(dataclasses.replace(opts, inline_kernels=False))
+    # Tensor-subclass parameters (torchao) are taken apart once, here, rather
+    # than by AOTAutograd on every call; should that compile fail, the graph
+    # is put back as Dynamo gave it and compiled once more.
+    flat = flatten_subclass_inputs(gm, example_inputs)
+    tries = [(a, flat is not None) for a in attempts] + ([(attempts[-1], False)] if flat is not None else [])
     t0 = time.perf_counter()
-    for i, attempt in enumerate(attempts):
-        last = i == len(attempts) - 1
+    notes: list[str] = []
+    for i, (attempt, flattened) in enumerate(tries):
         try:
             # The same graph module for a retry: AOTAutograd traces it without
             # changing it, and a copy would lose Dynamo's record of which
             # inputs are parameters (CUDA graphs would then copy every
             # parameter on every replay: measured, 205 copies per call).
-            compiled, graph = _compile(gm, example_inputs, attempt, patches, user_pass, graph_id)
+            if flat is not None and not flattened:
+                flat.restore()
+            inputs = flat.example_inputs if flattened else example_inputs
+            compiled, graph = _compile(gm, inputs, attempt, patches, user_pass, graph_id)
+            if flattened:
+                compiled = flat.wrap(compiled)
+                notes.append(f"{flat.count} tensor-subclass parameter(s) taken apart once at compile time, "
+                             "not by AOTAutograd on every call")
             break
         except Exception as exc:  # noqa: BLE001
-            if last:
+            if i == len(tries) - 1:
                 raise
-            note = (f"compiling with inlined kernels failed ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:200]}); compiled again with inline_kernels=False")
+            redo = ("as Dynamo gave it (tensor-subclass parameters not taken apart)" if tries[i + 1][1] != flattened
+                    else "with inline_kernels=False")
+            note = (f"compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                    f"compiled again {redo}")
             log.warning("fusepass: %s", note)
-    if i > 0:
-        graph.notes.append(note)
+            notes.append(note)
+    graph.notes.extend(notes)
     graph.compile_seconds = time.perf_counter() - t0
     _report.record(graph)
     return compiled
