@@ -369,7 +369,7 @@ def main(argv=None) -> int:
     p.add_argument("--time", action="store_true", help="time the providers")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--ms", default=None)
-    p.add_argument("--formats", default=",".join(FORMATS), help="formats to tune (comma list)")
+    p.add_argument("--formats", default=",".join(FORMATS), help="formats to tune and time (comma list)")
     p.add_argument("--shapes", default=None,
                    help="NxK list to tune (default the benchmark shapes; Llama-3-8B's k/v projection is 1024x4096)")
     p.add_argument("--providers", default=None, help="comma list of provider names (exact, e.g. inductor without "
@@ -409,7 +409,8 @@ def main(argv=None) -> int:
         summary.append(f"tuned {len(table)} keys ({time.time() - t0:.0f} s)")
     rows = []
     if args.time:
-        selected = [c for c in cases(args.quick) if int(c.notes["M"]) in ms]
+        formats = args.formats.split(",")
+        selected = [c for c in cases(args.quick) if int(c.notes["M"]) in ms and c.notes["fmt"] in formats]
         selected.sort(key=lambda c: ms.index(int(c.notes["M"])))  # the first M given first: a deadline cuts the last
         if args.providers:
             prefixes = args.providers.split(",")
