@@ -180,4 +180,7 @@ def test_decode_dequant_matmul_under_coordinate_descent_tuning(form):
         assert not report.hits and any("decomposed" in n for g in report.graphs for n in g.notes), str(report)
     else:
         assert len(report.hits) == 1, str(report)
-    assert_close(out, fn(x), form)
+    # "refused" returns fp32 from a bf16 matmul: eager rounds the mm to bf16
+    # before the fp32 scale, Inductor's multiply-and-sum does not (0.4% apart
+    # on an H100): the bf16 tolerance.
+    assert_close(out, fn(x), form, dtype=torch.bfloat16)
