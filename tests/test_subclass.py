@@ -1,6 +1,11 @@
 """Tensor-subclass parameters taken apart at compile time (fusepass/subclass.py)."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -98,3 +103,35 @@ def test_failed_compile_goes_back_to_dynamos_graph(monkeypatch):
         out = _compile(lin)(x)
         assert_close(out, lin(x), "after falling back")
     assert any("as Dynamo gave it" in n and "cannot rebuild" in n for n in _notes()), _notes()
+
+
+WARM = textwrap.dedent("""
+    import json, torch, fusepass
+    from torch.testing._internal.two_tensor import TwoTensor
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.SiLU(), torch.nn.Linear(64, 8))
+    for m in (model[0], model[2]):
+        w = TwoTensor(torch.randn_like(m.weight), torch.randn_like(m.weight))
+        m.weight = torch.nn.Parameter(w, requires_grad=False)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        err = (torch.compile(model, backend="fusepass")(x) - model(x)).abs().max().item()
+    report = fusepass.last_report()
+    print(json.dumps({"err": err, "cache": [g.cache for g in report.graphs],
+                      "notes": [n for g in report.graphs for n in g.notes]}))
+""")
+
+
+def test_warm_start_from_the_caches(tmp_path):
+    """A second process is served from the compile caches (the graph's code names
+    fusepass.subclass.rebuild and a layout key that is the same in every process)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", WARM], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["err"] < 1e-4 and warm["err"] < 1e-4, runs
+    assert warm["cache"] == ["hit"], runs
+    assert any("2 tensor-subclass parameter(s)" in n for n in warm["notes"]), runs
