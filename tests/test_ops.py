@@ -309,6 +309,30 @@ def test_verify_refuses_a_wrong_rule(replace, dtype):
     assert_close(out, expected, "verify-refused program")
 
 
+def _exp_exp(x):
+    return x.exp().exp()
+
+
+def _exp_exp_doubled_saturating(x):
+    return (x.float().exp().exp() * 2).clamp(max=60000).to(x.dtype)
+
+
+def test_verify_refuses_a_wrong_rule_whose_search_overflows():
+    """In fp16, exp(exp(x)) overflows for x > 2.41 (~1% of verify's randn
+    draws), where fp64 does not: the search's own error against fp64 is
+    infinite, and twice it as an atol would pass this replacement, finite
+    and twice the answer everywhere."""
+    rule = fusepass.Rule(name="wrong_exp_exp", forms=[fusepass.Form("f", _exp_exp, _exp_exp_doubled_saturating)],
+                         example_inputs=lambda dtype: [torch.randn(64, 64, dtype=dtype)], dtypes=(torch.float16,))
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, dtype=torch.float16)
+    with registered(rule), torch._inductor.config.patch(fx_graph_cache=False):
+        _, report = compile_and_run(_exp_exp, (x,), rules=[rule.name], verify=True)
+    assert report.count(rule.name) == 0, str(report)
+    reasons = report.reasons(rule.name)
+    assert len(reasons) == 1 and reasons[0].endswith("the search's own inf"), reasons
+
+
 # -- a fusepass op whose CPU kernel was overridden and restored ----------------------------
 
 
