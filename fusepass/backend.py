@@ -60,42 +60,55 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     attempts = [opts]
     if opts.inline_kernels and on_cuda:
         attempts.append(dataclasses.replace(opts, inline_kernels=False))
+    t0 = time.perf_counter()
+    notes: list[str] = []
     # Tensor-subclass parameters (torchao) are taken apart once, here, rather
     # than by AOTAutograd on every call; should that compile fail, the graph
     # is put back as Dynamo gave it and compiled once more.
     flat = flatten_subclass_inputs(gm, example_inputs)
-    tries = [(a, flat is not None) for a in attempts] + ([(attempts[-1], False)] if flat is not None else [])
-    t0 = time.perf_counter()
-    notes: list[str] = []
-    for i, (attempt, flattened) in enumerate(tries):
+    if flat is None:
+        compiled, graph = _first_that_compiles(gm, example_inputs, attempts, notes, patches, user_pass, graph_id)
+    else:
         try:
-            # The same graph module for a retry: AOTAutograd traces it without
-            # changing it, and a copy would lose Dynamo's record of which
-            # inputs are parameters (CUDA graphs would then copy every
-            # parameter on every replay: measured, 205 copies per call).
-            if flat is not None and not flattened:
-                flat.restore()
-            inputs = flat.example_inputs if flattened else example_inputs
-            compiled, graph = _compile(gm, inputs, attempt, patches, user_pass, graph_id)
-            if flattened:
-                compiled = flat.wrap(compiled)
-                notes.append(f"{flat.count} tensor-subclass parameter(s) taken apart once at compile time, "
-                             "not by AOTAutograd on every call")
-            break
+            compiled, graph = _first_that_compiles(gm, flat.example_inputs, attempts, notes, patches, user_pass,
+                                                   graph_id)
+            compiled = flat.wrap(compiled)
+            notes.append(f"{flat.count} tensor-subclass parameter(s) taken apart once at compile time, "
+                         "not by AOTAutograd on every call")
         except Exception as exc:  # noqa: BLE001
-            if i == len(tries) - 1:
-                raise
-            redo = ("as Dynamo gave it (tensor-subclass parameters not taken apart)" if tries[i + 1][1] != flattened
-                    else "with inline_kernels=False")
-            note = (f"compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
-                    f"compiled again {redo}")
-            log.warning("fusepass: %s", note)
-            notes.append(note)
+            flat.restore()
+            notes.append(_failed(exc, "as Dynamo gave it (tensor-subclass parameters not taken apart)"))
+            compiled, graph = _first_that_compiles(gm, example_inputs, attempts[-1:], notes, patches, user_pass,
+                                                   graph_id)
     graph.notes.extend(notes)
     graph.compile_seconds = time.perf_counter() - t0
     _report.record(graph)
     return compiled
 
+
+def _first_that_compiles(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], attempts: list[Options],
+                         notes: list[str], *args: Any) -> tuple[Any, _report.GraphReport]:
+    """``_compile`` with each of ``attempts`` in turn until one succeeds (the last one's error is raised);
+    each failure is logged and noted."""
+    for i, attempt in enumerate(attempts):
+        try:
+            # The same graph module for a retry: AOTAutograd traces it without
+            # changing it, and a copy would lose Dynamo's record of which
+            # inputs are parameters (CUDA graphs would then copy every
+            # parameter on every replay: measured, 205 copies per call).
+            return _compile(gm, example_inputs, attempt, *args)
+        except Exception as exc:  # noqa: BLE001
+            if i == len(attempts) - 1:
+                raise
+            notes.append(_failed(exc, "with inline_kernels=False"))
+    raise AssertionError("no attempts")
+
+
+def _failed(exc: Exception, redo: str) -> str:
+    note = (f"compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+            f"compiled again {redo}")
+    log.warning("fusepass: %s", note)
+    return note
 
 def _stable(value: Any) -> str:
     """A text for ``value`` that is the same in every process (no object addresses)."""

@@ -137,6 +137,7 @@ def flatten_subclass_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[A
     if not any(layouts):
         return None
     from torch._dynamo.source import AttrSource
+    from torch._dynamo.variables.builder import GraphArg
 
     new_inputs: list[Any] = []
     getters: list[Callable[[Any], tuple[Any, ...]] | None] = []
@@ -167,8 +168,6 @@ def flatten_subclass_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[A
                     leaf_source = AttrSource(leaf_source, part)
                 leaf._dynamo_source = leaf_source  # type: ignore[attr-defined]
                 if "grapharg" in node.meta:
-                    from torch._dynamo.variables.builder import GraphArg
-
                     leaf.meta["grapharg"] = GraphArg(leaf_source, real, False, leaf_fake)
                 leaves.append(leaf)
                 new_inputs.append(real)
