@@ -41,6 +41,19 @@ SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K)
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 QUICK_MS = [1, 16, 64, 1024]
 AUTOTUNE_MS = (1, 16)  # int8, full runs: Inductor max-autotune (minutes per compile; the issue's table has M1)
+# What `fusepass bench` runs (the registry suite, which has to fit ten minutes
+# of one GPU with the other entries): decode, small-batch and prefill M on the
+# square and the wide shape (4096x14336 reads the same bytes as 14336x4096),
+# peers where they compete (gemlite and torchao at M <= 64: above it they take
+# 2-3x cuBLAS's time and gemlite's autotuning costs 10-15 s per new M), Inductor
+# max-autotune at M = 1.  The whole grid (MS x SHAPES, peers at every M) is
+# `python benchmarks/dequant_matmul.py --time`.  On the H100, the first calls
+# of the full grid took 350 s before any timing: gemlite's autotuning 190 s,
+# Inductor's compiles 110 s (13-18 s each at M = 1), torchao's 45 s.
+SUITE_SHAPES = [(4096, 4096), (14336, 4096)]
+SUITE_MS = [1, 16, 64, 1024]
+SUITE_PEER_MAX_M = 64
+SUITE_AUTOTUNE_MS = (1,)
 GROUP = 128
 FORMATS = ("int8", "int4", "fp8")
 
@@ -129,7 +142,7 @@ def _gemlite(qw: dict, fmt: str, device):
     return None
 
 
-def _case(fmt: str, N: int, K: int, M: int, quick: bool, device: str) -> Case:
+def _case(fmt: str, N: int, K: int, M: int, quick: bool, device: str, suite: bool = False) -> Case:
     # One quantized weight per (format, shape), shared by every M: peers that
     # repack (gemlite, torchao) do it once here, not per timing.
     qw, w_deq = _weights(fmt, N, K, device)
@@ -148,12 +161,12 @@ def _case(fmt: str, N: int, K: int, M: int, quick: bool, device: str) -> Case:
         providers["cublas-bf16"] = lambda x: F.linear(x, w_deq)
     if fmt == "int8" or not quick:
         providers["inductor"] = _bind(_lazy(lambda: compiled(form)), q, s, z)
-    if not quick and fmt == "int8" and M in AUTOTUNE_MS:
+    if not quick and fmt == "int8" and M in (SUITE_AUTOTUNE_MS if suite else AUTOTUNE_MS):
         providers["inductor-max-autotune"] = _bind(
             _lazy(lambda: compiled(form, mode="max-autotune-no-cudagraphs")), q, s, z)
     # Peers: CUDA only (gemlite has no CPU path; torchao's CPU int8 is another
     # kernel than the one the GPU rows compare with), and only when installed.
-    peers = device != "cpu"
+    peers = device != "cpu" and not (suite and M > SUITE_PEER_MAX_M)
     # torchao compiled takes 9.5 ms at M = 256 and 37-530 ms per call above (H100): its
     # timings there cost the suite minutes and say nothing M = 256 does not.
     if peers and fmt == "int8" and M <= 256 and importlib.util.find_spec("torchao") is not None:
@@ -210,12 +223,17 @@ CPU_QUICK_SHAPES = [(256, 512)]
 CPU_QUICK_MS = [1, 16]
 
 
-def cases(quick: bool = False, device: str = "cuda") -> list[Case]:
-    ms = QUICK_MS if quick else MS
-    shapes = SHAPES
+def cases(quick: bool = False, device: str = "cuda", grid: bool = False) -> list[Case]:
+    """The registry's cases (``fusepass bench``: the SUITE_* trim above), or with ``grid`` every
+    shape and M with peers at every M (this script's ``--time``)."""
     if quick and device == "cpu":
         shapes, ms = CPU_QUICK_SHAPES, CPU_QUICK_MS
-    return [_case(fmt, N, K, M, quick, device) for fmt in FORMATS for N, K in shapes for M in ms]
+    elif grid:
+        shapes, ms = SHAPES, QUICK_MS if quick else MS
+    else:
+        shapes, ms = SUITE_SHAPES, SUITE_MS
+    suite = not grid and not quick
+    return [_case(fmt, N, K, M, quick, device, suite) for fmt in FORMATS for N, K in shapes for M in ms]
 
 
 # -- the GPU run: checks at real sizes, plans, timings ------------------------------
@@ -410,7 +428,7 @@ def main(argv=None) -> int:
     rows = []
     if args.time:
         formats = args.formats.split(",")
-        selected = [c for c in cases(args.quick) if int(c.notes["M"]) in ms and c.notes["fmt"] in formats]
+        selected = [c for c in cases(args.quick, grid=True) if int(c.notes["M"]) in ms and c.notes["fmt"] in formats]
         selected.sort(key=lambda c: ms.index(int(c.notes["M"])))  # the first M given first: a deadline cuts the last
         if args.providers:
             prefixes = args.providers.split(",")

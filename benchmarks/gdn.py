@@ -45,6 +45,12 @@ QUICK = {"B8-T512-H32-D128", "decode-B64-H32-D128"}
 # machine (one shape took over 2 minutes there): the suite times it on one
 # prefill and one decode shape.
 INDUCTOR = {"B1-T4096-H16-D128", "decode-B1-H32-D128"}
+# The registry suite (`fusepass bench`, ten minutes of one GPU with the other
+# entries) leaves out the two prefill shapes with head counts and dims of their
+# own: FLA autotunes its kernels again for every new (H, HV, K, V), about 40 s
+# each on the H100.  The script (`python benchmarks/gdn.py`) times all of them.
+SUITE = {"B1-T4096-H16-D128", "B8-T512-H32-D128", "B1-T16384-H32-D128", "decode-B1-H32-D128",
+         "decode-B64-H32-D128"}
 
 
 def _hf():
@@ -126,11 +132,13 @@ def _case(spec, device, inductor=True) -> Case:
 CPU_QUICK = [("B1-T130-H2-D32", 1, 130, 2, 2, 32, 32), ("decode-B2-H2-D32", 2, 1, 2, 2, 32, 32)]
 
 
-def cases(quick: bool = False, device: str = "cuda") -> list[Case]:
+def cases(quick: bool = False, device: str = "cuda", grid: bool = False) -> list[Case]:
+    """The registry's cases (SUITE, or QUICK), or with ``grid`` every shape (the script)."""
     if quick and device == "cpu":
         return [_case(s, device) for s in CPU_QUICK]
+    wanted = QUICK if quick else None if grid else SUITE
     return [_case(s, device, inductor=quick or s[0] in INDUCTOR)
-            for s in PREFILL + DECODE if not quick or s[0] in QUICK]
+            for s in PREFILL + DECODE if wanted is None or s[0] in wanted]
 
 
 # -- the script: checks, timings, a sweep of the state pass's launch choices ----------------------

@@ -30,6 +30,12 @@ import torch
 from . import output
 from .timing import copy_bandwidth, environment, sync, time_graph, time_plain
 
+# ms per timer per provider on full runs.  do_bench_cudagraph replays its graph
+# ten times, each about this long: at 100 ms a provider cost about 1.1 s of
+# timing (the norms and activations' 130 rows 145 s of a 179 s run, H100).  At
+# 25 ms each replay is still thousands of calls of a 10-µs kernel.
+DEFAULT_REP_MS = 25.0
+
 # Files in the registry folder that are not entries.
 _NOT_ENTRIES = {"common", "__init__", "run"}
 
@@ -123,8 +129,8 @@ def run_case(case: Any, device: str, rep_ms: float, env: dict[str, Any], copy_gb
         fn = case.providers[name]
         row = {**base, "provider": name, **env, "tolerance": limit}
         progress.step(f"{case.op} {case.shape} {name}")
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             out = fn(*inputs)
             sync(device)
             row["first_call_s"] = round(time.perf_counter() - t0, 3)  # compile included, if any
@@ -133,17 +139,20 @@ def run_case(case: Any, device: str, rep_ms: float, env: dict[str, Any], copy_gb
             row.update(rel_err=err, ok=err <= limit)
             if not row["ok"]:
                 row["error"] = f"wrong result: relative error {err:.2e} > {limit:.1e}; not timed"
+                row["seconds"] = round(time.perf_counter() - t0, 3)
                 rows.append(row)
                 continue
             call = lambda: fn(*inputs)  # noqa: E731
             plain = time_plain(call, device, rep_ms)
             graph = time_graph(call, rep_ms) if device == "cuda" else None
         except Exception as exc:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
-            row.update(ok=False, error=_error_text(exc))
+            row.update(ok=False, error=_error_text(exc), seconds=round(time.perf_counter() - t0, 3))
             if os.environ.get("FUSEPASS_BENCH_TRACEBACK"):
                 traceback.print_exc()
             rows.append(row)
             continue
+        # Wall time of this provider in the run: first call (compile, autotuning), check and timing.
+        row["seconds"] = round(time.perf_counter() - t0, 3)
         best = graph or plain  # GB/s from the GPU time where there is one
         row.update(
             plain_us=plain.median * 1e3, plain_p20_us=plain.p20 * 1e3, plain_p80_us=plain.p80 * 1e3,
@@ -191,6 +200,17 @@ def render(rows: list[dict[str, Any]], device: str) -> str:
     return output.table(lines, headers)
 
 
+def time_split(rows: list[dict[str, Any]], top: int = 5) -> str:
+    """Where the run's time went: seconds per entry, and the slowest first calls (compiles, autotuning)."""
+    per_op: dict[str, float] = {}
+    for r in rows:
+        per_op[r["op"]] = per_op.get(r["op"], 0.0) + (r.get("seconds") or 0.0)
+    slow = sorted((r for r in rows if r.get("first_call_s")), key=lambda r: -r["first_call_s"])[:top]
+    return ("time per entry: " + ", ".join(f"{op} {s:.0f} s" for op, s in per_op.items())
+            + "; slowest first calls: " + ", ".join(f"{r['provider']} {r['shape']} {r['first_call_s']:.1f} s"
+                                                   for r in slow))
+
+
 def main(args: argparse.Namespace) -> int:
     import fusepass  # noqa: F401 - registers the ops
 
@@ -199,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("fusepass bench: --device cuda, but no CUDA device is visible")
     if device == "cpu":
         torch.set_num_threads(args.threads or 1)  # stable on a busy machine: see fusepass.bench.e2e.Run
-    rep_ms = args.rep if args.rep is not None else (20.0 if args.quick else 100.0)
+    rep_ms = args.rep if args.rep is not None else (20.0 if args.quick else DEFAULT_REP_MS)
     registry = find_registry(args.registry)
     names = entry_names(registry)
     wanted = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else names
@@ -262,6 +282,7 @@ def main(args: argparse.Namespace) -> int:
     ours = [r for r in failed if str(r.get("provider", "")).startswith("fusepass") or r.get("provider") == "-"]
     print(text)
     print(f"\nwrote {out}/table.txt, results.json, results.csv; {plot_note}; {meta['seconds']} s")
+    print(time_split(rows))
     if failed:
         print(f"{len(failed)} provider(s) failed their check or did not run "
               f"({len(ours)} of them fusepass's or an entry's): see the check column", file=sys.stderr)
