@@ -23,7 +23,8 @@ part() {  # name, ops
 case ${1:-all} in
   norms-gdn) part norms-gdn rms_norm,add_rms_norm,swiglu,geglu,rms_norm_gated,gdn ;;
   dequant)   part dequant dequant_matmul ;;
+  gdn)       part gdn gdn ;;
   all)       part norms-gdn rms_norm,add_rms_norm,swiglu,geglu,rms_norm_gated,gdn; part dequant dequant_matmul ;;
-  *) echo "gpu_suite.sh: no part '$1' (norms-gdn, dequant, all)"; exit 2 ;;
+  *) echo "gpu_suite.sh: no part '$1' (norms-gdn, dequant, gdn, all)"; exit 2 ;;
 esac
 echo "total: $((SECONDS - T0)) s"
