@@ -6,8 +6,10 @@ Memory-bound: bytes = x read + w read + y written.  The shapes are hidden
 sizes of current LLMs at prefill batch sizes (4096 .. 65536 columns) and the
 decode sizes M = 1 and M = 32 at N = 4096, where launch cost dominates.
 Inductor's max-autotune compile (coordinate-descent tuning of the reduction's
-blocks) is timed at three shapes: it can change a reduction's config, and
-each such compile costs seconds of tuning on the GPU.
+blocks) is timed at one shape: on the H100 (commit 1e572c0) it was within 2%
+of the default compile at 4096x4096 and 8192x8192 and slower at M = 1 (2.8
+against 1.7 µs), and each such compile costs seconds of the suite's ten
+minutes.
 
     fusepass bench --ops rms_norm
 """
@@ -23,7 +25,7 @@ EPS = 1e-6
 DTYPE = torch.bfloat16
 SHAPES = [(4096, 4096), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 65536), (1, 4096), (32, 4096)]
 QUICK = [(4096, 4096), (2048, 65536), (1, 4096)]
-AUTOTUNE = {(4096, 4096), (8192, 8192), (1, 4096)}
+AUTOTUNE = {(4096, 4096)}
 # The CPU runs the ops' plain-torch paths: small shapes keep `--quick` (CI) in seconds.
 CPU_SHAPES = [(256, 1024), (1024, 4096), (1, 4096)]
 CPU_QUICK = [(1, 1024), (64, 1024)]

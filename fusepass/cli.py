@@ -124,7 +124,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="default: cuda when present, cpu with --quick")
     o.add_argument("--out", default="bench-out", help="folder for table.txt, results.json/.csv and plots")
     o.add_argument("--providers", default=None, help="comma list: time only these providers")
-    o.add_argument("--rep", type=float, default=None, help="ms per timer per provider (default 25; quick 20)")
+    o.add_argument("--rep", type=float, default=None, help="ms per timer per provider (default 10; quick 20)")
     o.add_argument("--max-seconds", type=float, default=None,
                    help="stop starting new cases after this many seconds (the rest are listed as skipped)")
     o.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs; default 1)")

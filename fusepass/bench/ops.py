@@ -30,11 +30,13 @@ import torch
 from . import output
 from .timing import copy_bandwidth, environment, sync, time_graph, time_plain
 
-# ms per timer per provider on full runs.  do_bench_cudagraph replays its graph
-# ten times, each about this long: at 100 ms a provider cost about 1.1 s of
-# timing (the norms and activations' 130 rows 145 s of a 179 s run, H100).  At
-# 25 ms each replay is still thousands of calls of a 10-µs kernel.
-DEFAULT_REP_MS = 25.0
+# ms per timer per provider on full runs.  do_bench_cudagraph captures a graph
+# of calls lasting about this long and replays it ten times: at 100 ms a
+# provider cost about 1.1 s of timing (the norms and activations' 130 rows 145
+# s of a 179 s run, H100), and the suite needed about 640 s at 25 ms, summed over
+# its parts (commits 1e572c0/9fab920).  At 10 ms each replay is still a thousand calls of a 10-µs
+# kernel; calls longer than 10 ms (eager GDN loops) get one per replay.
+DEFAULT_REP_MS = 10.0
 
 # Files in the registry folder that are not entries.
 _NOT_ENTRIES = {"common", "__init__", "run"}
