@@ -112,17 +112,34 @@ def _torchao_int8(w_bf16: torch.Tensor):
     lin = torch.nn.Linear(w_bf16.shape[1], w_bf16.shape[0], bias=False, device=w_bf16.device, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(w_bf16)
+    # quantize_ also sets Inductor's config process-wide (its recommended
+    # settings: coordinate-descent tuning among them).  Left on, every later
+    # case's "inductor" row was compiled with them (the H100 runs at 9fab920
+    # and 5aa3999, where those compiles took up to 50 and 119 s).  They are
+    # kept to torchao's own compile.
+    before = torch._inductor.config.get_config_copy()
+    precision = torch.get_float32_matmul_precision()
     try:
         quantize_(lin, Int8WeightOnlyConfig())
     except Exception as exc:  # noqa: BLE001
         print(f"# torchao unavailable: {type(exc).__name__}: {exc}")
         return None
+    finally:
+        after = torch._inductor.config.get_config_copy()
+        torchao_config = {k: v for k, v in after.items() if before.get(k) != v}
+        torch._inductor.config.load_config(before)
+        torch.set_float32_matmul_precision(precision)
 
     def fwd(x):
         return lin(x)
     # A function of its own per case: Linear.forward's code object is shared by
     # every module, and Dynamo stops compiling one code object after 8 shapes.
-    return compiled(fwd)
+    fn = compiled(fwd)
+
+    def call(x):  # compiled (on its first call) under torchao's settings
+        with torch._inductor.config.patch(torchao_config):
+            return fn(x)
+    return call
 
 
 def _gemlite(qw: dict, fmt: str, device):
