@@ -637,11 +637,19 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
               (bm_small, 128, 128, 8, 3)]
     if M >= 128:
         shapes += [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 3), (128, 128, 128, 8, 3)]
+    if fmt == "int4" and M <= 64:
+        # int4 at M = 16-64 ran 1.4-2.5x gemlite's A16W4 time with the tiles
+        # above (H100, 6ccee15): narrower tiles (more programs, fewer registers
+        # per thread for the two unpacked halves), eight warps, half the split.
+        shapes += [(bm_small, 32, 128, 4, 3), (bm_small, 32, 64, 4, 4), (bm_small, 64, 64, 8, 3),
+                   (bm_small, 64, 128, 8, 4)]
     for bm, bn, bk, warps, stages in shapes:
         if fmt == "int4":
             bk = min(bk, G)
         progs = cdiv(M, bm) * cdiv(N, bn)
-        for split in sorted({1, _auto_split(progs, K, bk, n_sm)}):
+        auto = _auto_split(progs, K, bk, n_sm)
+        splits = {1, auto, max(1, auto // 2)} if fmt == "int4" and M <= 64 else {1, auto}
+        for split in sorted(splits):
             for perm in ((0, 1) if fmt == "int4" else (0,)):
                 add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))
     if M >= 64:
