@@ -642,7 +642,8 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         # above (H100, 6ccee15): narrower tiles (more programs, fewer registers
         # per thread for the two unpacked halves), eight warps, half the split.
         shapes += [(bm_small, 32, 128, 4, 3), (bm_small, 32, 64, 4, 4), (bm_small, 64, 64, 8, 3),
-                   (bm_small, 64, 128, 8, 4)]
+                   (bm_small, 64, 128, 8, 4), (bm_small, 16, 128, 4, 3), (bm_small, 16, 128, 2, 3),
+                   (bm_small, 32, 128, 2, 3)]
     for bm, bn, bk, warps, stages in shapes:
         if fmt == "int4":
             bk = min(bk, G)
