@@ -37,6 +37,8 @@ PATHS = {
     "mm": dm.Config("mm", BM=16, BN=16, BK=32, split=1),
     "mm-splitk": dm.Config("mm", BM=16, BN=16, BK=32, split=2),
     "mm-perm": dm.Config("mm", BM=16, BN=16, BK=32, split=2, perm=1),
+    "mmt": dm.Config("mmt", BM=16, BN=16, BK=32, split=1),  # int4 only
+    "mmt-splitk": dm.Config("mmt", BM=16, BN=16, BK=32, split=2),
     "cublas": dm.CUBLAS,
 }
 
@@ -87,9 +89,9 @@ def _cases():
     for path, cfg in PATHS.items():
         for fid, (fmt, group, asym) in FORMATS.items():
             for did, dtype in DTYPES.items():
-                if cfg.kind == "mm" and dtype == torch.float32:
+                if cfg.kind in ("mm", "mmt") and dtype == torch.float32:
                     continue  # fp32 takes the GEMV or the cuBLAS path (see _valid)
-                if cfg.perm and fmt != "int4":
+                if (cfg.perm or cfg.kind == "mmt") and fmt != "int4":
                     continue
                 ms = (1, 3, 8) if cfg.kind == "gemv" else (3, 17)
                 for M in ms:

@@ -391,6 +391,58 @@ def _dequant_mm_kernel(
 
 
 @triton.jit
+def _dequant_mmt_kernel(
+    x, w, scale, zero, bias, out, part,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn,
+    G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # int4 at small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
+    # The unpacked weight tile is the dot's A operand, used from registers; the
+    # low and high nibbles of each byte are joined back into K order in place
+    # (each thread keeps its own pairs), so one dot of depth BK takes x^T as
+    # loaded.  On the H100 this ran 0.61-1.00x gemlite A16W4's time at M = 16-64
+    # where the `mm` kernel (x as A, two half-depth dots) ran 1.4-2.4x
+    # (benchmarks/sweep_dequant_matmul_small_m.py, commit d5c4001).  K is whole
+    # BK tiles (BK divides G, G divides K) and so is K_SPLIT.
+    i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_n = o_n < N
+    m_m = o_m < M
+    BKP: tl.constexpr = BK // 2
+    o_kp = tl.arange(0, BKP)
+    o_k = tl.arange(0, BK)
+    p_w = w + o_n.to(tl.int64)[:, None] * stride_wn
+    p_x = x + o_m.to(tl.int64)[None, :] * stride_xm
+    dt = x.dtype.element_ty
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    k_lo = i_s * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BK):
+        b_q = tl.load(p_w + (k0 // 2 + o_kp)[None, :], mask=m_n[:, None], other=0)  # [BN, BK / 2] bytes
+        b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+        if HAS_ZERO:
+            b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+        else:
+            b_z = 8.0
+        b_zs = b_z * b_s
+        b_lo = ((b_q & 0xF).to(tl.float32) * b_s - b_zs).to(dt)
+        b_hi = ((b_q >> 4).to(tl.float32) * b_s - b_zs).to(dt)
+        b_w = tl.reshape(tl.join(b_lo, b_hi), [BN, BK])  # column 2j + t: byte j's nibble t
+        b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :], other=0)  # [BK, BM]
+        acc = _dot(b_w, b_x, acc, DOT_F32)
+    m_o = m_n[:, None] & m_m[None, :]
+    o_o = o_m.to(tl.int64)[None, :] * N + o_n[:, None]
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(bias + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
+        tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
+    else:
+        tl.store(part + i_s.to(tl.int64) * M * N + o_o, acc, mask=m_o)
+
+
+@triton.jit
 def _splitk_reduce_kernel(part, bias, out, M, N, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_o = o < M * N
@@ -447,7 +499,8 @@ def _dequant_kernel(w, scale, zero, out, N, K, stride_wn, stride_sn,
 
 @dataclass(frozen=True)
 class Config:
-    """One way to run the product.  kind: "gemv", "mm" or "cublas"."""
+    """One way to run the product.  kind: "gemv", "mm", "mmt" (int4: the product
+    transposed, the weight as the dot's A operand) or "cublas"."""
 
     kind: str
     BN: int = 0
@@ -461,7 +514,7 @@ class Config:
     def label(self) -> str:
         if self.kind == "cublas":
             return "cublas"
-        bm = f"BM{self.BM}-" if self.kind == "mm" else ""
+        bm = f"BM{self.BM}-" if self.kind in ("mm", "mmt") else ""
         perm = "-perm" if self.perm else ""
         return f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}{perm}"
 
@@ -546,6 +599,10 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         asm = fmt == "int4" and x.is_cuda and not interpreting() and G >= 8
         _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, x, xp, *operands, x.stride(0), xp.stride(0),
              *w_strides, BM=_pow2(M), ASM=asm, **meta)
+    elif cfg.kind == "mmt":
+        meta = {k: v for k, v in meta.items() if k not in ("FMT", "EVEN_K")}
+        _run(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split), warmup, x, *operands, x.stride(0),
+             *w_strides, BM=cfg.BM, DOT_F32=x.dtype == torch.float32 or not x.is_cuda, **meta)
     else:
         grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split)
         _run(_dequant_mm_kernel, grid, warmup, x, *operands, x.stride(0), *w_strides, BM=cfg.BM, GROUP_M=_GROUP_M,
@@ -562,6 +619,8 @@ def _valid(cfg: Config, M: int, K: int, fmt: str, G: int, dtype: torch.dtype) ->
         return True
     if cfg.kind == "gemv":
         return M <= _GEMV_MAX_M and (fmt != "int4" or cfg.BK % G == 0)
+    if cfg.kind == "mmt":  # int4 only; tiles within one group, 16-deep dots of 16-bit operands
+        return fmt == "int4" and dtype != torch.float32 and G % cfg.BK == 0 and cfg.BK >= 32 and cfg.BM >= 16
     # mm: tensor cores need 16-deep dots of 16-bit operands (fp32 runs the
     # "ieee" dot: exact, but no faster than the cuBLAS path, which the plan
     # takes instead), and an int4 tile within one group.
@@ -584,6 +643,10 @@ def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_s
     if dtype == torch.float32 or M > 256:
         return CUBLAS
     bm = min(64, max(16, _pow2(M)))
+    if fmt == "int4" and M <= 64 and G % 32 == 0:
+        bk = min(128, G)
+        return Config("mmt", BM=bm, BN=64, BK=bk, warps=4, stages=3,
+                      split=max(1, _auto_split(cdiv(N, 64) * cdiv(M, bm), K, bk, n_sm) // 2))
     bk = min(64, G) if fmt == "int4" else 64
     bn = 64 if M <= 64 else 128
     progs = cdiv(M, bm) * cdiv(N, bn)
@@ -642,8 +705,7 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         # above (H100, 6ccee15): narrower tiles (more programs, fewer registers
         # per thread for the two unpacked halves), eight warps, half the split.
         shapes += [(bm_small, 32, 128, 4, 3), (bm_small, 32, 64, 4, 4), (bm_small, 64, 64, 8, 3),
-                   (bm_small, 64, 128, 8, 4), (bm_small, 16, 128, 4, 3), (bm_small, 16, 128, 2, 3),
-                   (bm_small, 32, 128, 2, 3)]
+                   (bm_small, 64, 128, 8, 4)]
     for bm, bn, bk, warps, stages in shapes:
         if fmt == "int4":
             bk = min(bk, G)
@@ -653,6 +715,11 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         for split in sorted(splits):
             for perm in ((0, 1) if fmt == "int4" else (0,)):
                 add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))
+    if fmt == "int4" and M <= 64:
+        for bn in (64, 128):
+            for bk in (64, 128):
+                for split in (1, 2, 4, 8):
+                    add(Config("mmt", BM=bm_small, BN=bn, BK=min(bk, G), split=split, warps=4, stages=3))
     if M >= 64:
         add(CUBLAS)
     return out
@@ -833,7 +900,7 @@ def _random_weight(N: int, K: int, fmt: str, G: int, device: torch.device):
     return torch.randn(N, K, device=device).to(torch.float8_e4m3fn), s, None
 
 
-_PLAN_NAMES = {"gemv": "gemv", "mm": "tensor-core", "cublas": "dequant+cublas"}
+_PLAN_NAMES = {"gemv": "gemv", "mm": "tensor-core", "mmt": "tensor-core", "cublas": "dequant+cublas"}
 
 
 def dequant_matmul_plan(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype,
