@@ -14,6 +14,7 @@ to x's dtype (2**-9 relative in bf16) as the model's own dequant form does.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -301,3 +302,34 @@ def test_int4_gemv_x_rows_at_odd_offsets():
     xo = wide[:, 1:]
     assert xo.stride(0) % 2 and xo.storage_offset() % 2
     _assert_close(_run(xo, w, s, z, b, "int4", 32, PATHS["gemv"]), xo, w, s, z, b, "int4", 32)
+
+
+def test_tuner_timer_waits_for_the_host(monkeypatch):
+    """The tuner's timer lengthens its sleep kernel until the host has queued all
+    the timed calls before it ends: a sleep that ended first let host overhead
+    into the GPU time and misranked split-K configs (H100, 98cc3cf)."""
+    state = {"sleeps": [], "order": []}
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.name = None
+
+        def record(self):
+            state["order"].append(self)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            order = state["order"][-3:]  # pre, start, end of the last round
+            if self is order[0]:
+                return state["sleeps"][-1] / 1e6  # the sleep's GPU time: 1M cycles per ms here
+            return 10 * 0.005  # ten calls of 5 µs
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: state["sleeps"].append(cycles))
+    host_per_call_s = 0.0003  # 3 ms for ten calls: longer than the first 1 ms sleep
+    us = dm._time_us(lambda: time.sleep(host_per_call_s))
+    assert us == pytest.approx(5.0)
+    assert state["sleeps"][0] == 1_000_000 and max(state["sleeps"]) >= 4_000_000
+    assert len(state["sleeps"]) >= 5  # at least two rounds thrown away, then three kept

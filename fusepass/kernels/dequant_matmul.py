@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -802,18 +803,33 @@ def _tuning_allowed(device: torch.device) -> bool:
 
 def _time_us(fn, reps: int = 10) -> float:
     """GPU time of one call: a sleep kernel first lets the host queue all the
-    launches, so host overhead does not pad the small kernels' times."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    launches, so host overhead does not pad the small kernels' times.
+
+    The sleep has to outlast the host's queueing.  A fixed 1M-cycle sleep
+    (about 0.6 ms) can end before ten split-K calls (a workspace allocation
+    and two launches each) are queued; that is the likely reason the tuner
+    ranked an int4 config that runs 11.5 µs in a CUDA graph below one that
+    runs 21.7 µs (H100, commit 98cc3cf).  So the sleep is timed too, and
+    doubled until the host finished queueing before it ended."""
+    pre, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     fn()
     fn()
     best = float("inf")
-    for _ in range(3):
-        torch.cuda._sleep(1_000_000)
+    cycles, tries = 1_000_000, 0
+    while tries < 3:
+        pre.record()
+        torch.cuda._sleep(cycles)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         end.record()
+        host_ms = (time.perf_counter() - t0) * 1e3
         end.synchronize()
+        if host_ms > pre.elapsed_time(start) and cycles < 1 << 30:
+            cycles *= 2  # the GPU waited for the host: not a GPU time
+            continue
+        tries += 1
         best = min(best, start.elapsed_time(end) * 1e3 / reps)
     return best
 
