@@ -268,8 +268,9 @@ def check_paths(log) -> int:
         "mm-split3": dm.Config("mm", BM=64, BN=128, BK=64, split=3, stages=3),
         "mm-perm": dm.Config("mm", BM=16, BN=64, BK=64, split=2, stages=3, perm=1),
         "gemv-narrow": dm.Config("gemv", BN=2, BK=512, split=1),
-        "mmt": dm.Config("mmt", BM=16, BN=64, BK=64, split=1, stages=3),  # int4 only
+        "mmt": dm.Config("mmt", BM=16, BN=64, BK=64, split=1, stages=3),
         "mmt-split4": dm.Config("mmt", BM=64, BN=128, BK=128, split=4, stages=3),
+        "mmt-split3-bk256": dm.Config("mmt", BM=32, BN=64, BK=256, split=3, stages=3),  # int8 / fp8: K masked
         "cublas": dm.CUBLAS,
     }
     for fmt in ("int8", "int4", "int4-sym-g32", "fp8"):

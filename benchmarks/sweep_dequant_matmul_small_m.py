@@ -1,26 +1,36 @@
-"""int4 at M = 16-64: the op's transposed kernel (``mmt``) over its launch choices.
+"""Quantized linears at small M: the op's kernels over their launch choices,
+with the weight hot in L2 and cold.
 
 At M = 16-64 the op's int4 ``mm`` kernel (x as the dot's A operand, the
 weight tile unpacked into two half-depth B operands) ran 1.4-2.4x gemlite
 A16W4's time on the H100.  This script found the replacement, now the op's
-``mmt`` path: the product transposed, out^T = W x^T, the unpacked tile the
-dot's A operand with the two nibbles of each byte joined back into K order in
-registers (one dot per tile).  A variant with two half-depth dots instead of
-the join ran 1.1-1.4x slower than the joined one at every shape (commit
-d5c4001; figures in BENCHMARKS.md) and was dropped.  The script times
-``mmt`` over tile and split choices against the op's current plan, bf16
-cuBLAS and gemlite A16W4, each checked against the fp32 reference first.
+``mmt`` path: the product transposed, out^T = W x^T, the dequantised tile the
+dot's A operand (int4: the two nibbles of each byte joined back into K order
+in registers, one dot per tile).  It times ``mmt`` over tile and split choices
+for int4, int8 and fp8 against the op's current plan, bf16 cuBLAS and gemlite
+(A16W8, A16W4), each checked against the fp32 reference first; at M <= 8 it
+times the op's own GEMV candidates instead.
 
-    python benchmarks/sweep_dequant_matmul_small_m.py [--ms 16,64] [--rep 25]
+Two timings per entry, both CUDA-graph replays.  *hot*: one weight, called
+again and again, so a weight that fits the L2 (50 MB on an H100: every int4
+and int8 shape here, and bf16 4096x4096) is read from it after the first
+replay.  *cold*: a ring of copies of the weight larger than three L2s, called
+in turn, as a model's layers are (each call reads its weight from HBM); the
+time is per call.
+
+    python benchmarks/sweep_dequant_matmul_small_m.py [--formats int4,int8,fp8] [--ms 1,16,64] [--rep 10]
+        [--shapes 4096x4096,14336x4096] [--no-cold] [--json out.json]
     TRITON_INTERPRET=1 python benchmarks/sweep_dequant_matmul_small_m.py --cpu-smoke
 
-Prints one line per (M, shape): the best time of each provider with its
-config, and its ratio to gemlite A16W4 where gemlite is importable.
+Prints one line per (format, M, shape): each provider's best hot and cold
+time with its config, and the ratio to gemlite where gemlite is importable.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -30,77 +40,137 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.dequant_matmul import _gemlite, quantize  # noqa: E402
+from benchmarks.dequant_matmul import _gemlite, quantize, weight_bytes  # noqa: E402
 from fusepass.kernels import dequant_matmul as dm  # noqa: E402
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K)
 GROUP = 128
+COLD_BYTES = 160 << 20  # the ring of weight copies: over three H100 L2s
+MAX_COPIES = 48
 
 
-def configs(M: int, N: int, smoke: bool) -> list[dm.Config]:
+def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
+    if M <= 8:
+        return [] if smoke else dm._candidates(M, N, K, fmt, GROUP if fmt == "int4" else 0, torch.bfloat16,
+                                               torch.cuda.get_device_properties(0).multi_processor_count)
     bm = min(64, max(16, triton.next_power_of_2(M)))
     if smoke:
         return [dm.Config("mmt", BM=bm, BN=64, BK=64, split=split, stages=2) for split in (1, 2)]
-    return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3)
-            for bn in (64, 128) for bk in (64, 128) for warps in (4, 8)
-            for split in ((1, 2, 4, 8) if N <= 4096 else (1, 2, 4))]
+    bks = (64, 128) if fmt == "int4" else (128, 256)
+    return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=4, stages=3)
+            for bn in (64, 128) for bk in bks for split in (1, 2, 4, 8)]
+
+
+def copies_of(nbytes: int, smoke: bool) -> int:
+    return 1 if smoke else max(2, min(MAX_COPIES, math.ceil(COLD_BYTES / max(1, nbytes))))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--formats", default="int4,int8,fp8")
     p.add_argument("--ms", default="16,64")
-    p.add_argument("--rep", type=int, default=25)
+    p.add_argument("--shapes", default=None, help="NxK,... (default: the three Llama-3-8B shapes)")
+    p.add_argument("--rep", type=int, default=10)
+    p.add_argument("--no-cold", action="store_true")
+    p.add_argument("--budget", type=float, default=1e9, help="seconds; later entries are skipped")
+    p.add_argument("--json", default=None, help="write every timing here")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
-    shapes = ((96, 512),) if smoke else SHAPES
+    if smoke:
+        shapes = ((96, 512),)
+    elif args.shapes:
+        shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
+    else:
+        shapes = SHAPES
     ms = (16, 13) if smoke else tuple(int(v) for v in args.ms.split(","))
+    cold = not (args.no_cold or smoke)
     if not smoke:
         print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
-    lines = []
-    for N, K in shapes:
-        qw = quantize(torch.randn(N, K, device=device) * 0.02, "int4", GROUP)
-        q, s, z = qw["weight"], qw["scale"], qw["zero"]
-        gem = None if smoke else _gemlite(qw, "int4", device)
-        for M in ms:
-            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-            ref = dm.dequant_matmul_reference(x, q, s, z, None, "int4", GROUP).float()
-            best: dict[str, tuple[float, str]] = {}
+    lines, rows = [], []
+    for fmt in args.formats.split(","):
+        G = GROUP if fmt == "int4" else 0
+        for N, K in shapes:
+            if time.time() - t0 > args.budget:
+                print(f"# budget spent: {fmt} N{N} K{K} and later skipped", flush=True)
+                break
+            qw = quantize(torch.randn(N, K, device=device) * 0.02, fmt, GROUP)
+            q, s, z = qw["weight"], qw["scale"], qw["zero"]
+            n_q = copies_of(weight_bytes(qw), smoke) if cold else 1
+            ring = [(q, s, z)] + [(q.clone(), s.clone(), None if z is None else z.clone()) for _ in range(n_q - 1)]
+            wd = None if smoke else dm.dequantize(q, s, z, fmt, G, torch.bfloat16)
+            n_b = copies_of(wd.numel() * 2, smoke) if cold and wd is not None else 1
+            ring_bf16 = [wd] + [wd.clone() for _ in range(n_b - 1)] if wd is not None else []
+            gem = None if smoke or fmt == "fp8" else _gemlite(qw, fmt, device)
+            gems = ([gem] + [_gemlite(qw, fmt, device) for _ in range(n_q - 1)]) if gem is not None and cold else [gem]
+            for M in ms:
+                x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+                ref = dm.dequant_matmul_reference(x, q, s, z, None, fmt, G).float()
+                best: dict[str, dict[str, tuple[float, str]]] = {"hot": {}, "cold": {}}
 
-            def bench(provider, label, fn):
-                try:
-                    y = fn()
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    if not err <= 1e-2:  # bf16 output: a few ulps in norm
-                        print(f"    M{M} N{N} K{K} {provider} {label}: error {err:.1e}")
+                def bench(provider, label, call, n_ring):
+                    """call(i): the provider on copy i of the weight."""
+                    try:
+                        y = call(0)
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        if not err <= 1e-2:  # bf16 output: a few ulps in norm
+                            print(f"    {fmt} M{M} N{N} K{K} {provider} {label}: error {err:.1e}")
+                            return
+                        times = {}
+                        if not smoke:
+                            times["hot"] = triton.testing.do_bench_cudagraph(lambda: call(0), rep=args.rep) * 1e3
+                            if cold:
+                                def ring_call():
+                                    for i in range(n_ring):
+                                        call(i)
+                                times["cold"] = triton.testing.do_bench_cudagraph(ring_call, rep=args.rep) * 1e3 / n_ring
+                    except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported
+                        print(f"    {fmt} M{M} N{N} K{K} {provider} {label}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:90]}")
                         return
-                    us = 0.0 if smoke else triton.testing.do_bench_cudagraph(fn, rep=args.rep) * 1e3
-                except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported
-                    print(f"    M{M} N{N} K{K} {provider} {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}")
-                    return
-                if provider not in best or us < best[provider][0]:
-                    best[provider] = (us, label)
+                    rows.append(dict(fmt=fmt, M=M, N=N, K=K, provider=provider, config=label, **times))
+                    for mode, us in times.items():
+                        if provider not in best[mode] or us < best[mode][provider][0]:
+                            best[mode][provider] = (us, label)
 
+                if not smoke:
+                    bench("cublas-bf16", "", lambda i: x @ ring_bf16[i].t(), n_b)
+                    plan = dm.dequant_matmul_plan(M, N, K, fmt, GROUP, torch.bfloat16, x.device)
+                    cfg = dm._plan(M, N, K, fmt, G, torch.bfloat16, x.device)
+                    bench("fusepass-plan", f"{plan} {cfg.label()}",
+                          lambda i: torch.ops.fusepass.dequant_matmul(x, *ring[i], None, fmt, GROUP), n_q)
+                    if gem is not None:
+                        bench(f"gemlite-{fmt}", "", lambda i: gems[i](x), len(gems))
+                for cfg in configs(fmt, M, N, K, smoke):
+                    outs = [torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16) for _ in range(2)]
+
+                    def run(i, cfg=cfg, outs=outs):
+                        out = outs[i % 2]
+                        dm._launch(x, *ring[i], None, out, fmt, G, cfg)
+                        return out
+
+                    bench(cfg.kind, cfg.label(), run, n_q)
+                if smoke:
+                    checked = sum(r["fmt"] == fmt and r["M"] == M and r["N"] == N for r in rows)
+                    print(f"{fmt} M{M} N{N} K{K}: {checked} configs match the reference", flush=True)
+                for mode in ("hot", "cold"):
+                    if not best[mode]:
+                        continue
+                    base = best[mode].get(f"gemlite-{fmt}", (None,))[0]
+                    cells = [f"{k} {us:.1f}" + (f" ({us / base:.2f}x gemlite)" if base else "")
+                             + (f" [{lab}]" if lab else "")
+                             for k, (us, lab) in sorted(best[mode].items(), key=lambda kv: kv[1][0])]
+                    line = f"{fmt} M{M} N{N} K{K} {mode} [{time.time() - t0:.0f} s]: " + "; ".join(cells)
+                    print(line, flush=True)
+                    lines.append(line)
+            del ring, ring_bf16, gems, gem
             if not smoke:
-                wd = dm.dequantize(q, s, z, "int4", GROUP, torch.bfloat16)
-                bench("cublas-bf16", "", lambda: x @ wd.t())
-                bench("fusepass-plan", dm.dequant_matmul_plan(M, N, K, "int4", GROUP, torch.bfloat16, x.device),
-                      lambda: torch.ops.fusepass.dequant_matmul(x, q, s, z, None, "int4", GROUP))
-                if gem is not None:
-                    bench("gemlite-a16w4", "", lambda: gem(x))
-            for cfg in configs(M, N, smoke):
-                out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
-                bench("mmt", cfg.label(), lambda out=out, cfg=cfg: (
-                    dm._launch(x, q, s, z, None, out, "int4", GROUP, cfg), out)[1])
-            base = best.get("gemlite-a16w4", (None,))[0]
-            cells = [f"{k} {us:.1f}" + (f" ({us / base:.2f}x gemlite)" if base else "") + (f" [{lab}]" if lab else "")
-                     for k, (us, lab) in sorted(best.items(), key=lambda kv: kv[1][0])]
-            line = f"M{M} N{N} K{K} [{time.time() - t0:.0f} s]: " + "; ".join(cells)
-            print(line, flush=True)
-            lines.append(line)
+                torch.cuda.empty_cache()
     print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=0))
     return 0
 
 

@@ -38,7 +38,7 @@ PATHS = {
     "mm": dm.Config("mm", BM=16, BN=16, BK=32, split=1),
     "mm-splitk": dm.Config("mm", BM=16, BN=16, BK=32, split=2),
     "mm-perm": dm.Config("mm", BM=16, BN=16, BK=32, split=2, perm=1),
-    "mmt": dm.Config("mmt", BM=16, BN=16, BK=32, split=1),  # int4 only
+    "mmt": dm.Config("mmt", BM=16, BN=16, BK=32, split=1),
     "mmt-splitk": dm.Config("mmt", BM=16, BN=16, BK=32, split=2),
     "cublas": dm.CUBLAS,
 }
@@ -92,7 +92,7 @@ def _cases():
             for did, dtype in DTYPES.items():
                 if cfg.kind in ("mm", "mmt") and dtype == torch.float32:
                     continue  # fp32 takes the GEMV or the cuBLAS path (see _valid)
-                if (cfg.perm or cfg.kind == "mmt") and fmt != "int4":
+                if cfg.perm and fmt != "int4":
                     continue
                 ms = (1, 3, 8) if cfg.kind == "gemv" else (3, 17)
                 for M in ms:
@@ -131,7 +131,10 @@ def test_k_not_a_multiple_of_the_tile(fmt):
     # K = 96: int8 tiles of 64 leave a masked half tile; int4 g32 has 3 groups.
     group = 32 if fmt == "int4" else 0
     for cfg in (dm.Config("gemv", BN=8, BK=64, split=1), dm.Config("gemv", BN=8, BK=64, split=2),
-                dm.Config("mm", BM=16, BN=16, BK=32, split=2)):
+                dm.Config("mm", BM=16, BN=16, BK=32, split=2), dm.Config("mmt", BM=16, BN=16, BK=64, split=2)):
+        if not dm._valid(cfg, 5, 96, fmt, group, torch.bfloat16):
+            assert cfg.kind == "mmt" and fmt == "int4"  # BK 64 spans two groups of 32
+            continue
         x, w, s, z, b = _inputs(5, 24, 96, fmt, group, True, torch.bfloat16)
         _assert_close(_run(x, w, s, z, b, fmt, group, cfg), x, w, s, z, b, fmt, group)
 
@@ -248,6 +251,8 @@ def test_gpu_real_sizes_every_path(fmt, group, asym):
              dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=1, stages=3),
              dm.Config("mm", BM=64, BN=128, BK=min(64, group or 64), split=3, stages=3),
              dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=2, stages=3, perm=1),
+             dm.Config("mmt", BM=16, BN=64, BK=min(128, group or 128), split=1, stages=3),
+             dm.Config("mmt", BM=64, BN=128, BK=min(128, group or 256), split=3, stages=3),
              dm.CUBLAS]
     for cfg in paths:
         for M, dtype in ((1, torch.bfloat16), (5, torch.float16), (77, torch.bfloat16), (3, torch.float32)):

@@ -396,17 +396,19 @@ def _dequant_mmt_kernel(
     x, w, scale, zero, bias, out, part,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn,
-    G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # int4 at small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
-    # The unpacked weight tile is the dot's A operand, used from registers; the
-    # low and high nibbles of each byte are joined back into K order in place
-    # (each thread keeps its own pairs), so one dot of depth BK takes x^T as
-    # loaded.  On the H100 this ran 0.61-1.00x gemlite A16W4's time at M = 16-64
-    # where the `mm` kernel (x as A, two half-depth dots) ran 1.4-2.4x
-    # (benchmarks/sweep_dequant_matmul_small_m.py, commit d5c4001).  K is whole
-    # BK tiles (BK divides G, G divides K) and so is K_SPLIT.
+    # Small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
+    # The dequantised weight tile is the dot's A operand, used from registers,
+    # and x^T the B operand as loaded.  int4: the low and high nibbles of each
+    # byte are joined back into K order in place (each thread keeps its own
+    # pairs), so one dot of depth BK covers the tile; on the H100 this ran
+    # 0.61-1.00x gemlite A16W4's time at M = 16-64 where the `mm` kernel (x as
+    # A, two half-depth dots) ran 1.4-2.4x (benchmarks/sweep_dequant_matmul_small_m.py,
+    # commit d5c4001).  int4 tiles lie within one group (BK divides G, G divides
+    # K); int8 / fp8 values are exact in x's 16-bit dtype and the per-row scale
+    # goes on the fp32 sum.
     i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -420,19 +422,35 @@ def _dequant_mmt_kernel(
     dt = x.dtype.element_ty
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     k_lo = i_s * K_SPLIT
-    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BK):
-        b_q = tl.load(p_w + (k0 // 2 + o_kp)[None, :], mask=m_n[:, None], other=0)  # [BN, BK / 2] bytes
-        b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
-        if HAS_ZERO:
-            b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        if FMT == "int4":
+            b_q = tl.load(p_w + (k0 // 2 + o_kp)[None, :], mask=m_n[:, None], other=0)  # [BN, BK / 2] bytes
+            b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+            if HAS_ZERO:
+                b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+            else:
+                b_z = 8.0
+            b_zs = b_z * b_s
+            b_lo = ((b_q & 0xF).to(tl.float32) * b_s - b_zs).to(dt)
+            b_hi = ((b_q >> 4).to(tl.float32) * b_s - b_zs).to(dt)
+            b_w = tl.reshape(tl.join(b_lo, b_hi), [BN, BK])  # column 2j + t: byte j's nibble t
+            b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :], other=0)  # [BK, BM]
         else:
-            b_z = 8.0
-        b_zs = b_z * b_s
-        b_lo = ((b_q & 0xF).to(tl.float32) * b_s - b_zs).to(dt)
-        b_hi = ((b_q >> 4).to(tl.float32) * b_s - b_zs).to(dt)
-        b_w = tl.reshape(tl.join(b_lo, b_hi), [BN, BK])  # column 2j + t: byte j's nibble t
-        b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :], other=0)  # [BK, BM]
+            if EVEN_K:
+                b_q = tl.load(p_w + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :], other=0)
+            else:
+                m_k = k0 + o_k < k_hi
+                b_q = tl.load(p_w + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+                b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :] & m_k[:, None], other=0)
+            if FMT == "int8":
+                b_w = _int8_to_f32(b_q).to(dt)
+            else:
+                b_w = b_q.to(tl.float8e4nv, bitcast=True).to(dt)
         acc = _dot(b_w, b_x, acc, DOT_F32)
+    if FMT != "int4":
+        acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
     m_o = m_n[:, None] & m_m[None, :]
     o_o = o_m.to(tl.int64)[None, :] * N + o_n[:, None]
     if not PARTIAL:
@@ -500,7 +518,7 @@ def _dequant_kernel(w, scale, zero, out, N, K, stride_wn, stride_sn,
 
 @dataclass(frozen=True)
 class Config:
-    """One way to run the product.  kind: "gemv", "mm", "mmt" (int4: the product
+    """One way to run the product.  kind: "gemv", "mm", "mmt" (the product
     transposed, the weight as the dot's A operand) or "cublas"."""
 
     kind: str
@@ -601,7 +619,6 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, x, xp, *operands, x.stride(0), xp.stride(0),
              *w_strides, BM=_pow2(M), ASM=asm, **meta)
     elif cfg.kind == "mmt":
-        meta = {k: v for k, v in meta.items() if k not in ("FMT", "EVEN_K")}
         _run(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split), warmup, x, *operands, x.stride(0),
              *w_strides, BM=cfg.BM, DOT_F32=x.dtype == torch.float32 or not x.is_cuda, **meta)
     else:
@@ -620,8 +637,8 @@ def _valid(cfg: Config, M: int, K: int, fmt: str, G: int, dtype: torch.dtype) ->
         return True
     if cfg.kind == "gemv":
         return M <= _GEMV_MAX_M and (fmt != "int4" or cfg.BK % G == 0)
-    if cfg.kind == "mmt":  # int4 only; tiles within one group, 16-deep dots of 16-bit operands
-        return fmt == "int4" and dtype != torch.float32 and G % cfg.BK == 0 and cfg.BK >= 32 and cfg.BM >= 16
+    if cfg.kind == "mmt":  # 16-deep dots of 16-bit operands; int4 tiles within one group
+        return dtype != torch.float32 and cfg.BK >= 32 and cfg.BM >= 16 and (fmt != "int4" or G % cfg.BK == 0)
     # mm: tensor cores need 16-deep dots of 16-bit operands (fp32 runs the
     # "ieee" dot: exact, but no faster than the cuBLAS path, which the plan
     # takes instead), and an int4 tile within one group.
@@ -716,11 +733,13 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         for split in sorted(splits):
             for perm in ((0, 1) if fmt == "int4" else (0,)):
                 add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))
-    if fmt == "int4" and M <= 64:
+    if M <= 64:
+        # The product transposed (the weight tile as the dot's A operand).
         for bn in (64, 128):
-            for bk in (64, 128):
+            for bk in ((64, 128) if fmt == "int4" else (128, 256)):
                 for split in (1, 2, 4, 8):
-                    add(Config("mmt", BM=bm_small, BN=bn, BK=min(bk, G), split=split, warps=4, stages=3))
+                    add(Config("mmt", BM=bm_small, BN=bn, BK=min(bk, G) if fmt == "int4" else bk, split=split,
+                               warps=4, stages=3))
     if M >= 64:
         add(CUBLAS)
     return out
