@@ -19,16 +19,20 @@ in turn, as a model's layers are (each call reads its weight from HBM); the
 time is per call.
 
     python benchmarks/sweep_dequant_matmul_small_m.py [--formats int4,int8,fp8] [--ms 1,16,64] [--rep 10]
-        [--shapes 4096x4096,14336x4096] [--no-cold] [--json out.json]
+        [--shapes 4096x4096,14336x4096] [--no-cold] [--json out.json] [--plans plans.json]
     TRITON_INTERPRET=1 python benchmarks/sweep_dequant_matmul_small_m.py --cpu-smoke
 
 Prints one line per (format, M, shape): each provider's best hot and cold
 time with its config, and the ratio to gemlite where gemlite is importable.
+``--plans`` writes each key's fastest config on cold weights in the op's
+plan-file format; the shipped plans of M = 1-64 came from this (commit
+1cf3eea's runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -74,6 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-cold", action="store_true")
     p.add_argument("--budget", type=float, default=1e9, help="seconds; later entries are skipped")
     p.add_argument("--json", default=None, help="write every timing here")
+    p.add_argument("--plans", default=None, help="write the fastest config of each key on cold weights here, "
+                   "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul_plans.json)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
@@ -90,6 +96,7 @@ def main(argv=None) -> int:
         print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
     lines, rows = [], []
+    plans: dict[str, dict] = {}
     for fmt in args.formats.split(","):
         G = GROUP if fmt == "int4" else 0
         for N, K in shapes:
@@ -109,6 +116,7 @@ def main(argv=None) -> int:
                 x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
                 ref = dm.dequant_matmul_reference(x, q, s, z, None, fmt, G).float()
                 best: dict[str, dict[str, tuple[float, str]]] = {"hot": {}, "cold": {}}
+                configs_by_label: dict[str, dm.Config] = {}
 
                 def bench(provider, label, call, n_ring):
                     """call(i): the provider on copy i of the weight."""
@@ -141,6 +149,7 @@ def main(argv=None) -> int:
                     cfg = dm._plan(M, N, K, fmt, G, torch.bfloat16, x.device)
                     bench("fusepass-plan", f"{plan} {cfg.label()}",
                           lambda i: torch.ops.fusepass.dequant_matmul(x, *ring[i], None, fmt, GROUP), n_q)
+                    configs_by_label[f"{plan} {cfg.label()}"] = cfg
                     if gem is not None:
                         bench(f"gemlite-{fmt}", "", lambda i: gems[i](x), len(gems))
                 for cfg in configs(fmt, M, N, K, smoke):
@@ -152,6 +161,13 @@ def main(argv=None) -> int:
                         return out
 
                     bench(cfg.kind, cfg.label(), run, n_q)
+                    configs_by_label[cfg.label()] = cfg
+                timed = [r for r in rows if (r["fmt"], r["M"], r["N"], r["K"]) == (fmt, M, N, K)
+                         and r["config"] in configs_by_label and "cold" in r]
+                if timed:
+                    win = min(timed, key=lambda r: r["cold"])
+                    key = dm.plan_key(M, N, K, fmt, G, torch.bfloat16, torch.device(device))
+                    plans[key] = {**dataclasses.asdict(configs_by_label[win["config"]]), "us": round(win["cold"], 2)}
                 if smoke:
                     checked = sum(r["fmt"] == fmt and r["M"] == M and r["N"] == N for r in rows)
                     print(f"{fmt} M{M} N{N} K{K}: {checked} configs match the reference", flush=True)
@@ -171,6 +187,8 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=0))
+    if args.plans:
+        Path(args.plans).write_text(json.dumps({"plans": dict(sorted(plans.items()))}, indent=0))
     return 0
 
 
