@@ -57,9 +57,13 @@ def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
     if M <= 8:
         return [] if smoke else dm._candidates(M, N, K, fmt, GROUP if fmt == "int4" else 0, torch.bfloat16,
                                                torch.cuda.get_device_properties(0).multi_processor_count)
-    bm = min(64, max(16, triton.next_power_of_2(M)))
+    bm = min(128 if M > 64 else 64, max(16, triton.next_power_of_2(M)))
     if smoke:
         return [dm.Config("mmt", BM=bm, BN=64, BK=64, split=split, stages=2) for split in (1, 2)]
+    if M > 64:  # M = 128-256: one or two row blocks of 128, eight warps for the larger tiles
+        bks = (64, 128)
+        return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3)
+                for bn in (64, 128) for bk in bks for split in (1, 2, 4) for warps in (4, 8)]
     bks = (64, 128) if fmt == "int4" else (128, 256)
     return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=4, stages=3)
             for bn in (64, 128) for bk in bks for split in (1, 2, 4, 8)]
