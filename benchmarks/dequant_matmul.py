@@ -271,6 +271,7 @@ def check_paths(log) -> int:
         "mmt": dm.Config("mmt", BM=16, BN=64, BK=64, split=1, stages=3),
         "mmt-split4": dm.Config("mmt", BM=64, BN=128, BK=128, split=4, stages=3),
         "mmt-split3-bk256": dm.Config("mmt", BM=32, BN=64, BK=256, split=3, stages=3),  # int8 / fp8: K masked
+        "mmt-bm128": dm.Config("mmt", BM=128, BN=128, BK=64, split=2, warps=8, stages=3),
         "cublas": dm.CUBLAS,
     }
     for fmt in ("int8", "int4", "int4-sym-g32", "fp8"):

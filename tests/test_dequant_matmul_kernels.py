@@ -40,6 +40,7 @@ PATHS = {
     "mm-perm": dm.Config("mm", BM=16, BN=16, BK=32, split=2, perm=1),
     "mmt": dm.Config("mmt", BM=16, BN=16, BK=32, split=1),
     "mmt-splitk": dm.Config("mmt", BM=16, BN=16, BK=32, split=2),
+    "mmt-bm128": dm.Config("mmt", BM=128, BN=16, BK=32, split=2, warps=8),
     "cublas": dm.CUBLAS,
 }
 
@@ -253,6 +254,7 @@ def test_gpu_real_sizes_every_path(fmt, group, asym):
              dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=2, stages=3, perm=1),
              dm.Config("mmt", BM=16, BN=64, BK=min(128, group or 128), split=1, stages=3),
              dm.Config("mmt", BM=64, BN=128, BK=min(128, group or 256), split=3, stages=3),
+             dm.Config("mmt", BM=128, BN=128, BK=min(64, group or 64), split=2, warps=8, stages=3),
              dm.CUBLAS]
     for cfg in paths:
         for M, dtype in ((1, torch.bfloat16), (5, torch.float16), (77, torch.bfloat16), (3, torch.float32)):
