@@ -25,8 +25,8 @@ time is per call.
 Prints one line per (format, M, shape): each provider's best hot and cold
 time with its config, and the ratio to gemlite where gemlite is importable.
 ``--plans`` writes each key's fastest config on cold weights in the op's
-plan-file format; the shipped plans of M = 1-64 came from this (commit
-1cf3eea's runs).
+plan-file format; the shipped plans of M = 1-256 on the Llama-3-8B shapes
+came from this (runs at 1cf3eea, 1f50f70 and a2e7909; BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -340,3 +340,25 @@ def test_tuner_timer_waits_for_the_host(monkeypatch):
     assert us == pytest.approx(5.0)
     assert state["sleeps"][0] == 1_000_000 and max(state["sleeps"]) >= 4_000_000
     assert len(state["sleeps"]) >= 5  # at least two rounds thrown away, then three kept
+
+
+@pytest.mark.parametrize("l2_mb,free_mb,expect", [(50, 10_000, 16), (1, 10_000, 6), (50, 1, 1), (0.001, 10_000, 1)])
+def test_tuner_times_a_ring_of_weight_copies_larger_than_the_l2(monkeypatch, l2_mb, free_mb, expect):
+    """The tuner times each config over copies of the weight read in turn, so a
+    weight that fits the L2 is timed as a model reads it, from memory: three
+    L2s' worth of copies, at most 16 and a quarter of the free memory."""
+    class Props:
+        L2_cache_size = int(l2_mb * 2**20)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_mb * 2**20), 0))
+    w = torch.randint(0, 256, (1024, 512), dtype=torch.uint8)  # 0.5 MiB
+    s = torch.rand(1024, 8, dtype=torch.bfloat16)
+    z = torch.rand(1024, 8, dtype=torch.bfloat16)
+    ring = dm._cold_ring(w, s, z)
+    assert len(ring) == expect
+    assert ring[0][0] is w and ring[0][1] is s and ring[0][2] is z
+    for wc, sc, zc in ring[1:]:  # copies: equal values, their own memory
+        assert torch.equal(wc, w) and wc.data_ptr() != w.data_ptr()
+        assert torch.equal(sc, s) and torch.equal(zc, z) and zc.data_ptr() != z.data_ptr()
+    assert dm._cold_ring(w, s, None)[-1][2] is None

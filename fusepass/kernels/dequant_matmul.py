@@ -662,10 +662,10 @@ def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_s
         return CUBLAS
     bm = min(64 if M <= 64 else 128, max(16, _pow2(M)))
     if fmt != "int4" or G % 32 == 0:
-        # The transposed kernel won 31 of the 36 keys of int4, int8 and fp8 at
-        # M = 16-64 swept on the H100 (Llama-3-8B shapes) and 11 of 12 of int4
-        # and int8 at M = 128-256, mostly with these tiles; the split is half
-        # the one that brings the grid to four programs per SM.
+        # The transposed kernel won 26 of the 27 keys of int4, int8 and fp8 at
+        # M = 16-64 swept on the H100 on cold weights (Llama-3-8B shapes) and 16
+        # of 18 at M = 128-256, mostly with these tiles; the split is half the
+        # one that brings the grid to four programs per SM.
         bk = min(128, G) if fmt == "int4" else 128
         return Config("mmt", BM=bm, BN=64, BK=bk, warps=4, stages=3,
                       split=max(1, _auto_split(cdiv(N, 64) * cdiv(M, bm), K, bk, n_sm) // 2))
