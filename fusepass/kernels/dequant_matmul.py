@@ -746,7 +746,7 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
                                warps=4, stages=3))
     elif M <= 256:
         # Row blocks of 128; the winners of the H100 sweep at M = 128-256 (int4
-        # 1.2-2.3x faster than dequantise + cuBLAS, int8 1.1-1.3x than `mm`).
+        # 1.2-2.4x faster than dequantise + cuBLAS, int8 1.1-1.3x than `mm`).
         for bn, warps in ((64, 4), (128, 8)):
             for bk in (64, 128):
                 for split in (1, 2, 4):
