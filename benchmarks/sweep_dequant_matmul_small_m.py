@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -44,13 +43,12 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.dequant_matmul import _gemlite, quantize, weight_bytes  # noqa: E402
+from benchmarks.dequant_matmul import _gemlite, quantize  # noqa: E402
 from fusepass.kernels import dequant_matmul as dm  # noqa: E402
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K)
 GROUP = 128
-COLD_BYTES = 160 << 20  # the ring of weight copies: over three H100 L2s
-MAX_COPIES = 48
+MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 
 def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
@@ -67,10 +65,6 @@ def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
     bks = (64, 128) if fmt == "int4" else (128, 256)
     return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=4, stages=3)
             for bn in (64, 128) for bk in bks for split in (1, 2, 4, 8)]
-
-
-def copies_of(nbytes: int, smoke: bool) -> int:
-    return 1 if smoke else max(2, min(MAX_COPIES, math.ceil(COLD_BYTES / max(1, nbytes))))
 
 
 def main(argv=None) -> int:
@@ -109,10 +103,10 @@ def main(argv=None) -> int:
                 break
             qw = quantize(torch.randn(N, K, device=device) * 0.02, fmt, GROUP)
             q, s, z = qw["weight"], qw["scale"], qw["zero"]
-            n_q = copies_of(weight_bytes(qw), smoke) if cold else 1
-            ring = [(q, s, z)] + [(q.clone(), s.clone(), None if z is None else z.clone()) for _ in range(n_q - 1)]
+            ring = dm._cold_ring(q, s, z, MAX_COPIES) if cold else [(q, s, z)]
+            n_q = len(ring)
             wd = None if smoke else dm.dequantize(q, s, z, fmt, G, torch.bfloat16)
-            n_b = copies_of(wd.numel() * 2, smoke) if cold and wd is not None else 1
+            n_b = dm.cold_copies(wd.numel() * 2, wd.device, MAX_COPIES) if cold else 1
             ring_bf16 = [wd] + [wd.clone() for _ in range(n_b - 1)] if wd is not None else []
             gem = None if smoke or fmt == "fp8" else _gemlite(qw, fmt, device)
             gems = ([gem] + [_gemlite(qw, fmt, device) for _ in range(n_q - 1)]) if gem is not None and cold else [gem]
@@ -120,10 +114,10 @@ def main(argv=None) -> int:
                 x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
                 ref = dm.dequant_matmul_reference(x, q, s, z, None, fmt, G).float()
                 best: dict[str, dict[str, tuple[float, str]]] = {"hot": {}, "cold": {}}
-                configs_by_label: dict[str, dm.Config] = {}
+                win: list = []  # (cold µs, config) of the fastest of the op's configs
 
-                def bench(provider, label, call, n_ring):
-                    """call(i): the provider on copy i of the weight."""
+                def bench(provider, label, call, n_ring, cfg=None):
+                    """call(i): the provider on copy i of the weight; cfg: the op's config it runs."""
                     try:
                         y = call(0)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -143,6 +137,8 @@ def main(argv=None) -> int:
                               f"{str(exc).splitlines()[0][:90]}")
                         return
                     rows.append(dict(fmt=fmt, M=M, N=N, K=K, provider=provider, config=label, **times))
+                    if cfg is not None and "cold" in times and (not win or times["cold"] < win[0]):
+                        win[:] = [times["cold"], cfg]
                     for mode, us in times.items():
                         if provider not in best[mode] or us < best[mode][provider][0]:
                             best[mode][provider] = (us, label)
@@ -152,8 +148,7 @@ def main(argv=None) -> int:
                     plan = dm.dequant_matmul_plan(M, N, K, fmt, GROUP, torch.bfloat16, x.device)
                     cfg = dm._plan(M, N, K, fmt, G, torch.bfloat16, x.device)
                     bench("fusepass-plan", f"{plan} {cfg.label()}",
-                          lambda i: torch.ops.fusepass.dequant_matmul(x, *ring[i], None, fmt, GROUP), n_q)
-                    configs_by_label[f"{plan} {cfg.label()}"] = cfg
+                          lambda i: torch.ops.fusepass.dequant_matmul(x, *ring[i], None, fmt, GROUP), n_q, cfg)
                     if gem is not None:
                         bench(f"gemlite-{fmt}", "", lambda i: gems[i](x), len(gems))
                 for cfg in configs(fmt, M, N, K, smoke):
@@ -164,14 +159,10 @@ def main(argv=None) -> int:
                         dm._launch(x, *ring[i], None, out, fmt, G, cfg)
                         return out
 
-                    bench(cfg.kind, cfg.label(), run, n_q)
-                    configs_by_label[cfg.label()] = cfg
-                timed = [r for r in rows if (r["fmt"], r["M"], r["N"], r["K"]) == (fmt, M, N, K)
-                         and r["config"] in configs_by_label and "cold" in r]
-                if timed:
-                    win = min(timed, key=lambda r: r["cold"])
+                    bench(cfg.kind, cfg.label(), run, n_q, cfg)
+                if win:
                     key = dm.plan_key(M, N, K, fmt, G, torch.bfloat16, torch.device(device))
-                    plans[key] = {**dataclasses.asdict(configs_by_label[win["config"]]), "us": round(win["cold"], 2)}
+                    plans[key] = {**dataclasses.asdict(win[1]), "us": round(win[0], 2)}
                 if smoke:
                     checked = sum(r["fmt"] == fmt and r["M"] == M and r["N"] == N for r in rows)
                     print(f"{fmt} M{M} N{N} K{K}: {checked} configs match the reference", flush=True)

@@ -887,22 +887,28 @@ def _precompile(compile_one, cands: list[Config]) -> None:
         log.info("fusepass: parallel compile of dequant_matmul configs failed: %s", exc)
 
 
-def _cold_ring(weight: Tensor, scale: Tensor, zero: Tensor | None) -> list[tuple[Tensor, Tensor, Tensor | None]]:
-    """The weight and enough copies of it that calls on them in turn read each
-    from memory, not from the L2, as a model's layers do: three L2s' worth, at
-    most 16 copies and a quarter of the free memory.
+def cold_copies(nbytes: int, device: torch.device, limit: int = 16) -> int:
+    """How many copies of ``nbytes`` of weights, called in turn, read each from
+    memory and not from the L2, as a model's layers are read: three L2s' worth,
+    at most ``limit`` and a quarter of the free memory (at least one).
 
     Timed on one weight, a weight that fits the L2 (every int4 and int8 shape
     of Llama-3-8B on an H100, 50 MB) is read from it after the first call, and
     the tuner ranked configs by that: the int4 k/v projection's plan (1024x4096,
     M = 1) ran 8.3 µs on cold weights against 3.9 for the best candidate
     (benchmarks/sweep_dequant_matmul_small_m.py, commit 1cf3eea)."""
+    nbytes = max(1, nbytes)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(limit, cdiv(3 * l2, nbytes), free // 4 // nbytes))
+
+
+def _cold_ring(weight: Tensor, scale: Tensor, zero: Tensor | None,
+               limit: int = 16) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """The weight and its copies, ``cold_copies`` in all."""
     nbytes = sum(t.numel() * t.element_size() for t in (weight, scale, zero) if t is not None)
-    props = torch.cuda.get_device_properties(weight.device)
-    n = min(16, cdiv(3 * getattr(props, "L2_cache_size", 50 << 20), max(1, nbytes)))
-    free, _ = torch.cuda.mem_get_info(weight.device)
-    n = max(1, min(n, free // 4 // max(1, nbytes)))
-    copies = [(weight.clone(), scale.clone(), zero.clone() if zero is not None else None) for _ in range(n - 1)]
+    copies = [(weight.clone(), scale.clone(), zero.clone() if zero is not None else None)
+              for _ in range(cold_copies(nbytes, weight.device, limit) - 1)]
     return [(weight, scale, zero), *copies]
 
 
