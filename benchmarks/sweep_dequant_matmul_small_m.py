@@ -19,7 +19,7 @@ in turn, as a model's layers are (each call reads its weight from HBM); the
 time is per call.
 
     python benchmarks/sweep_dequant_matmul_small_m.py [--formats int4,int8,fp8] [--ms 1,16,64] [--rep 10]
-        [--shapes 4096x4096,14336x4096] [--no-cold] [--json out.json] [--plans plans.json]
+        [--shapes 4096x4096,14336x4096] [--no-cold] [--json out.json] [--plans plans.json] [--both-sums]
     TRITON_INTERPRET=1 python benchmarks/sweep_dequant_matmul_small_m.py --cpu-smoke
 
 Prints one line per (format, M, shape): each provider's best hot and cold
@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--plans", default=None, help="write the fastest config of each key on cold weights here, "
                    "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul_plans.json)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    p.add_argument("--both-sums", action="store_true", help="also time each split-K config with its slices summed "
+                   "by a second kernel (provider <kind>-2k) instead of by each tile's last program")
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
@@ -153,13 +155,16 @@ def main(argv=None) -> int:
                         bench(f"gemlite-{fmt}", "", lambda i: gems[i](x), len(gems))
                 for cfg in configs(fmt, M, N, K, smoke):
                     outs = [torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16) for _ in range(2)]
+                    for sum_here in (True, False) if args.both_sums and cfg.split > 1 else (True,):
+                        def run(i, cfg=cfg, outs=outs, sum_here=sum_here):
+                            out = outs[i % 2]
+                            dm._launch(x, *ring[i], None, out, fmt, G, cfg, sum_here=sum_here)
+                            return out
 
-                    def run(i, cfg=cfg, outs=outs):
-                        out = outs[i % 2]
-                        dm._launch(x, *ring[i], None, out, fmt, G, cfg)
-                        return out
-
-                    bench(cfg.kind, cfg.label(), run, n_q, cfg)
+                        if sum_here:
+                            bench(cfg.kind, cfg.label(), run, n_q, cfg)
+                        else:  # the split summed by a second kernel, as before the in-kernel sum
+                            bench(cfg.kind + "-2k", cfg.label() + "-2k", run, n_q)
                 if win:
                     key = dm.plan_key(M, N, K, fmt, G, torch.bfloat16, torch.device(device))
                     plans[key] = {**dataclasses.asdict(win[1]), "us": round(win[0], 2)}

@@ -151,12 +151,44 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
+def _finish(acc, out, part, p_b, m_b, ctr, o_o, m_o, i_s, n_split, M, N,
+            HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr):
+    """Store one program's fp32 tile ``acc`` (offsets ``o_o`` into out [M, N],
+    mask ``m_o``; bias at ``p_b``, mask ``m_b``, broadcast against it).
+
+    Whole K: the result, cast to out's dtype.  A slice of K (PARTIAL): the
+    partial sum into ``part`` [n_split, M, N]; then, with SUM_HERE, the tile's
+    last program to arrive (its count at ``ctr``) sums the slices in slice
+    order, whichever program that is, and stores the result: no second kernel.
+    The count is released after a barrier, so every thread's partial is in
+    memory before it (the pattern of CUTLASS's split-K semaphore); the last
+    program reads the slices from L2 (.cg), not from a stale L1, and sets the
+    count back to zero for the next launch."""
+    if PARTIAL:
+        tl.store(part + i_s.to(tl.int64) * M * N + o_o, acc, mask=m_o)
+        if SUM_HERE:
+            tl.debug_barrier()
+            if tl.atomic_add(ctr, 1) == n_split - 1:  # acq_rel, gpu scope; one thread, broadcast
+                acc = tl.load(part + o_o, mask=m_o, other=0, cache_modifier=".cg")
+                for s in range(1, n_split):
+                    acc += tl.load(part + (s * M).to(tl.int64) * N + o_o, mask=m_o, other=0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(p_b, mask=m_b, other=0).to(tl.float32)
+                tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
+                tl.atomic_xchg(ctr, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(p_b, mask=m_b, other=0).to(tl.float32)
+        tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
 def _dequant_gemv_kernel(
-    x, x2, w, scale, zero, bias, out, part,
+    x, x2, w, scale, zero, bias, out, part, ctr,
     M, N, K, K_SPLIT,
     stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+    PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT).
@@ -268,21 +300,17 @@ def _dequant_gemv_kernel(
         acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
 
     m_o = (o_m[:, None] < M) & m_n[None, :]
-    if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(bias + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
-        tl.store(out + o_m[:, None] * N + o_n[None, :], acc.to(out.dtype.element_ty), mask=m_o)
-    else:
-        tl.store(part + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :], acc, mask=m_o)
+    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
+            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
 
 
 @triton.jit
 def _dequant_mm_kernel(
-    x, w, scale, zero, bias, out, part,
+    x, w, scale, zero, bias, out, part, ctr,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
     PERM: tl.constexpr,
 ):
@@ -383,21 +411,17 @@ def _dequant_mm_kernel(
 
     m_o = m_m[:, None] & m_n[None, :]
     o_o = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-    if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(bias + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
-        tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
-    else:
-        tl.store(part + i_s.to(tl.int64) * M * N + o_o, acc, mask=m_o)
+    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_mn, o_o, m_o,
+            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
 
 
 @triton.jit
 def _dequant_mmt_kernel(
-    x, w, scale, zero, bias, out, part,
+    x, w, scale, zero, bias, out, part, ctr,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-    EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # Small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
     # The dequantised weight tile is the dot's A operand, used from registers,
@@ -453,12 +477,8 @@ def _dequant_mmt_kernel(
         acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
     m_o = m_n[:, None] & m_m[None, :]
     o_o = o_m.to(tl.int64)[None, :] * N + o_n[:, None]
-    if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(bias + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
-        tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
-    else:
-        tl.store(part + i_s.to(tl.int64) * M * N + o_o, acc, mask=m_o)
+    _finish(acc, out, part, bias + o_n[:, None], m_n[:, None], ctr + i_n * tl.num_programs(1) + i_m, o_o, m_o,
+            i_s, tl.num_programs(2), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
 
 
 @triton.jit
@@ -568,6 +588,55 @@ def _workspace(split: int, M: int, N: int, like: Tensor) -> Tensor:
     return torch.empty((split, M, N), dtype=torch.float32, device=like.device)
 
 
+# -- split-K counters -------------------------------------------------------------
+#
+# With K split over several programs per output tile, the tile's last program
+# to arrive sums the slices (_finish), counting arrivals in an int32 per tile
+# that must read zero when the launch starts and that the last program sets
+# back to zero.  A launch gets counters no other launch can be using at the
+# same time: eager launches one region per CUDA stream (launches on a stream
+# run one after another); launches captured into a CUDA graph a region of
+# their own for the graph's whole life, taken from a pool zeroed before any
+# capture (a capture cannot zero memory without putting the zeroing into
+# every replay).  Where none can be had (a capture before any eager launch on
+# the device, the pool used up, more tiles than a region), the slices are
+# summed by a second kernel as before: same result, one launch more.
+
+_STREAM_COUNTERS = 1 << 14  # per stream, for eager launches
+_CAPTURE_COUNTERS = 1 << 20  # per device, for captured launches (4 MB)
+_counters_lock = threading.Lock()
+_stream_counters: dict[tuple[int, int], Tensor] = {}
+_capture_pools: dict[int, list] = {}  # device index -> [pool, next free counter]
+
+
+def _split_counters(device: torch.device, tiles: int) -> Tensor | None:
+    """``tiles`` zeroed counters for one split-K launch on the current stream, or None."""
+    if device.type != "cuda":  # the interpreter runs programs one after another
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _counters_lock:
+        if torch.cuda.is_current_stream_capturing():
+            pool = _capture_pools.get(index)
+            if pool is None or pool[1] + tiles > pool[0].numel():
+                log.info("fusepass: dequant_matmul split-K in a CUDA graph without free counters; "
+                         "its slices are summed by a second kernel")
+                return None
+            start = pool[1]
+            pool[1] += tiles
+            return pool[0][start:start + tiles]
+        if tiles > _STREAM_COUNTERS:
+            return None
+        if index not in _capture_pools:
+            _capture_pools[index] = [torch.zeros(_CAPTURE_COUNTERS, dtype=torch.int32, device=device), 0]
+            torch.cuda.synchronize(device)  # zero before a graph replays on any stream
+        stream = torch.cuda.current_stream(device)
+        key = (index, stream.cuda_stream)
+        ctr = _stream_counters.get(key)
+        if ctr is None:  # zeroed on this stream, ahead of the launches that use it
+            ctr = _stream_counters[key] = torch.zeros(_STREAM_COUNTERS, dtype=torch.int32, device=device)
+        return ctr[:tiles]
+
+
 def _run(kernel, grid, warmup: bool, *args, **meta) -> None:
     if warmup:  # compile only (the tuner compiles its candidates in parallel first)
         kernel.warmup(*args, grid=grid, **meta)
@@ -585,9 +654,11 @@ def _pairs(x: Tensor) -> Tensor:
 
 
 def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
-            fmt: str, G: int, cfg: Config, warmup: bool = False) -> None:
+            fmt: str, G: int, cfg: Config, warmup: bool = False, sum_here: bool = True) -> None:
     """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``; all operands as the op checked them,
-    x and w with unit column stride, scale / zero / bias contiguous."""
+    x and w with unit column stride, scale / zero / bias contiguous.  A split K is
+    summed by the tile's last program where counters can be had and ``sum_here``
+    (the default), else by a second kernel."""
     M, K = x.shape
     N = w.shape[0]
     if fmt == "fp8":  # loaded as bytes (a masked load's fill value cannot be cast to fp8) and bitcast
@@ -607,11 +678,16 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         return
     k_split, split, even = _k_split(K, cfg.BK, cfg.split)
     part = _workspace(split, M, N, x) if split > 1 else out
+    tiles = cdiv(N, cfg.BN) * (1 if cfg.kind == "gemv" else cdiv(M, cfg.BM))
+    ctr = None
+    if split > 1 and sum_here:  # (a compile-only warmup needs only the pointer's type)
+        ctr = torch.empty(0, dtype=torch.int32, device=x.device) if warmup else _split_counters(x.device, tiles)
     operands = (w, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
-                M, N, K, k_split)
+                ctr if ctr is not None else part, M, N, K, k_split)
     w_strides = (w.stride(0), scale.stride(0) if fmt == "int4" else 1)
     meta = dict(FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-                EVEN_K=even, BN=cfg.BN, BK=cfg.BK, num_warps=cfg.warps, num_stages=cfg.stages)
+                SUM_HERE=ctr is not None, EVEN_K=even,
+                BN=cfg.BN, BK=cfg.BK, num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.kind == "gemv":
         # int4 reads x as value pairs; its PTX nibble path wants 4-byte chunks within a group (G >= 8).
         xp = _pairs(x) if fmt == "int4" else x
@@ -625,7 +701,7 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split)
         _run(_dequant_mm_kernel, grid, warmup, x, *operands, x.stride(0), *w_strides, BM=cfg.BM, GROUP_M=_GROUP_M,
              DOT_F32=x.dtype == torch.float32 or not x.is_cuda, PERM=bool(cfg.perm) and fmt == "int4", **meta)
-    if split > 1:
+    if split > 1 and not meta["SUM_HERE"]:
         block = 1024
         _run(_splitk_reduce_kernel, (cdiv(M * N, block),), warmup,
              part, bias if bias is not None else part, out, M, N, split, HAS_BIAS=bias is not None, BLOCK=block,
@@ -689,21 +765,29 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         per_byte = 2 if fmt == "int4" else 1
         bm = _pow2(M)
         shapes = ((8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (2, 1024, 4),
-                  (2, 512, 4), (1, 1024, 4))
+                  (2, 512, 4), (1, 1024, 4),
+                  # Deeper tiles: more bytes in flight per thread (64-128 against 16-32),
+                  # for shapes too small to fill the SMs with resident warps otherwise
+                  # (at M = 1 the int8 k/v projection, 1024x4096, ran at 0.84 TB/s).
+                  (4, 2048, 8), (2, 2048, 4), (8, 2048, 8), (4, 4096, 8), (2, 4096, 4))
         if fmt == "int4":
             # One 4-byte chunk per thread per row (128 bytes per warp): a tile
             # of 128 * warps bytes keeps every thread on its own columns with
-            # all BN rows in its registers (the kernel's comment says why).
-            shapes = tuple((bn, 128 * warps, warps) for bn, warps in
-                           ((8, 4), (4, 4), (16, 4), (8, 8), (4, 8), (16, 8), (8, 2), (4, 2), (2, 4)))
+            # all BN rows in its registers (the kernel's comment says why);
+            # two chunks per thread per row (256 * warps) for more bytes in flight.
+            shapes = tuple((bn, chunks * 128 * warps, warps) for bn, warps, chunks in
+                           ((8, 4, 1), (4, 4, 1), (16, 4, 1), (8, 8, 1), (4, 8, 1), (16, 8, 1), (8, 2, 1), (4, 2, 1),
+                            (2, 4, 1), (8, 4, 2), (4, 4, 2), (4, 8, 2), (8, 8, 2)))
         for bn, kbytes, warps in shapes:
             bk = max(kbytes * per_byte, G if fmt == "int4" else 1)
+            if K % bk and bk > 1024:  # a deep tile only where it divides K (a masked K breaks the 16-byte loads)
+                continue
             # int8 / fp8 keep a [BM, BN, BK] fp32 sum: at most 64 registers per thread.
             if fmt != "int4" and bm * bn * bk > 64 * 32 * warps:
                 continue
             if fmt == "int4" and bm * bn > 64:  # [BM, BN] sums per thread
                 continue
-            if M == 1 and bn < 4:
+            if M == 1 and bn < 4 and kbytes < 2048:
                 continue
             auto = _auto_split(cdiv(N, bn), K, bk, n_sm)
             for split in sorted({1, auto}):
