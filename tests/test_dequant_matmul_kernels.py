@@ -127,6 +127,20 @@ def test_gemv_non_finite_activation_like_the_dequantised_matmul(fid):
     torch.testing.assert_close(out, ref, equal_nan=True)
 
 
+@pytest.mark.parametrize("path", ["gemv", "mmt", "mm-splitk", "cublas"])
+@pytest.mark.parametrize("zdtype", [torch.float32, torch.bfloat16])
+def test_int4_fractional_zero_points(path, zdtype):
+    """Zero points that are not integers (HQQ-style float zeros), fp32 or 16-bit
+    beside bf16 x: each path subtracts them as the reference does, q - z in fp32
+    rounded once, however it builds q."""
+    x, w, s, _, b = _inputs(5, 24, 128, "int4", 32, False, torch.bfloat16)
+    z = (torch.rand(24, 4, generator=torch.Generator().manual_seed(3)) * 15 + 1 / 3).to(zdtype)
+    cfg = PATHS[path]
+    if cfg.kind == "gemv":
+        x = x[:3]
+    _assert_close(_run(x, w, s, z, b, "int4", 32, cfg), x, w, s, z, b, "int4", 32)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_k_not_a_multiple_of_the_tile(fmt):
     # K = 96: int8 tiles of 64 leave a masked half tile; int4 g32 has 3 groups.
