@@ -13,7 +13,7 @@ reference first:
 - ``triton-bf16``: ``swap`` on the bf16 weight: what Triton's dot reaches with
   no dequantisation at all, the ceiling of the fused kernels here.
 
-    python benchmarks/sweep_dequant_matmul_large_m.py [--ms 1024,4096] [--layouts]
+    python benchmarks/sweep_dequant_matmul_large_m.py [--ms 1024,4096]
 
 Prints one line per (shape, M): each provider's best config as a ratio of
 bf16 cuBLAS's time.  Needs a GPU with TMA (Hopper or later) for ``tma``.
@@ -90,64 +90,11 @@ def _swap_tma_kernel(x, w, scale, out, M, N, K, stride_xm, stride_wn,
                  mask=m_n[:, None] & (o_m < M)[None, :])
 
 
-def layouts(ms, rep: int) -> None:
-    """The dequantise + cuBLAS path with the weight written [N, K] (an NT
-    product, x @ W^T) and [K, N] (NN), against cuBLAS bf16 both ways and
-    Inductor's int8 dequant form, each checked against fp32 first."""
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    for N, K in SHAPES:
-        q8 = torch.randint(-128, 128, (N, K), dtype=torch.int8, device="cuda")
-        s8 = (torch.rand(N, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
-        q4 = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda")
-        s4 = (torch.rand(N, K // 128, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
-        z4 = torch.full_like(s4, 8.0)
-        w8 = dm.dequantize(q8, s8, None, "int8", 0)
-        w4 = dm.dequantize(q4, s4, z4, "int4", 128)
-        wd = w8.to(torch.bfloat16)
-        wdt = wd.t().contiguous()
-        torch._dynamo.reset()
-        inductor = torch.compile(lambda x, q, s: x @ (q.to(torch.bfloat16) * s[:, None]).t())
-        for M in ms:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-
-            def op(fmt, nn):
-                def call():
-                    dm._CUBLAS_NN = nn
-                    try:
-                        if fmt == "int8":
-                            dm._launch(x, q8, s8, None, None, out, "int8", 0, dm.CUBLAS)
-                        else:
-                            dm._launch(x, q4, s4, z4, None, out, "int4", 128, dm.CUBLAS)
-                    finally:
-                        dm._CUBLAS_NN = False
-                    return out
-                return call
-
-            cells = []
-            for name, fn, w in (("cublas-bf16-nt", lambda: x @ wd.t(), w8), ("cublas-bf16-nn", lambda: x @ wdt, w8),
-                                ("int8-nt", op("int8", False), w8), ("int8-nn", op("int8", True), w8),
-                                ("inductor-int8", lambda: inductor(x, q8, s8), w8),
-                                ("int4-nt", op("int4", False), w4), ("int4-nn", op("int4", True), w4)):
-                want = x.float() @ w.t()
-                err = ((fn().float() - want).abs().max() / want.abs().max()).item()
-                if not err <= 2e-2:
-                    cells.append(f"{name} error {err:.1e}")
-                    continue
-                cells.append(f"{name} {triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3:.1f}")
-            print(f"M{M} N{N} K{K}: " + "; ".join(cells), flush=True)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="1024,4096")
     p.add_argument("--rep", type=int, default=20)
-    p.add_argument("--layouts", action="store_true", help="only the dequantise + cuBLAS path, weight [N, K] against "
-                   "[K, N], with cuBLAS bf16 both ways and Inductor's int8 dequant form")
     args = p.parse_args(argv)
-    if args.layouts:
-        layouts([int(v) for v in args.ms.split(",")], args.rep)
-        return 0
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")

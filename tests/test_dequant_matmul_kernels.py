@@ -210,7 +210,7 @@ def _op(*args):
 
 @pytest.mark.parametrize("M", [0, 1, 5, 17])
 def test_op_leading_dims_and_heuristic_plan(M):
-    # The plan on a non-CUDA device is the heuristic: GEMV up to M = 8, tensor cores above.
+    # The plan on a non-CUDA device is the heuristic: GEMV at M <= 2 (int4; M <= 8 otherwise), tensor cores above.
     x, w, s, z, b = _inputs(M, 24, 128, "int4", 32, True, torch.bfloat16, lead=(2,))
     out = _op(x, w, s, z, b, "int4", 32)
     assert out.shape == (2, M, 24)

@@ -422,7 +422,6 @@ def _dequant_mmt_kernel(
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-    ASM: tl.constexpr,
 ):
     # Small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
     # The dequantised weight tile is the dot's A operand, used from registers,
@@ -450,24 +449,15 @@ def _dequant_mmt_kernel(
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     for k0 in range(k_lo, k_hi, BK):
         if FMT == "int4":
-            # Nibbles to fp32 128 + q with no int-to-float conversion (_nibbles_128:
-            # one PRMT per value on the GPU, where I2F issues at a quarter of the
-            # FP32 rate and bound this loop), then (128 + q) - (128 + z) = q - z
-            # exactly and one rounding of (q - z) * s, as the reference does.
             b_q = tl.load(p_w + (k0 // 2 + o_kp)[None, :], mask=m_n[:, None], other=0)  # [BN, BK / 2] bytes
             b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
-            b_lo, b_hi = _nibbles_128(b_q, ASM)
-            if HAS_ZERO and zero.dtype.element_ty == tl.float32:  # any fp32 z: q, then q - z rounded once
-                b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0)[:, None]
-                b_lo = (((b_lo - 128.0) - b_z) * b_s).to(dt)
-                b_hi = (((b_hi - 128.0) - b_z) * b_s).to(dt)
-            else:  # 128 + z is exact for every 16-bit z that is a multiple of 2**-16
-                if HAS_ZERO:
-                    b_c = 128.0 + tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
-                else:
-                    b_c = 136.0
-                b_lo = ((b_lo - b_c) * b_s).to(dt)
-                b_hi = ((b_hi - b_c) * b_s).to(dt)
+            if HAS_ZERO:
+                b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+            else:
+                b_z = 8.0
+            b_zs = b_z * b_s
+            b_lo = ((b_q & 0xF).to(tl.float32) * b_s - b_zs).to(dt)
+            b_hi = ((b_q >> 4).to(tl.float32) * b_s - b_zs).to(dt)
             b_w = tl.reshape(tl.join(b_lo, b_hi), [BN, BK])  # column 2j + t: byte j's nibble t
             b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :], other=0)  # [BK, BM]
         else:
@@ -505,20 +495,13 @@ def _splitk_reduce_kernel(part, bias, out, M, N, SPLIT, HAS_BIAS: tl.constexpr, 
 
 @triton.jit
 def _dequant_kernel(w, scale, zero, out, N, K, stride_wn, stride_sn,
-                    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    TRANS: tl.constexpr):
-    # The weight in out's dtype for the cuBLAS path: [N, K], or with TRANS
-    # [K, N] (the tile stored transposed).  int4: BK divides G.
+                    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # [N, K] weight in out's dtype, for the cuBLAS path.  int4: BK divides G.
     i_n, i_k = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
     k0 = i_k * BK
-    if TRANS:
-        p_o = out + o_n[:, None]  # + k * N below
-        s_k = N
-    else:
-        p_o = out + o_n.to(tl.int64)[:, None] * K
-        s_k = 1
+    p_o = out + o_n.to(tl.int64)[:, None] * K
     if FMT == "int4":
         BKP: tl.constexpr = BK // 2
         o_kp = tl.arange(0, BKP)
@@ -537,8 +520,7 @@ def _dequant_kernel(w, scale, zero, out, N, K, stride_wn, stride_sn,
         # Inductor's dequant form took 45, H100).
         b_w = tl.reshape(tl.join((b_lo - b_z) * b_s, (b_hi - b_z) * b_s), (BN, BK))
         o_k = k0 + tl.arange(0, BK)
-        tl.store(p_o + o_k.to(tl.int64)[None, :] * s_k, b_w.to(out.dtype.element_ty),
-                 mask=m_n[:, None] & (o_k < K)[None, :])
+        tl.store(p_o + o_k[None, :], b_w.to(out.dtype.element_ty), mask=m_n[:, None] & (o_k < K)[None, :])
     else:
         o_k = k0 + tl.arange(0, BK)
         m = m_n[:, None] & (o_k < K)[None, :]
@@ -548,7 +530,7 @@ def _dequant_kernel(w, scale, zero, out, N, K, stride_wn, stride_sn,
         else:
             b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         b_w *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
-        tl.store(p_o + o_k.to(tl.int64)[None, :] * s_k, b_w.to(out.dtype.element_ty), mask=m)
+        tl.store(p_o + o_k[None, :], b_w.to(out.dtype.element_ty), mask=m)
 
 
 # ----------------------------------------------------------------- launch ----
@@ -577,7 +559,6 @@ class Config:
 
 
 CUBLAS = Config("cublas")
-_CUBLAS_NN = False  # the cuBLAS path's weight written [K, N] (x @ W^T as an NN product) rather than [N, K]
 # M buckets of the plan table: a plan measured at the bucket's M serves every
 # M in (bucket / 2, bucket]; above the last one, M itself is the key.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -683,22 +664,17 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     if fmt == "fp8":  # loaded as bytes (a masked load's fill value cannot be cast to fp8) and bitcast
         w = w.view(torch.uint8)
     if cfg.kind == "cublas":
-        trans = _CUBLAS_NN
-        wd = torch.empty((K, N) if trans else (N, K), dtype=x.dtype, device=x.device)
-        if trans:
-            bn, bk = (64, min(G, 64)) if fmt == "int4" else (64, 64)
-        else:
-            bn, bk = (32, min(G, 256)) if fmt == "int4" else (16, 256)
+        wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
+        bn, bk = (32, min(G, 256)) if fmt == "int4" else (16, 256)
         _run(_dequant_kernel, (cdiv(N, bn), cdiv(K, bk)), warmup,
              w, scale, zero if zero is not None else scale, wd, N, K, w.stride(0), scale.stride(0),
-             FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, BN=bn, BK=bk, TRANS=trans, num_warps=4)
+             FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, BN=bn, BK=bk, num_warps=4)
         if warmup:
             return
-        wt = wd if trans else wd.t()
         if bias is None:
-            torch.mm(x, wt, out=out)
+            torch.mm(x, wd.t(), out=out)
         else:
-            torch.addmm(bias.to(x.dtype), x, wt, out=out)
+            torch.addmm(bias.to(x.dtype), x, wd.t(), out=out)
         return
     k_split, split, even = _k_split(K, cfg.BK, cfg.split)
     part = _workspace(split, M, N, x) if split > 1 else out
@@ -720,8 +696,7 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
              *w_strides, BM=_pow2(M), ASM=asm, **meta)
     elif cfg.kind == "mmt":
         _run(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split), warmup, x, *operands, x.stride(0),
-             *w_strides, BM=cfg.BM, DOT_F32=x.dtype == torch.float32 or not x.is_cuda,
-             ASM=x.is_cuda and not interpreting(), **meta)
+             *w_strides, BM=cfg.BM, DOT_F32=x.dtype == torch.float32 or not x.is_cuda, **meta)
     else:
         grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split)
         _run(_dequant_mm_kernel, grid, warmup, x, *operands, x.stride(0), *w_strides, BM=cfg.BM, GROUP_M=_GROUP_M,
@@ -754,6 +729,11 @@ def _auto_split(programs: int, K: int, BK: int, n_sm: int) -> int:
 
 def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_sm: int) -> Config:
     """The plan when there is no measured one (no table entry, tuning off, CUDA-graph capture, the interpreter)."""
+    if M > 2 and fmt == "int4" and G % 32 == 0 and dtype != torch.float32:
+        # int4 at M = 4-8: the transposed kernel (rows padded to 16) ran 0.67-0.90x
+        # the GEMV's time on Llama-3-8B's large shapes, cold (H100, 33abe0c).
+        return Config("mmt", BM=16, BN=64, BK=min(128, G), warps=4, stages=3,
+                      split=_auto_split(cdiv(N, 64), K, min(128, G), n_sm))
     if M <= _GEMV_MAX_M:
         bk = 1024 if fmt == "int4" else 512
         bk = max(bk, G) if fmt == "int4" else bk
