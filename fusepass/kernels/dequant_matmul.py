@@ -729,11 +729,13 @@ def _auto_split(programs: int, K: int, BK: int, n_sm: int) -> int:
 
 def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_sm: int) -> Config:
     """The plan when there is no measured one (no table entry, tuning off, CUDA-graph capture, the interpreter)."""
-    if M > 2 and fmt == "int4" and G % 32 == 0 and dtype != torch.float32:
-        # int4 at M = 4-8: the transposed kernel (rows padded to 16) ran 0.67-0.90x
-        # the GEMV's time on Llama-3-8B's large shapes, cold (H100, 33abe0c).
-        return Config("mmt", BM=16, BN=64, BK=min(128, G), warps=4, stages=3,
-                      split=_auto_split(cdiv(N, 64), K, min(128, G), n_sm))
+    if M > (2 if fmt == "int4" else 1) and N >= 2048 and (fmt != "int4" or G % 32 == 0) and dtype != torch.float32:
+        # A few rows on a large weight: the transposed kernel (rows padded to 16)
+        # ran 0.67-0.90x the GEMV's time, cold, at int4 M = 4-8 and int8 / fp8
+        # M = 2-8 on Llama-3-8B's 4096- and 14336-row shapes (H100, 33abe0c and
+        # 0e2b217); the GEMV kept int4 M = 2 and the 1024-row shape.
+        bk = min(128, G) if fmt == "int4" else 128
+        return Config("mmt", BM=16, BN=64, BK=bk, warps=4, stages=3, split=_auto_split(cdiv(N, 64), K, bk, n_sm))
     if M <= _GEMV_MAX_M:
         bk = 1024 if fmt == "int4" else 512
         bk = max(bk, G) if fmt == "int4" else bk
