@@ -413,6 +413,31 @@ def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(cfg):
 
 
 @pytest.mark.gpu
+def test_gpu_split_k_in_torch_compile_cuda_graphs(monkeypatch):
+    """torch.compile's CUDA graphs (mode="reduce-overhead") run their warm-up
+    calls with every allocation of the thread sent to the graphs' memory pool,
+    and refuse a tensor left alive there.  The split-K counters outlive the
+    call, so they are allocated elsewhere: here for the first time inside such
+    a warm-up.  (Before, Llama-3-8B at batch 8 failed in generate with "tensor(s)
+    in the cudagraph pool not tracked as outputs".)"""
+    cfg = dm.Config("mmt", BM=16, BN=64, BK=128, split=8, stages=3)
+    monkeypatch.setattr(dm, "_plan", lambda *a, **k: cfg)
+    monkeypatch.setattr(dm, "_stream_counters", {})
+    monkeypatch.setattr(dm, "_capture_pools", {})
+    torch._dynamo.reset()
+    _, w, s, _, b = (t.cuda() if t is not None else None
+                     for t in _inputs(8, 4096, 4096, "int8", 0, False, torch.bfloat16, seed=7))
+    fn = torch.compile(lambda x: torch.ops.fusepass.dequant_matmul(x, w, s, None, b, "int8", 0) * 2,
+                       mode="reduce-overhead")
+    for seed in range(4):
+        x = _inputs(8, 4096, 4096, "int8", 0, False, torch.bfloat16, seed=seed)[0].cuda()
+        out = fn(x).clone()
+        _assert_close(out / 2, x, w, s, None, b, "int8", 0)
+    assert dm._capture_pools and dm._stream_counters  # the counters were in use
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fid", ["int4-g32", "int4-g64-sym", "int4-g128"])
 def test_gpu_int4_gemv_non_finite_and_odd_row_stride(fid):
     """The GPU's int4 GEMV builds its floats with inline PTX (the interpreter

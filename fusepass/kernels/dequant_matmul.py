@@ -601,12 +601,41 @@ def _workspace(split: int, M: int, N: int, like: Tensor) -> Tensor:
 # every replay).  Where none can be had (a capture before any eager launch on
 # the device, the pool used up, more tiles than a region), the slices are
 # summed by a second kernel as before: same result, one launch more.
+#
+# The counters live as long as the process, so they must not come from a
+# CUDA-graph memory pool: torch.compile's CUDA graphs run their warm-up calls
+# eagerly with every allocation of the calling thread sent to the graphs' pool,
+# and a tensor that outlives the call there fails their check ("tensor(s) in
+# the cudagraph pool not tracked as outputs"; Llama-3-8B at batch 8 through
+# generate, H100, 9ec0c5a).  So they are allocated and zeroed on a thread of
+# their own, whose allocations go to the ordinary pool, which is waited for.
 
 _STREAM_COUNTERS = 1 << 14  # per stream, for eager launches
 _CAPTURE_COUNTERS = 1 << 20  # per device, for captured launches (4 MB)
 _counters_lock = threading.Lock()
 _stream_counters: dict[tuple[int, int], Tensor] = {}
 _capture_pools: dict[int, list] = {}  # device index -> [pool, next free counter]
+
+
+def _zeros_outside_graph_pools(n: int, device: torch.device) -> Tensor:
+    """``n`` zeroed int32 on ``device``, allocated outside any CUDA-graph memory pool."""
+    box: list = []
+
+    def alloc() -> None:
+        try:
+            with torch.cuda.device(device):
+                t = torch.zeros(n, dtype=torch.int32, device=device)
+                torch.cuda.current_stream(device).synchronize()
+            box.append(t)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the calling thread
+            box.append(exc)
+
+    thread = threading.Thread(target=alloc, name="fusepass-split-counters")
+    thread.start()
+    thread.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 def _split_counters(device: torch.device, tiles: int) -> Tensor | None:
@@ -626,14 +655,13 @@ def _split_counters(device: torch.device, tiles: int) -> Tensor | None:
             return pool[0][start:start + tiles]
         if tiles > _STREAM_COUNTERS:
             return None
+        dev = torch.device("cuda", index)
         if index not in _capture_pools:
-            _capture_pools[index] = [torch.zeros(_CAPTURE_COUNTERS, dtype=torch.int32, device=device), 0]
-            torch.cuda.synchronize(device)  # zero before a graph replays on any stream
-        stream = torch.cuda.current_stream(device)
-        key = (index, stream.cuda_stream)
+            _capture_pools[index] = [_zeros_outside_graph_pools(_CAPTURE_COUNTERS, dev), 0]
+        key = (index, torch.cuda.current_stream(dev).cuda_stream)
         ctr = _stream_counters.get(key)
-        if ctr is None:  # zeroed on this stream, ahead of the launches that use it
-            ctr = _stream_counters[key] = torch.zeros(_STREAM_COUNTERS, dtype=torch.int32, device=device)
+        if ctr is None:
+            ctr = _stream_counters[key] = _zeros_outside_graph_pools(_STREAM_COUNTERS, dev)
         return ctr[:tiles]
 
 
