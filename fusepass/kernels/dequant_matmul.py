@@ -18,21 +18,26 @@ The product accumulates in fp32 with the scale applied to the fp32 result
 source forms the rules match: scale before the matmul (``x @ (q * s).T``) and
 after (``(x @ q.T) * s``).
 
-Three ways to run it on CUDA, chosen per (GPU, format, group, M bucket, N, K)
+Four ways to run it on CUDA, chosen per (GPU, format, group, M bucket, N, K)
 by timing them once (``dequant_matmul_plan``):
 
-- ``gemv``: M <= 8.  A weight stream: each program owns BN output rows and a
-  slice of K (split-K fills the SMs when N / BN is small), loads the weight
+- ``gemv``: one row (two for int4, a few on small weights).  A weight
+  stream: each program owns BN output rows and a slice of K, loads the weight
   tile once, dequantises in registers and multiplies it into every row of x
-  with fp32 FMAs.  Partial sums of a split go to an fp32 workspace that a
-  second small kernel sums, adds the bias to and casts.
-- ``mm``: M up to a few hundred.  Tensor cores: the weight tile is
-  dequantised to x's dtype in the main loop and fed to ``tl.dot``.
+  with fp32 FMAs.
+- ``mmt``: from two rows to a few hundred.  Tensor cores on the product
+  transposed, out^T = W x^T: the dequantised weight tile is the dot's A
+  operand, x^T (rows padded to 16) the B operand.
+- ``mm``: the same with x as the A operand, where it measured faster.
 - ``cublas``: large M, where the product is compute-bound: one Triton pass
   writes the dequantised weight in x's dtype, then ``torch.mm``.  Fused
   tensor-core kernels measured slower there on an H100 (1.24-2.1x cuBLAS's
   time at M = 1024-4096, against 1.03-1.33x for this; Triton's own bf16 dot
   reached 1.16-1.39x): ``benchmarks/sweep_dequant_matmul_large_m.py``.
+
+Where N alone gives too few programs to fill the SMs, K is split over
+several (split-K); each tile's last program to arrive sums the slices, so a
+split costs no second launch (``_finish`` and the counters in the launcher).
 
 The op receives the user's weight on every call (a functional op cannot keep
 a repacked copy), so every kernel reads the layouts above as they are.
@@ -802,8 +807,9 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
         shapes = ((8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (2, 1024, 4),
                   (2, 512, 4), (1, 1024, 4),
                   # Deeper tiles: more bytes in flight per thread (64-128 against 16-32),
-                  # for shapes too small to fill the SMs with resident warps otherwise
-                  # (at M = 1 the int8 k/v projection, 1024x4096, ran at 0.84 TB/s).
+                  # for shapes too small to fill the SMs with resident warps otherwise:
+                  # at M = 1 the int8 k/v projection (1024x4096) 4.2 µs against 5.0,
+                  # 4096x14336 22.9 against 24.0 (H100, cold, 3c79310).
                   (4, 2048, 8), (2, 2048, 4), (8, 2048, 8), (4, 4096, 8), (2, 4096, 4))
         if fmt == "int4":
             # One 4-byte chunk per thread per row (128 bytes per warp): a tile
