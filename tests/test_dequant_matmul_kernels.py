@@ -157,9 +157,23 @@ def test_k_not_a_multiple_of_the_tile(fmt):
 SPLIT_PATHS = {k: v for k, v in PATHS.items() if v.split > 1}
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernels the launcher runs, in order."""
+    kernels = []
+    real_run = dm._run
+
+    def run(kernel, *a, **k):
+        kernels.append(kernel)
+        return real_run(kernel, *a, **k)
+
+    monkeypatch.setattr(dm, "_run", run)
+    return kernels
+
+
 @pytest.mark.parametrize("sum_here", [True, False], ids=["last-program-sums", "second-kernel"])
 @pytest.mark.parametrize("path", list(SPLIT_PATHS))
-def test_split_k_sums_in_the_kernel_or_a_second_one(monkeypatch, path, sum_here):
+def test_split_k_sums_in_the_kernel_or_a_second_one(monkeypatch, launched, path, sum_here):
     """Split K: the tile's last program sums the slices, counting arrivals in
     counters it leaves at zero for the next launch (two launches in a row on
     the same counters here, the second on other inputs), and no second kernel
@@ -172,10 +186,7 @@ def test_split_k_sums_in_the_kernel_or_a_second_one(monkeypatch, path, sum_here)
         handed.append(tiles)
         return counters[:tiles]
 
-    launched = []
-    real_run = dm._run
     monkeypatch.setattr(dm, "_split_counters", fake_counters)
-    monkeypatch.setattr(dm, "_run", lambda kernel, *a, **k: (launched.append(kernel), real_run(kernel, *a, **k)))
     fmt, group, asym = FORMATS["int4-g32"] if cfg.kind != "mmt" else FORMATS["int8"]
     K = 384 if cfg.split == 3 else 128
     for seed in (0, 1):
@@ -190,11 +201,8 @@ def test_split_k_sums_in_the_kernel_or_a_second_one(monkeypatch, path, sum_here)
     assert not handed or handed[0] == tiles
 
 
-def test_split_k_without_counters_falls_back_to_the_second_kernel(monkeypatch):
-    launched = []
-    real_run = dm._run
+def test_split_k_without_counters_falls_back_to_the_second_kernel(monkeypatch, launched):
     monkeypatch.setattr(dm, "_split_counters", lambda device, tiles: None)
-    monkeypatch.setattr(dm, "_run", lambda kernel, *a, **k: (launched.append(kernel), real_run(kernel, *a, **k)))
     x, w, s, z, b = _inputs(3, 24, 384, "int8", 0, False, torch.float16)
     _assert_close(_run(x, w, s, z, b, "int8", 0, PATHS["gemv-splitk"]), x, w, s, z, b, "int8", 0)
     assert launched[-1] is dm._splitk_reduce_kernel
@@ -340,7 +348,7 @@ def test_gpu_real_sizes_every_path(fmt, group, asym):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dm.Config("gemv", BN=4, BK=1024, split=4, warps=4),
                                  dm.Config("mmt", BM=16, BN=64, BK=128, split=8, stages=3)], ids=lambda c: c.kind)
-def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(cfg):
+def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(launched, cfg):
     """Split K summed by each tile's last program: right on every launch (the
     counters reset themselves), in CUDA graphs replayed again and again (the
     captured launches keep counters of their own; two graphs replayed on two
@@ -348,68 +356,55 @@ def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(cfg):
     with its own counters; the second kernel never runs."""
     N, K, M = 4096, 4096, (1 if cfg.kind == "gemv" else 16)
     fmt = "int8"
-    launched = []
-    real_run = dm._run
+    ins = [tuple(t.cuda() if t is not None else None for t in _inputs(M, N, K, fmt, 0, False, torch.bfloat16,
+                                                                      seed=i)) for i in range(4)]
 
-    def run(kernel, *a, **k):
-        launched.append(kernel)
-        return real_run(kernel, *a, **k)
+    def launch(i, out):
+        dm._launch(ins[i][0], ins[i][1], ins[i][2], None, ins[i][4], out, fmt, 0, cfg)
+        return out
 
-    dm._run = run
-    try:
-        ins = [tuple(t.cuda() if t is not None else None for t in _inputs(M, N, K, fmt, 0, False, torch.bfloat16,
-                                                                          seed=i)) for i in range(4)]
-        refs = [dm.dequant_matmul_reference(*i, fmt, 0) for i in ins]
-
-        def launch(i, out):
-            dm._launch(ins[i][0], ins[i][1], ins[i][2], None, ins[i][4], out, fmt, 0, cfg)
-            return out
-
-        for _ in range(3):  # eager, one after another on the same counters
-            for i in range(4):
-                _assert_close(launch(i, torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")),
-                              *ins[i], fmt, 0)
-        outs = [torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
-        graphs = []
-        for i in range(2):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(3):
-                    launch(i, outs[i])
-            graphs.append(g)
-        streams = [torch.cuda.Stream() for _ in range(2)]
+    for _ in range(3):  # eager, one after another on the same counters
+        for i in range(4):
+            _assert_close(launch(i, torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")),
+                          *ins[i], fmt, 0)
+    outs = [torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    graphs = []
+    for i in range(2):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(3):
+                launch(i, outs[i])
+        graphs.append(g)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    for rep in range(20):
+        for i, (g, st) in enumerate(zip(graphs, streams)):
+            outs[i].fill_(float("nan"))
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                g.replay()
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
         torch.cuda.synchronize()
-        for rep in range(20):
-            for i, (g, st) in enumerate(zip(graphs, streams)):
-                outs[i].fill_(float("nan"))
-                st.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(st):
-                    g.replay()
-            for st in streams:
-                torch.cuda.current_stream().wait_stream(st)
-            torch.cuda.synchronize()
-            for i in range(2):
-                _assert_close(outs[i], *ins[i], fmt, 0)
-        for rep in range(20):  # eager launches on two streams at once
-            for i, st in enumerate(streams):
-                outs[2 + i].fill_(float("nan"))
-                st.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(st):
-                    for _ in range(3):
-                        launch(2 + i, outs[2 + i])
-            for st in streams:
-                torch.cuda.current_stream().wait_stream(st)
-            torch.cuda.synchronize()
-            for i in (2, 3):
-                _assert_close(outs[i], *ins[i], fmt, 0)
-        assert dm._splitk_reduce_kernel not in launched
-        for ctr in dm._stream_counters.values():
-            assert not ctr.any()
-        pool, used = dm._capture_pools[torch.cuda.current_device()]
-        assert used > 0 and not pool[:used].any()
-        del refs
-    finally:
-        dm._run = real_run
+        for i in range(2):
+            _assert_close(outs[i], *ins[i], fmt, 0)
+    for rep in range(20):  # eager launches on two streams at once
+        for i, st in enumerate(streams):
+            outs[2 + i].fill_(float("nan"))
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                for _ in range(3):
+                    launch(2 + i, outs[2 + i])
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
+        torch.cuda.synchronize()
+        for i in (2, 3):
+            _assert_close(outs[i], *ins[i], fmt, 0)
+    assert dm._splitk_reduce_kernel not in launched
+    for ctr in dm._stream_counters.values():
+        assert not ctr.any()
+    pool, used = dm._capture_pools[torch.cuda.current_device()]
+    assert used > 0 and not pool[:used].any()
 
 
 @pytest.mark.gpu

@@ -177,14 +177,17 @@ def _finish(acc, out, part, p_b, m_b, ctr, o_o, m_o, i_s, n_split, M, N,
                 acc = tl.load(part + o_o, mask=m_o, other=0, cache_modifier=".cg")
                 for s in range(1, n_split):
                     acc += tl.load(part + (s * M).to(tl.int64) * N + o_o, mask=m_o, other=0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(p_b, mask=m_b, other=0).to(tl.float32)
-                tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
+                _store_result(acc, out, p_b, m_b, o_o, m_o, HAS_BIAS)
                 tl.atomic_xchg(ctr, 0)
     else:
-        if HAS_BIAS:
-            acc += tl.load(p_b, mask=m_b, other=0).to(tl.float32)
-        tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
+        _store_result(acc, out, p_b, m_b, o_o, m_o, HAS_BIAS)
+
+
+@triton.jit
+def _store_result(acc, out, p_b, m_b, o_o, m_o, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(p_b, mask=m_b, other=0).to(tl.float32)
+    tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
 
 
 @triton.jit
@@ -711,9 +714,9 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         return
     k_split, split, even = _k_split(K, cfg.BK, cfg.split)
     part = _workspace(split, M, N, x) if split > 1 else out
-    tiles = cdiv(N, cfg.BN) * (1 if cfg.kind == "gemv" else cdiv(M, cfg.BM))
     ctr = None
     if split > 1 and sum_here:  # (a compile-only warmup needs only the pointer's type)
+        tiles = cdiv(N, cfg.BN) * (1 if cfg.kind == "gemv" else cdiv(M, cfg.BM))
         ctr = torch.empty(0, dtype=torch.int32, device=x.device) if warmup else _split_counters(x.device, tiles)
     operands = (w, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
                 ctr if ctr is not None else part, M, N, K, k_split)
