@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from . import options as _options
 from . import pretrace as _pretrace
 from . import report as _report
 from .engine import FusePass
@@ -47,6 +48,7 @@ def _graph_id() -> str:
 def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
                      options: Mapping[str, Any] | None = None) -> Any:
     from torch._inductor import list_mode_options
+    _options.arm(fusepass_backend)  # again after a torch._dynamo.reset()
     opts, inductor_options = Options.parse(options)
     # list_mode_options(None) lists every mode; only a named mode maps to options.
     patches: dict[str, Any] = {**(list_mode_options(mode) if mode else {}), **inductor_options}
@@ -84,6 +86,9 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     graph.compile_seconds = time.perf_counter() - t0
     _report.record(graph)
     return compiled
+
+
+_options.arm(fusepass_backend)  # options checked before Dynamo traces (see fusepass.options)
 
 
 def _first_that_compiles(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], attempts: list[Options],

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import itertools
 import logging
 import math
+import os
+import pickle
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,9 +195,21 @@ def _relax_users(pattern: PatternExpr) -> None:
 
 
 def compile_rule(rule: Rule) -> list[CompiledForm]:
+    """The rule's patterns: from this process's memory, else from the pattern cache on disk, else traced
+    (and stored for the next process)."""
     cached = _compiled.get(id(rule))
     if cached is not None and cached[0] is rule:
         return cached[1]
+    key = _pattern_key(rule)
+    out = _load_patterns(rule, key)
+    if out is None:
+        out = _trace_rule(rule)
+        _store_patterns(rule, key, out)
+    _compiled[id(rule)] = (rule, out)
+    return out
+
+
+def _trace_rule(rule: Rule) -> list[CompiledForm]:
     out: list[CompiledForm] = []
     seen: set[str] = set()
     for form in rule.forms:
@@ -214,8 +230,125 @@ def compile_rule(rule: Rule) -> list[CompiledForm]:
                 seen.add(key)
                 _relax_users(pattern)
                 out.append(CompiledForm(rule, form, dtype, variant, pattern, argnames))
-    _compiled[id(rule)] = (rule, out)
     return out
+
+
+# -- the pattern cache ---------------------------------------------------------
+#
+# Tracing every form of every rule in every dtype takes seconds (4.9 s for
+# the built-in rules on a 2-core CPU, 3.5 s of it the quantized linears), paid
+# by every process that compiles a graph afresh.  Inductor ships its own
+# patterns serialised; fusepass keeps each rule's traced patterns in a file
+# keyed by everything that decides the trace: the rule's sources and the
+# files they live in, fusepass's own files (the normalisation, helpers a
+# search function calls) and the torch version (its decompositions).  A file
+# that fails to load is ignored and the rule traced again.
+
+_PATTERN_FORMAT = "fusepass-patterns-1"
+_package_digest: str | None = None
+
+
+def pattern_cache_dir() -> Path | None:
+    """Where traced patterns are kept: ``FUSEPASS_PATTERN_CACHE`` (a folder; ``0`` keeps them in memory
+    only), else ``~/.cache/fusepass/patterns`` (``XDG_CACHE_HOME`` honoured)."""
+    env = os.environ.get("FUSEPASS_PATTERN_CACHE")
+    if env is not None:
+        return None if env.strip() in ("", "0") else Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fusepass" / "patterns"
+
+
+def _package_files_digest() -> str:
+    global _package_digest
+    if _package_digest is None:
+        h = hashlib.sha256()
+        for path in sorted(_PACKAGE.rglob("*.py")):
+            h.update(str(path.relative_to(_PACKAGE)).encode())
+            h.update(path.read_bytes())
+        _package_digest = h.hexdigest()
+    return _package_digest
+
+
+def _pattern_key(rule: Rule) -> str:
+    h = hashlib.sha256()
+    for part in (_PATTERN_FORMAT, torch.__version__, _package_files_digest(), rule.sources(),
+                 f"commutative_root={rule.commutative_root}"):
+        h.update(part.encode())
+        h.update(b"\0")
+    fns = [rule.example_inputs] + [f for form in rule.forms for f in (form.search, form.example_inputs)]
+    files = {getattr(getattr(fn, "__code__", None), "co_filename", "") for fn in fns if fn is not None}
+    for name in sorted(files):
+        try:
+            h.update(Path(name).read_bytes())
+        except OSError:
+            h.update(name.encode())
+    return h.hexdigest()[:32]
+
+
+class _PatternPickler(pickle.Pickler):
+    # Ops are pybind objects pickle cannot take: they travel by name, and
+    # Inductor's MULTIPLE is compared by identity, so it travels as a tag.
+    def persistent_id(self, obj: Any) -> Any:
+        if obj is MULTIPLE:
+            return ("multiple",)
+        if isinstance(obj, torch._ops.OpOverload):
+            return ("op", obj._schema.name, obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            return ("packet", obj._qualified_op_name)
+        return None
+
+
+class _PatternUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "multiple":
+            return MULTIPLE
+        namespace, name = pid[1].split("::")
+        packet = getattr(getattr(torch.ops, namespace), name)
+        return getattr(packet, pid[2]) if pid[0] == "op" else packet
+
+
+def _pattern_file(rule: Rule, key: str) -> Path | None:
+    folder = pattern_cache_dir()
+    if folder is None:
+        return None
+    safe = "".join(c if c.isalnum() else "_" for c in rule.name)
+    return folder / f"{safe}-{key}.pkl"
+
+
+def _load_patterns(rule: Rule, key: str) -> list[CompiledForm] | None:
+    path = _pattern_file(rule, key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        with path.open("rb") as f, warnings.catch_warnings():
+            # The patterns' pytree specs unpickle through LeafSpec's deprecated constructor.
+            warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+            entries = _PatternUnpickler(f).load()
+        return [CompiledForm(rule, rule.forms[i], dtype, variant, pattern, list(argnames))
+                for i, dtype, variant, pattern, argnames in entries]
+    except Exception as exc:  # noqa: BLE001 - a stale or broken file: trace again
+        log.debug("fusepass: pattern cache %s not used (%s: %s)", path, type(exc).__name__, exc)
+        return None
+
+
+def _store_patterns(rule: Rule, key: str, forms: list[CompiledForm]) -> None:
+    path = _pattern_file(rule, key)
+    if path is None:
+        return
+    index = {id(form): i for i, form in enumerate(rule.forms)}
+    entries = [(index[id(cf.form)], cf.dtype, cf.variant, cf.pattern, cf.argnames) for cf in forms]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        _PatternPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(entries)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(buf.getvalue())
+        os.replace(tmp, path)
+        for old in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.pkl"):
+            if old != path:  # the same rule's patterns under an older key
+                old.unlink(missing_ok=True)
+    except Exception as exc:  # noqa: BLE001 - the cache is an optimisation only
+        log.debug("fusepass: patterns of rule %s not cached (%s: %s)", rule.name, type(exc).__name__, exc)
 
 
 # -- where a node came from ----------------------------------------------------
@@ -552,7 +685,21 @@ def _dump(folder: str, graph_id: str, stage: str, gm: torch.fx.GraphModule) -> N
 _PACKAGE = Path(__file__).resolve().parent
 
 
+_source_hashes: dict[tuple[Any, ...], tuple[list[Rule], str]] = {}
+
+
 def _source_hash(options: Options) -> str:
+    # Once per process for given options and rule objects: Inductor asks for
+    # the pass's uuid several times per graph (30 ms each on 2 cores).  The
+    # rules are kept with the hash so that their ids are never reused.
+    current = rules()
+    memo = (options.cache_key(), tuple(id(r) for r in current))
+    if memo not in _source_hashes:
+        _source_hashes[memo] = (current, _hash_sources(options))
+    return _source_hashes[memo][1]
+
+
+def _hash_sources(options: Options) -> str:
     h = hashlib.sha256()
     for path in sorted(itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/*.py"),
                                        _PACKAGE.glob("patterns/_*.py"))):

@@ -16,21 +16,56 @@
   in the graph so Inductor launches them from its generated code; off, the
   graph calls the ``fusepass::`` ops through the dispatcher (as on CPU).
 
-Every other key is an Inductor config option and is passed through.  The same
-settings can come from the environment: ``FUSEPASS_RULES``,
+Every other key must be an Inductor config option and is passed through.  The
+same settings can come from the environment: ``FUSEPASS_RULES``,
 ``FUSEPASS_DISABLE_RULES`` (comma lists), ``FUSEPASS_VERIFY=1``, ``FUSEPASS_INLINE_KERNELS=0``,
 ``FUSEPASS_DUMP_GRAPHS=folder``, ``FUSEPASS_PRETRACE=0``; explicit options win.
+
+**When options are checked.**  ``torch.compile`` gives a backend named by a
+string no look at its options until it hands it the first graph: it keeps
+them in a ``_TorchCompileWrapper`` and calls nothing of the backend's until
+then.  The earliest point fusepass can reach is Dynamo's start-of-compile
+callback, which runs before each frame is traced: :func:`arm` registers
+:func:`_check_at_compile_start` there, and it finds the options of the
+compile about to start (the backend is a local of Dynamo's ``_compile``) and
+raises on a bad one, so a typo fails in a second, before tracing, not after
+it inside ``BackendCompilerFailed``.  ``torch._dynamo.reset()`` removes
+Dynamo's callbacks; the backend puts this one back at each graph, and checks
+the options itself in any case (:meth:`Options.parse`).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .rule import rules
 
 OWN_KEYS = ("rules", "disable_rules", "verify", "dump_graphs", "inline_kernels", "pretrace")
+
+
+def _suggest(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_inductor_keys(options: Mapping[str, Any]) -> None:
+    """Every key left once fusepass's own are taken must be an Inductor config option."""
+    import torch._inductor.config as config
+
+    known = getattr(config, "_config", None)  # what config.patch checks keys against
+    if known is None:
+        return  # a torch without it: Inductor's own patch reports the key
+    for key in options:
+        if key not in known:
+            close = _suggest(key, OWN_KEYS)
+            hint = close or _suggest(key, known)
+            raise ValueError(
+                f"unknown fusepass option {key!r}{hint} fusepass options: {', '.join(OWN_KEYS)}; "
+                "other keys must be Inductor config options (torch._inductor.list_options())")
 
 
 def _names(value: Any, key: str) -> tuple[str, ...] | None:
@@ -81,6 +116,77 @@ class Options:
         for key in ("rules", "disable_rules"):
             unknown = [n for n in (own[key] or ()) if n not in known]
             if unknown:
-                raise ValueError(f"fusepass option {key!r}: unknown rule(s) {unknown}; known: {sorted(known)}")
+                hint = _suggest(unknown[0], known)
+                raise ValueError(f"fusepass option {key!r}: unknown rule(s) {unknown}{hint} known: "
+                                 f"{', '.join(sorted(known))}")
+        _check_inductor_keys(options)
         return cls(**own), options
+
+
+# -- checking the options before Dynamo traces ------------------------------------
+
+try:  # an exception Dynamo raises as it is
+    from torch._dynamo.exc import ShortenTraceback as _RaisedAsIs
+except ImportError:  # a torch without it: the message still names the option
+    _RaisedAsIs = Exception  # type: ignore[misc,assignment]
+
+
+class OptionError(_RaisedAsIs, ValueError):  # type: ignore[misc]
+    """A bad fusepass option, raised before Dynamo traces.  A plain ValueError raised there would reach
+    the user wrapped in ``InternalTorchDynamoError``, and Dynamo's ``UserError`` is taken for a graph
+    break (the frame then runs eagerly, the error swallowed)."""
+
+    def __init__(self, message: str) -> None:
+        if _RaisedAsIs is Exception:
+            super().__init__(message)
+        else:
+            super().__init__(message, first_useful_frame=None)
+
+
+_backend: Any = None  # the backend function whose compiles are checked (set by arm)
+
+
+def arm(backend: Any) -> None:
+    """Check the options of every compile with ``backend`` before Dynamo traces: registers
+    :func:`_check_at_compile_start` with Dynamo (once; call again after ``torch._dynamo.reset()``)."""
+    import torch._dynamo
+
+    global _backend
+    _backend = backend
+    handler = torch._dynamo.callback_handler
+    if _check_at_compile_start not in getattr(handler, "start_callbacks", ()):
+        handler.register_start_callback(_check_at_compile_start)
+
+
+def _compile_options() -> tuple[bool, Any]:
+    """(True, options) when the compile Dynamo is starting uses the fusepass backend; (False, None) otherwise
+    or when it cannot be told."""
+    backend = _backend
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals):
+        frame = frame.f_back
+    fn = frame.f_locals["compiler_fn"] if frame is not None else None
+    for _ in range(8):  # WrapBackendDebug -> _TorchCompileWrapper -> the backend
+        if fn is None or backend is None:
+            return False, None
+        if getattr(fn, "compiler_fn", None) is backend:
+            return True, (getattr(fn, "kwargs", None) or {}).get("options")
+        if getattr(fn, "func", None) is backend:  # functools.partial(backend, options=...)
+            return True, fn.keywords.get("options")
+        if fn is backend:
+            return True, None
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "__wrapped__", None)
+    return False, None
+
+
+def _check_at_compile_start(args: Any) -> None:
+    try:
+        ours, options = _compile_options()
+    except Exception:  # noqa: BLE001 - Dynamo's internals moved: the backend checks at the first graph
+        return
+    if ours:
+        try:
+            Options.parse(options)
+        except (ValueError, TypeError) as exc:
+            raise OptionError(str(exc)) from None
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .patterns.dequant_matmul_int4 import GROUP_SIZES as INT4_GROUP_SIZES
 from .patterns.dequant_matmul_int4 import dequantize as _dequantize_int4
 
 FORMATS = ("int8", "int4", "fp8")
@@ -152,8 +153,11 @@ def quantize(model: nn.Module, fmt: str = "int8", group_size: int = 128,
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    if fmt == "int4" and (group_size <= 0 or group_size % 2):
-        raise ValueError(f"int4 group_size must be a positive even number, got {group_size}")
+    if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
+        # A layer of another group size would convert, then every rewrite be
+        # refused at compile time: the model slower than before, not faster.
+        raise ValueError(f"int4 group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))} (the group "
+                         f"sizes fusepass's int4 kernel has), got {group_size}")
     choose = filter or _default_filter
     summary = QuantizeSummary(fmt, group_size if fmt == "int4" else None)
     owners: dict[int, list[str]] = {}

@@ -19,15 +19,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import textwrap
 import threading
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tabulate import tabulate
-
 log = logging.getLogger("fusepass")
+
+# Dynamo names a module by the source it reached it through: ``L['self']``
+# for a module compiled directly, ``L['args'][0]`` where a wrapper passed
+# ``self`` on (transformers 5's forward decorators), ``L['fn']`` for a
+# compiled function's closure, ``L__self___`` in older torch.
+_SOURCE_PREFIX = re.compile(r"^(?:[LG]\[(?:'[^']*'|\"[^\"]*\")\](?:\[\d+\])*\.?|L__self___)")
+
+
+def module_path(raw: str) -> str:
+    """``L['args'][0].model.layers.0.input_layernorm`` -> ``model.layers.0.input_layernorm``."""
+    return _SOURCE_PREFIX.sub("", raw or "", count=1)
 
 
 @dataclass
@@ -39,6 +50,9 @@ class Hit:
     bytes_moved: int  # per call: the fused op's inputs read once and outputs written once
     dtype: str = ""
 
+    def __post_init__(self) -> None:
+        self.where = module_path(self.where)
+
 
 @dataclass
 class Refusal:
@@ -46,6 +60,9 @@ class Refusal:
     reason: str
     where: str
     source: str
+
+    def __post_init__(self) -> None:
+        self.where = module_path(self.where)
 
 
 @dataclass
@@ -165,6 +182,8 @@ class RewriteReport:
                 _fmt_bytes(sum(h.bytes_moved for h in rh)),
                 _places(rh) or "-",
             ])
+        from tabulate import tabulate  # here: importing fusepass (a warm start) need not load it
+
         out = [head, ""]
         if rows:
             out.append(tabulate(rows, headers=["rule", "hits", "attempts", "forms", "fused bytes/call", "where"]))
@@ -175,10 +194,11 @@ class RewriteReport:
             grouped[(r.rule, r.reason)].append(r)
         if grouped:
             out += ["", "refused (left to Inductor):"]
+            # Reasons wrap between words; module paths never (a path cut mid-name reads as two).
             out.append(tabulate(
-                [[rule, len(rs), reason, _places(rs)] for (rule, reason), rs in sorted(grouped.items())],
+                [[rule, len(rs), textwrap.fill(reason, 60, break_long_words=False, break_on_hyphens=False),
+                  _places(rs)] for (rule, reason), rs in sorted(grouped.items())],
                 headers=["rule", "count", "reason", "where"],
-                maxcolwidths=[None, None, 60, 50],
             ))
         from .kernels._common import kernel_fallbacks
 

@@ -49,8 +49,31 @@ def test_unknown_option_values_fail_clearly():
     x, w = inputs()
     with pytest.raises(Exception, match="unknown rule"):
         compile_and_run(hf_norm, (x, w), rules=["no_such_rule"])
-    with pytest.raises(Exception, match="does not exist"):
+    with pytest.raises(Exception, match="unknown fusepass option 'not_an_inductor_option'.*Inductor config"):
         compile_and_run(hf_norm, (x, w), not_an_inductor_option=True)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"verfy": True}, "unknown fusepass option 'verfy'; did you mean 'verify'\\? fusepass options: rules, "
+                      "disable_rules, verify, .*; other keys must be Inductor config options"),
+    ({"epilogue_fusoin": False}, "unknown fusepass option 'epilogue_fusoin'; did you mean 'epilogue_fusion'"),
+    ({"rules": ["rms_nrom"]}, "unknown rule\\(s\\) \\['rms_nrom'\\]; did you mean 'rms_norm'"),
+    ({"verify": "yes"}, "'verify' takes a bool"),
+])
+def test_bad_options_fail_before_dynamo_traces(options, message):
+    """torch.compile gives a string backend its options only with the first
+    graph; fusepass checks them at Dynamo's start of compile instead, so the
+    error is fusepass's own, raised before any tracing, never a silent eager run."""
+    from fusepass.backend import fusepass_backend
+    from fusepass.options import OptionError, arm
+
+    torch._dynamo.reset()
+    arm(fusepass_backend)  # as importing the backend does in a fresh process (reset removed it)
+    traced = []
+    with pytest.raises(OptionError, match=message) as info:
+        torch.compile(lambda x: traced.append(1) or x * 2, backend="fusepass", options=options)(torch.randn(3))
+    assert isinstance(info.value, ValueError)
+    assert not traced  # the frame did not run eagerly either (the append would show)
 
 
 @pytest.mark.parametrize("mode,key", [("max-autotune", "max_autotune"), ("reduce-overhead", "triton.cudagraphs")])

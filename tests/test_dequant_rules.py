@@ -82,6 +82,15 @@ def test_quantize_skips_lm_head_tied_and_ungrouped_layers():
         fusepass.quantize(m, "int3")
 
 
+@pytest.mark.parametrize("group_size", [16, 48, 512, 0])
+def test_quantize_refuses_int4_group_sizes_the_kernel_lacks_up_front(group_size):
+    m = torch.nn.Sequential(torch.nn.Linear(96, 32), torch.nn.Linear(32, 96))
+    before = [type(x) for x in m]
+    with pytest.raises(ValueError, match=f"one of 32, 64, 128, 256 .*got {group_size}$"):
+        fusepass.quantize(m, "int4", group_size=group_size)
+    assert [type(x) for x in m] == before  # nothing converted
+
+
 # -- hand-written modules: one rewrite each, eager's result --------------------------------
 
 def _unpack(p):
