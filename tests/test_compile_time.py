@@ -1,11 +1,13 @@
 """fusepass's share of compile time: matching stays a small part of a compile."""
 
+import dataclasses
 import gc
 
 import pytest
 import torch
 
 import fusepass
+import fusepass.testing
 from fusepass import models
 
 pytest.importorskip("transformers")
@@ -45,3 +47,57 @@ def test_matching_is_under_a_tenth_of_compile_time_on_tiny_llama():
     compile_ = sum(g.compile_seconds for r in reports for g in r.graphs)
     print(f"\nmatching {match:.3f} s of {compile_:.3f} s compile ({match / compile_:.1%}) over 2 compiles of tiny Llama")
     assert match < 0.10 * compile_, f"matching {match:.3f} s is {match / compile_:.1%} of {compile_:.3f} s"
+
+
+def test_where_is_the_module_path_in_the_model():
+    """transformers 5 passes ``self`` through a decorator: Dynamo names modules ``L['args'][0].model...``."""
+    model = models.build("llama", size="tiny")
+    report = _compile(model, models.input_ids(model))
+    wheres = {h.where for h in report.hits}
+    assert "model.layers.0.input_layernorm" in wheres, wheres
+    assert all(w.startswith("model.") for w in wheres), wheres
+    assert "L[" not in str(report)
+
+
+def test_patterns_come_back_from_the_disk_cache_as_traced(tmp_path, monkeypatch):
+    """A process that finds a rule's patterns on disk loads them (no trace) and
+    they are the traced ones; a rule whose sources differ, or a broken file,
+    traces afresh."""
+    from fusepass import engine
+
+    monkeypatch.setenv("FUSEPASS_PATTERN_CACHE", str(tmp_path))
+    rule = fusepass.get_rule("add_rms_norm")
+    monkeypatch.delitem(engine._compiled, id(rule), raising=False)
+    traced = engine.compile_rule(rule)
+    files = list(tmp_path.glob("add_rms_norm-*.pkl"))
+    assert len(files) == 1
+
+    def fresh():  # as a new process would: nothing in memory
+        engine._compiled.pop(id(rule), None)
+        return engine.compile_rule(rule)
+
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
+
+    def add_norm(x, r, w):
+        h = x + r
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), h
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "_trace_rule", lambda r: pytest.fail("traced despite the cache"))
+        loaded = fresh()
+        assert [repr(cf.pattern) for cf in loaded] == [repr(cf.pattern) for cf in traced]
+        assert [(cf.form, cf.dtype, cf.variant, cf.argnames) for cf in loaded] == \
+            [(cf.form, cf.dtype, cf.variant, cf.argnames) for cf in traced]
+        # The loaded patterns match: a compile with them rewrites.
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            _, report = fusepass.testing.compile_and_run(add_norm, (x, r, w), rules=["add_rms_norm"])
+        assert report.count("add_rms_norm") == 1
+
+    files[0].write_bytes(b"not a pickle")
+    assert [repr(cf.pattern) for cf in fresh()] == [repr(cf.pattern) for cf in traced]
+    # Other sources (here another scalar default): another key, the old file replaced.
+    other = dataclasses.replace(rule, scalars={"eps": 1e-5})
+    assert engine._pattern_key(other) != engine._pattern_key(rule)
+    engine.compile_rule(other)
+    assert len(list(tmp_path.glob("add_rms_norm-*.pkl"))) == 1
+    engine._compiled.pop(id(other), None)
