@@ -43,7 +43,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.dequant_matmul import _gemlite, quantize  # noqa: E402
+from fusepass.bench.registry.dequant_matmul import _gemlite, quantize  # noqa: E402
 from fusepass.kernels import dequant_matmul as dm  # noqa: E402
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K)

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tabulate import tabulate  # noqa: E402
 
-from benchmarks import add_rms_norm as bench_add  # noqa: E402
-from benchmarks import rms_norm as bench_norm  # noqa: E402
-from benchmarks.common import compiled  # noqa: E402
-from benchmarks.rms_norm import EPS, SHAPES  # noqa: E402
+from fusepass.bench.registry import add_rms_norm as bench_add  # noqa: E402
+from fusepass.bench.registry import rms_norm as bench_norm  # noqa: E402
+from fusepass.bench.registry.common import compiled  # noqa: E402
+from fusepass.bench.registry.rms_norm import EPS, SHAPES  # noqa: E402
 from fusepass.kernels.rms_norm import add_rms_norm_fwd, rms_norm_config, rms_norm_fwd  # noqa: E402
 
 

@@ -7,15 +7,64 @@ hide a kernel that ignores the weight).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import logging
+from typing import Any, Iterator
 
 import torch
 
 MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5")
 
+# What importing transformers' model classes prints when torchao is installed
+# (transformers imports it for its quantizer): torchao trying C++ extensions
+# built for another Python or CUDA (its Python paths work without them), and
+# torch deprecating the pytree registration torchao makes of two enums.
+# Dropped by their exact text, while fusepass imports a model, and only then.
+_PEER_NOISE = {
+    "torchao": ("Failed to load ", ".so"),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+}
+
+
+class _Drop(logging.Filter):
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not all(f in message for f in self.fragments)
+
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Imports of ``transformers`` (and through it torchao) without their known start-up noise."""
+    filters = [(logging.getLogger(name), _Drop(*fragments)) for name, fragments in _PEER_NOISE.items()]
+    for logger, f in filters:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
+
+
+def transformers_class(name: str) -> Any:
+    """``transformers.<name>``, imported quietly (transformers imports its model modules lazily, on access)."""
+    with quiet_imports():
+        import transformers
+
+        return getattr(transformers, name)
+
 
 def _config(name: str, size: str, **overrides: Any) -> Any:
-    import transformers as tf
+    with quiet_imports():
+        import transformers as tf
+
+        return _config_with(tf, name, size, **overrides)
+
+
+def _config_with(tf: Any, name: str, size: str, **overrides: Any) -> Any:
 
     # tiny: tests; small: the demo; medium: GPU timing (a 4-layer slice of a
     # 1B-class model: hidden 2048, 16 heads of 128).

@@ -2,14 +2,12 @@
 
 import csv
 import json
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the registry (benchmarks/) lives in the checkout, not the package
 
 try:
     import matplotlib  # noqa: F401
@@ -46,7 +44,7 @@ def test_bench_quick_checks_and_times_every_registry_entry(tmp_path, capsys):
     out = fusepass_cli(capsys, "bench", "--quick", "--out", str(tmp_path))
     data = json.loads((tmp_path / "results.json").read_text())
     rows = data["rows"]
-    entries = entry_names(ROOT / "benchmarks")
+    entries = entry_names()  # the package's registry: no checkout needed
     assert {"rms_norm", "add_rms_norm", "swiglu", "geglu"} <= set(entries)
     assert {r["op"] for r in rows} == set(entries), "an entry wrote no rows"
     assert data["copy_gbps"] > 0 and data["env"]["torch"] and data["env"]["commit"]
@@ -61,6 +59,9 @@ def test_bench_quick_checks_and_times_every_registry_entry(tmp_path, capsys):
         assert {"eager", "inductor", "fusepass", "fusepass-compiled"} <= providers
     inductor = [r for r in rows if r["provider"] == "inductor"]
     assert inductor and all(r["vs_inductor"] == 1.0 for r in inductor)
+    # A CPU run says what its figures are, and names no GPU library it did not run.
+    assert not any("cublas" in r["provider"] or "cuda" in r["provider"] for r in rows)
+    assert "not a speed claim" in out.out and "not a speed claim" in (tmp_path / "table.txt").read_text()
 
     with (tmp_path / "results.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(rows)
@@ -80,6 +81,71 @@ def test_bench_quick_checks_and_times_every_registry_entry(tmp_path, capsys):
         assert "plots skipped" in out.out
 
 
+def test_bench_runs_a_registry_folder_of_ones_own(tmp_path, capsys):
+    """--registry: entries outside the package, importing Case from it; outputs in the folder asked."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "double.py").write_text(textwrap.dedent("""
+        import torch
+        from fusepass.bench.registry.common import Case
+
+        def cases(quick=False, device="cuda"):
+            x = torch.randn(64, 64, device=device)
+            return [Case(op="double", shape="64x64", dtype=torch.float32, make_inputs=lambda: (x,),
+                         reference=lambda x: 2 * x, providers={"eager": lambda x: x + x},
+                         bytes_moved=2 * x.nbytes)]
+    """))
+    fusepass_cli(capsys, "bench", "--quick", "--registry", str(folder), "--out", str(tmp_path / "out"))
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert [(r["op"], r["provider"], r["ok"]) for r in rows] == [("double", "eager", True)]
+
+
+def test_outputs_go_outside_the_checkout_by_default():
+    import tempfile
+
+    from fusepass.bench.output import default_out
+    from fusepass.cli import parser
+
+    for argv in (["bench", "ops"], ["bench", "e2e"]):
+        assert parser().parse_args(argv).out is None  # then default_out(...)
+    out = Path(default_out("e2e"))
+    assert out.is_relative_to(Path(tempfile.gettempdir()) / "fusepass-bench")
+    assert not out.is_relative_to(Path(__file__).resolve().parent.parent)
+
+
+def test_every_command_says_what_it_does(capsys):
+    from fusepass.cli import main
+
+    for argv in ([], ["demo"], ["rules"], ["bench"], ["bench", "ops"], ["bench", "e2e"], ["bench", "plot"]):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--help"])
+        assert info.value.code == 0
+        text = capsys.readouterr().out
+        assert "The ``fusepass`` command" not in text
+        described = text.split("\n\n")[1]  # argparse: usage, blank line, description
+        assert len(described.split()) >= 8 and not described.lstrip().startswith(("positional", "options")), text
+
+
+def test_demo_on_the_cpu_checks_and_says_it_times_nothing(capsys):
+    pytest.importorskip("transformers")
+    out = fusepass_cli(capsys, "demo", "--size", "tiny", "--model", "llama")
+    assert "rewrite report" in out.out and ": OK" in out.out
+    assert "model.layers.0" in out.out and "L['" not in out.out
+    assert "test path" in out.out
+    assert "compiling with fusepass" in out.err  # progress, step by step
+
+
+def test_importing_a_model_prints_no_library_noise():
+    """transformers imports torchao, which logs its C++ extensions' failures and
+    makes torch log a pytree deprecation: fusepass's model imports drop exactly those."""
+    code = "from fusepass import models; models.build('llama'); print('built')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "built"
+    for noise in ("Failed to load", "Enum subclass", "_C_mxfp8"):
+        assert noise not in out.stderr, out.stderr[-2000:]
+
+
 def test_bench_refuses_an_unknown_op(tmp_path, capsys):
     with pytest.raises(SystemExit, match="unknown op.*no_such_op"):
         fusepass_cli(capsys, "bench", "--quick", "--ops", "no_such_op", "--out", str(tmp_path))
@@ -88,7 +154,7 @@ def test_bench_refuses_an_unknown_op(tmp_path, capsys):
 def test_a_wrong_provider_is_reported_not_timed():
     import torch
 
-    from benchmarks.common import Case
+    from fusepass.bench.registry.common import Case
     from fusepass.bench import output
     from fusepass.bench.ops import run_case
 
@@ -156,8 +222,8 @@ def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
             r = {k: v for k, v in r.items() if k not in ("cache", "hits")}
         return r
 
-    monkeypatch.setattr(e2e, "startup_child", fake_child)
-    monkeypatch.setattr(e2e, "copy_bandwidth", lambda device: 1.0)
+    monkeypatch.setattr(e2e.startup, "startup_child", fake_child)
+    monkeypatch.setattr(e2e.run, "copy_bandwidth", lambda device: 1.0)
     args = argparse.Namespace(quick=True, device="cpu", model="tiny-llama", dtype=None, backends="inductor,fusepass",
                               out=str(tmp_path), layers="2", quantize=None, group_size=128, prompt=16, repeat=2,
                               child_timeout=10, threads=1, command_line="test", model_given=True,
@@ -168,7 +234,7 @@ def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
     warm = rows[("fusepass", "startup warm")]
     assert warm["ok"] and warm["value"] == 3.0 and warm["cpu_s"] == 2.5 and "rms_norm×1" in warm["rewrites"]
     assert rows[("inductor", "startup cold")]["runs"] == 2
-    e2e._vs_inductor(run.rows)
+    e2e.summary._vs_inductor(run.rows)
     assert warm["vs_inductor"] == 1.0  # both warm starts took 3.0 s
     assert rows[("inductor", "startup cold")]["vs_inductor"] == 1.0
     # A warm report that lost a rewrite is a failure.
@@ -223,7 +289,7 @@ def test_prefill_reference_is_fp32_in_half_precision(tmp_path):
                               child_timeout=10, threads=1, command_line="test", model_given=True, max_seconds=None)
     run = e2e.Run(args)
     model = run.get_model()
-    ref, eager_err, what = e2e._prefill_references(run, model, [8])
+    ref, eager_err, what = e2e.phases._prefill_references(run, model, [8])
     assert what == "an fp32 copy of the model"
     assert ref[8].dtype == torch.float32
     # bf16 eager differs from the fp32 model by its roundings: more than nothing, less than the table.

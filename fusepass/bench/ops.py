@@ -1,9 +1,10 @@
 """``fusepass bench``: check and time every registered op against its providers.
 
-The registry is the ``benchmarks/`` folder of a fusepass checkout: each
-``benchmarks/<op>.py`` with a ``cases(quick: bool = False, device: str =
+The registry is the package :mod:`fusepass.bench.registry`: each
+``registry/<op>.py`` with a ``cases(quick: bool = False, device: str =
 "cuda") -> list[Case]`` function is an entry (``Case`` is in
-``benchmarks/common.py``); a new file joins by being there.  Every provider
+``registry/common.py``); a new file joins by being there (``--registry DIR``
+reads another folder of such files instead).  Every provider
 of a case is first run on the case's inputs and compared with its fp32
 reference (relative error norm against the dtype's tolerance); one that fails
 or raises is reported, not timed.  The rest are timed in the same process:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -40,32 +42,33 @@ DEFAULT_REP_MS = 10.0
 
 # Files in the registry folder that are not entries.
 _NOT_ENTRIES = {"common", "__init__", "run"}
+PACKAGE_REGISTRY = Path(__file__).resolve().parent / "registry"
 
 
 def find_registry(path: str | None = None) -> Path:
-    """The ``benchmarks/`` folder: ``--registry``, ``FUSEPASS_BENCHMARKS``, the checkout fusepass
-    was imported from, or the current directory's."""
-    candidates = [path, os.environ.get("FUSEPASS_BENCHMARKS"),
-                  Path(__file__).resolve().parents[2] / "benchmarks", Path.cwd() / "benchmarks"]
-    for c in candidates:
-        if c and (Path(c) / "common.py").is_file():
-            return Path(c).resolve()
-    raise SystemExit(
-        "fusepass bench: no benchmark registry found. The per-op entries live in the benchmarks/ folder of a "
-        "fusepass checkout (not in the installed package): run from a checkout, or pass --registry PATH "
-        "(or set FUSEPASS_BENCHMARKS). `fusepass bench e2e` needs no checkout.")
+    """The registry folder: ``--registry``, ``FUSEPASS_BENCHMARKS``, else the package's own."""
+    chosen = path or os.environ.get("FUSEPASS_BENCHMARKS")
+    if not chosen:
+        return PACKAGE_REGISTRY
+    if not Path(chosen).is_dir():
+        raise SystemExit(f"fusepass bench: no registry folder at {chosen}")
+    return Path(chosen).resolve()
 
 
-def entry_names(registry: Path) -> list[str]:
+def entry_names(registry: Path = PACKAGE_REGISTRY) -> list[str]:
     return sorted(p.stem for p in registry.glob("*.py")
                   if p.stem not in _NOT_ENTRIES and not p.stem.startswith(("_", "sweep")))
 
 
 def load_entry(registry: Path, name: str) -> Any:
-    parent = str(registry.parent)
-    if parent not in sys.path:
-        sys.path.insert(0, parent)
-    return importlib.import_module(f"{registry.name}.{name}")
+    if registry == PACKAGE_REGISTRY:
+        return importlib.import_module(f"fusepass.bench.registry.{name}")
+    # Another folder's entry, by its path (it imports Case from fusepass.bench.registry.common).
+    spec = importlib.util.spec_from_file_location(f"_fusepass_registry_{name}", registry / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def entry_cases(module: Any, quick: bool, device: str) -> list[Any]:
@@ -238,6 +241,8 @@ def main(args: argparse.Namespace) -> int:
     copy_gbps = copy_bandwidth(device)
     print(f"# fusepass bench on {env['device']}: torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
     print(f"# measured copy bandwidth: {copy_gbps:.0f} GB/s (bytes read + written); registry {registry}")
+    if device == "cpu":
+        print(f"# {output.CPU_NOTE}")
     print(f"# {command}", flush=True)
 
     rows: list[dict[str, Any]] = []
@@ -271,7 +276,8 @@ def main(args: argparse.Namespace) -> int:
     header = (f"fusepass bench: {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}\n"
               f"copy bandwidth {copy_gbps:.0f} GB/s; "
               f"{'GB/s from CUDA-graph time' if device == 'cuda' else 'CPU: back-to-back calls'}"
-              f"; vs inductor = Inductor's time / this time\n{command}\n\n")
+              f"; vs inductor = Inductor's time / this time\n{command}\n"
+              + (f"{output.CPU_NOTE}\n" if device == "cpu" else "") + "\n")
     (out / "table.txt").write_text(header + text + "\n")
     if output.plots_available():
         plots = output.replot(out)
@@ -283,6 +289,8 @@ def main(args: argparse.Namespace) -> int:
     failed = [r for r in rows if r.get("ok") is False]
     ours = [r for r in failed if str(r.get("provider", "")).startswith("fusepass") or r.get("provider") == "-"]
     print(text)
+    if device == "cpu":
+        print(f"\n{output.CPU_NOTE}")
     print(f"\nwrote {out}/table.txt, results.json, results.csv; {plot_note}; {meta['seconds']} s")
     print(time_split(rows))
     if failed:

@@ -11,11 +11,35 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
 from tabulate import tabulate
+
+# Said wherever a CPU run's figures appear: there the ops run their plain-torch
+# implementations, which exist for tests, matching and reports; Inductor's C++
+# kernels beat them, and that says nothing about the GPU kernels.
+CPU_NOTE = ("CPU run: fusepass's ops run their plain-torch implementations (the test path), not the Triton "
+            "kernels; these timings test that path and are not a speed claim")
+CPU_TITLE = "CPU test path, not a speed claim"
+
+
+def is_cpu(env: dict[str, Any]) -> bool:
+    return env.get("device_type", "cuda" if "CPU" not in env.get("device", "") else "cpu") == "cpu"
+
+
+def device_title(env: dict[str, Any]) -> str:
+    """The device as a plot title names it."""
+    return f"{env['device']}; {CPU_TITLE}" if is_cpu(env) else env["device"]
+
+
+def default_out(kind: str) -> str:
+    """A fresh folder for a run's files, outside any checkout: ``<tmp>/fusepass-bench/<kind>-<time>``."""
+    import tempfile
+
+    return str(Path(tempfile.gettempdir()) / "fusepass-bench" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def write_json(path: Path, env: dict[str, Any], rows: list[dict[str, Any]], **extra: Any) -> None:
@@ -47,6 +71,7 @@ class Progress:
     def __init__(self, total: int, desc: str) -> None:
         self.bar = None
         self.total, self.done, self.desc = total, 0, desc
+        self.started = time.perf_counter()
         try:
             from tqdm import tqdm
 
@@ -61,7 +86,8 @@ class Progress:
             self.bar.set_postfix_str(what[:60], refresh=False)
             self.bar.update(1)
         else:
-            print(f"[{self.done}/{self.total}] {self.desc}: {what}", file=sys.stderr, flush=True)
+            print(f"[{self.done}/{self.total}, {time.perf_counter() - self.started:.1f} s] {self.desc}: {what}",
+                  file=sys.stderr, flush=True)
 
     def note(self, text: str) -> None:
         if self.bar is not None:
@@ -159,7 +185,7 @@ def replot(folder: Path) -> list[Path]:
     ops = folder / "results.json"
     if ops.is_file():
         data = json.loads(ops.read_text())
-        rows, device = data["rows"], data["env"]["device"]
+        rows, device = data["rows"], device_title(data["env"])
         written += bandwidth_plots(folder, rows, data["copy_gbps"], device)
         by_case: dict[str, dict[str, float]] = {}
         for r in rows:
@@ -172,7 +198,7 @@ def replot(folder: Path) -> list[Path]:
     e2e = folder / "e2e.json"
     if e2e.is_file():
         data = json.loads(e2e.read_text())
-        written += [p for p in [e2e_plot(folder, data["rows"], data["env"]["device"])] if p]
+        written += [p for p in [e2e_plot(folder, data["rows"], device_title(data["env"]))] if p]
     return written
 
 

@@ -134,6 +134,7 @@ def environment(device: str | torch.device) -> dict[str, str]:
                f"torch uses {torch.get_num_threads()})"
     return {
         "device": name,
+        "device_type": device.type,
         "torch": torch.__version__,
         "triton": _version("triton"),
         "transformers": _version("transformers"),

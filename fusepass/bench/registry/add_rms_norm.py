@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 import fusepass.kernels.rms_norm  # noqa: F401  - registers fusepass::add_rms_norm
-from benchmarks.common import Case
-from benchmarks.rms_norm import DTYPE, EPS, norm_cases
+from fusepass.bench.registry.common import Case
+from fusepass.bench.registry.rms_norm import DTYPE, EPS, norm_cases
 
 
 def hf_add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fusepass.kernels.gated_act  # noqa: F401  - registers fusepass::geglu
-from benchmarks.common import Case, compiled, nbytes
+from fusepass.bench.registry.common import Case, compiled, nbytes
 
 SHAPES = [(4096, 14336), (16384, 11008), (8192, 28672), (1, 14336), (32, 14336)]
 FUSED = (4096, 14336)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 import fusepass.kernels.rms_norm  # noqa: F401  - registers fusepass::rms_norm
-from benchmarks.common import Case, compiled, inductor_providers, nbytes
+from fusepass.bench.registry.common import Case, compiled, inductor_providers, nbytes
 
 EPS = 1e-6
 DTYPE = torch.bfloat16

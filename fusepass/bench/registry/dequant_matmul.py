@@ -8,7 +8,7 @@ the unquantized model's linear at the same numerics), and every one is checked
 against the fp32 dequantize-then-matmul reference before it is timed.
 
     fusepass bench --ops dequant_matmul [--quick]
-    python benchmarks/dequant_matmul.py --gpu-run [--tune-out plans.json]   # checks, plans, pivot table
+    python -m fusepass.bench.registry.dequant_matmul --gpu-run [--tune-out plans.json]   # checks, plans, pivot table
 
 Providers: bf16 cuBLAS (``F.linear``), Inductor on the dequant form (default;
 ``max-autotune-no-cudagraphs`` for int8 at the AUTOTUNE_MS sizes of full runs
@@ -31,11 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Case, compiled  # noqa: E402
-from fusepass.kernels import dequant_matmul as dm  # noqa: E402  - registers fusepass::dequant_matmul
-from fusepass.kernels._common import TOLERANCES  # noqa: E402
+from fusepass.bench.registry.common import Case, compiled
+from fusepass.kernels import dequant_matmul as dm  # registers fusepass::dequant_matmul
+from fusepass.kernels._common import TOLERANCES
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K)
 MS = [1, 4, 16, 64, 256, 1024, 4096]
@@ -47,7 +46,7 @@ AUTOTUNE_MS = (1, 16)  # int8, full runs: Inductor max-autotune (minutes per com
 # peers where they compete (gemlite and torchao at M <= 64: above it they take
 # 2-3x cuBLAS's time and gemlite's autotuning costs 10-15 s per new M), Inductor
 # max-autotune at M = 1.  The whole grid (MS x SHAPES, peers at every M) is
-# `python benchmarks/dequant_matmul.py --time`.  On the H100, the first calls
+# `python -m fusepass.bench.registry.dequant_matmul --time`.  On the H100, the first calls
 # of the full grid took 350 s before any timing: gemlite's autotuning 190 s,
 # Inductor's compiles 110 s (13-18 s each at M = 1), torchao's 45 s.
 SUITE_SHAPES = [(4096, 4096), (14336, 4096)]
@@ -175,7 +174,8 @@ def _case(fmt: str, N: int, K: int, M: int, quick: bool, device: str, suite: boo
     q, s, z = qw["weight"], qw["scale"], qw["zero"]
     providers = {}
     if fmt == "int8":  # the same bf16 product for every format: timed once
-        providers["cublas-bf16"] = lambda x: F.linear(x, w_deq)
+        # cuBLAS on a GPU; on the CPU the same F.linear is ATen's CPU matmul.
+        providers["cublas-bf16" if device == "cuda" else "aten-bf16"] = lambda x: F.linear(x, w_deq)
     if fmt == "int8" or not quick:
         providers["inductor"] = _bind(_lazy(lambda: compiled(form)), q, s, z)
     if not quick and fmt == "int8" and M in (SUITE_AUTOTUNE_MS if suite else AUTOTUNE_MS):

@@ -3,21 +3,19 @@ Llama-3-8B / Mistral-7B (14336) and Llama-2-70B (28672), decode-sized M, and
 Phi-3's fused projection (g and u the halves of one [M, 2I] tensor).
 
     fusepass bench --ops swiglu
-    python benchmarks/swiglu.py --sweep      # the kernel's block / warps grid
+    python -m fusepass.bench.registry.swiglu --sweep      # the kernel's block / warps grid
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for --sweep, run as a script
 
-from benchmarks.common import Case, compiled, nbytes  # noqa: E402
-from fusepass.kernels import gated_act  # noqa: E402  - registers fusepass::swiglu
+from fusepass.bench.registry.common import Case, compiled, nbytes
+from fusepass.kernels import gated_act  # registers fusepass::swiglu
 
 SHAPES = [(4096, 14336), (16384, 11008), (8192, 28672), (1, 14336), (32, 14336)]
 FUSED = (4096, 14336)

@@ -8,7 +8,7 @@ is installed, and the fusepass ops.  q, k and v are [B, T, H, D] views of one
 fused projection, as the models produce them; the initial state is fp32.
 
     fusepass bench --ops gdn                            # the registry run (the SUITE shapes below)
-    python benchmarks/gdn.py --inductor B8-T512-H32-D128,decode  # check, time, sweep; Inductor where named
+    python -m fusepass.bench.registry.gdn --inductor B8-T512-H32-D128,decode  # check, time, sweep; Inductor where named
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Case, compiled, nbytes  # noqa: E402
-from fusepass.kernels import gdn  # noqa: E402  - registers fusepass::gdn_chunk / gdn_recurrent
+from fusepass.bench.registry.common import Case, compiled, nbytes
+from fusepass.kernels import gdn  # registers fusepass::gdn_chunk / gdn_recurrent
 
 # (id, B, T, H_k, H_v, d_k, d_v)
 PREFILL = [
@@ -48,8 +47,8 @@ QUICK = {"B8-T512-H32-D128", "decode-B64-H32-D128"}
 # every new head count and head dims (H16, then H32: it keys on H, HV, K, V).
 # So the suite keeps one head configuration (H32 D128, Qwen3.5-9B's value
 # heads) at a batched and a long prompt and the two decode sizes, with
-# Inductor on the batched prompt and on decode B1.  The script (`python
-# benchmarks/gdn.py`) times every shape.
+# Inductor on the batched prompt and on decode B1.  The script (`python -m
+# fusepass.bench.registry.gdn`) times every shape.
 SUITE = {"B8-T512-H32-D128", "B1-T16384-H32-D128", "decode-B1-H32-D128", "decode-B64-H32-D128"}
 INDUCTOR = {"B8-T512-H32-D128", "decode-B1-H32-D128"}
 

@@ -1,6 +1,6 @@
 """The benchmark registry's record type and helpers shared by the op files.
 
-Each ``benchmarks/<op>.py`` defines ``cases(quick: bool = False, device: str =
+Each ``fusepass/bench/registry/<op>.py`` defines ``cases(quick: bool = False, device: str =
 "cuda") -> list[Case]`` (inputs made on ``device``; ``quick`` with device
 "cpu" means small shapes for CI) and joins the registry by being in this
 folder.  ``fusepass bench`` (:mod:`fusepass.bench.ops`) checks every provider

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fusepass.kernels.rms_norm_gated  # noqa: F401  - registers fusepass::rms_norm_gated
-from benchmarks.common import Case, compiled, nbytes
+from fusepass.bench.registry.common import Case, compiled, nbytes
 
 EPS = 1e-6
 DTYPE = torch.bfloat16

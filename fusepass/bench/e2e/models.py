@@ -1,0 +1,133 @@
+"""The models ``fusepass bench e2e`` builds: configs of real checkpoints (no
+download), random weights made on the device, optional weight-only
+quantization, and the bytes a decode step reads."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+# Configs of real checkpoints (config.json's fields that shape the compute).
+MODELS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "class": "LlamaForCausalLM", "config": "LlamaConfig", "norm_offset": 1.0,
+        "fields": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                       bos_token_id=128000, eos_token_id=128001),
+    },
+    "qwen3-8b": {
+        "class": "Qwen3ForCausalLM", "config": "Qwen3Config", "norm_offset": 1.0,
+        "fields": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                       bos_token_id=151643, eos_token_id=151645),
+    },
+    # Qwen3.5-9B's text model: 8 x (3 Gated DeltaNet layers, 1 gated attention
+    # layer); the layer types follow from the depth (every 4th is attention),
+    # so --layers 4 keeps the 3:1 pattern.  Norms are zero-centred (1 + w).
+    "qwen3.5-9b": {
+        "class": "Qwen3_5ForCausalLM", "config": "Qwen3_5TextConfig", "norm_offset": 0.0,
+        "fields": dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=256, hidden_act="silu",
+                       linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_num_key_heads=16, linear_num_value_heads=32, max_position_embeddings=262144,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25},
+                       eos_token_id=248044),
+    },
+    # --quick: fusepass.models' tiny Llama, on the CPU, for CI.
+    "tiny-llama": {
+        "class": "LlamaForCausalLM", "config": "LlamaConfig", "norm_offset": 1.0,
+        "fields": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
+    },
+    # The hybrid at tiny size (CPU smoke test of the Gated DeltaNet path: --quick --model tiny-qwen3.5).
+    "tiny-qwen3.5": {
+        "class": "Qwen3_5ForCausalLM", "config": "Qwen3_5TextConfig", "norm_offset": 0.0,
+        "fields": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4, max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25}),
+    },
+}
+
+
+# -- the model ---------------------------------------------------------------------
+
+def _layers(spec: dict[str, Any], layers: str | int) -> int:
+    full = spec["fields"]["num_hidden_layers"]
+    return full if str(layers) == "full" else min(int(layers), full)
+
+
+def build(name: str, layers: str | int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
+    """The model from its config, random weights made on ``device`` (norm weights drawn too, not ones)."""
+    import transformers as tf
+
+    from fusepass.models import transformers_class
+
+    spec = MODELS[name]
+    fields = {**spec["fields"], "num_hidden_layers": _layers(spec, layers)}
+    try:
+        config = transformers_class(spec["config"])(**fields)
+        cls = transformers_class(spec["class"])
+    except AttributeError as exc:
+        raise SystemExit(f"fusepass bench e2e: transformers {tf.__version__} has no {exc.name}: "
+                         f"{name} needs a newer transformers") from exc
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls._from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                module.weight.normal_(0.0, 0.1).add_(spec["norm_offset"] if "Gated" not in type(module).__name__
+                                                      else 1.0)
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.nn.Module:
+    if not fmt:
+        return model
+    if fmt == "torchao-int8":  # torchao's int8 weight-only tensor subclass, lm_head kept in bf16 as below
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        except ImportError as exc:
+            raise SystemExit("fusepass bench e2e: --quantize torchao-int8 needs torchao (pip install torchao)") from exc
+        quantize_(model, Int8WeightOnlyConfig(),
+                  filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and not fqn.endswith("lm_head"))
+        return model
+    import fusepass
+
+    if not hasattr(fusepass, "quantize"):
+        raise SystemExit("fusepass bench e2e: --quantize needs fusepass.quantize, which this version lacks")
+    print(fusepass.quantize(model, fmt=fmt, group_size=group_size), file=sys.stderr)  # in place; a summary
+    return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """What one decode step reads: every parameter and buffer once, the input embedding excluded
+    (B rows of it are read) unless the output layer shares it."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    total = sum(_nbytes(t) for t in tensors.values())
+    embed = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    if out is None or out.weight is not embed:
+        total -= _nbytes(embed)
+    return total
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Storage bytes; a tensor subclass (torchao's quantized weights) counts the tensors it holds."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()

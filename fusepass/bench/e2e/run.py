@@ -1,0 +1,155 @@
+"""What one ``fusepass bench e2e`` invocation shares between its phases: the
+:class:`Run` (options, model, rows, timers) and the backend helpers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import output
+from ..timing import Timing, copy_bandwidth, environment, profile_kernels, render_profile, time_cpu
+from .models import MODELS, _layers, build, quantize, weight_bytes
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def rewrites(report: Any) -> str:
+    """The report's totals: hits per rule, graphs (from cache), refusals."""
+    cached = sum(1 for g in report.graphs if g.cache == "hit")
+    text = _hit_totals([(h.rule, h.where) for h in report.hits])
+    return (f"{text} ({len(report.graphs)} graph(s){f', {cached} from cache' if cached else ''}"
+            f"{f', {len(report.refusals)} refused' if report.refusals else ''})")
+
+
+def _hit_totals(hits: list[Any]) -> str:
+    counts = Counter(rule for rule, _ in hits)
+    return ", ".join(f"{rule}×{n}" for rule, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+
+
+class Run:
+    """The state one ``fusepass bench e2e`` invocation shares between its phases."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.quick = args.quick
+        self.device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+        self.cuda = self.device == "cuda"
+        self.model_name = "tiny-llama" if args.quick and not args.model_given else args.model
+        self.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if self.cuda else torch.float32)
+        if not self.cuda:
+            # Two threads on a busy 2-core machine: 240 ms per tiny forward
+            # (threads waiting on each other) against 1 ms with one.
+            torch.set_num_threads(args.threads or 1)
+        self.backends = [b.strip() for b in args.backends.split(",")]
+        self.rows: list[dict[str, Any]] = []
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.env = environment(self.device)
+        self.copy_gbps = copy_bandwidth(self.device)
+        self.layers = _layers(MODELS[self.model_name], args.layers)
+        self.model: torch.nn.Module | None = None
+        self.started = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    def get_model(self) -> torch.nn.Module:
+        if self.model is None:
+            t0 = time.perf_counter()
+            self.model = quantize(build(self.model_name, self.layers, self.dtype, self.device),
+                                  self.args.quantize, self.args.group_size)
+            self.weight_bytes = weight_bytes(self.model)
+            self.say(f"built {self.model_name} ({self.layers} layers, {self.weight_bytes / 1e9:.2f} GB read per "
+                     f"decode step) in {time.perf_counter() - t0:.1f} s")
+        return self.model
+
+    def over_budget(self, phase: str, workload: str, backend: str, quiet: bool = False) -> bool:
+        """Past ``--max-seconds``: the step is listed as skipped instead of run."""
+        limit = self.args.max_seconds
+        if not limit or time.perf_counter() - self.started <= limit:
+            return False
+        if not quiet:
+            self.add(phase=phase, workload=workload, backend=backend, ok=None,
+                     error=f"skipped: past --max-seconds {limit:.0f}")
+        self.say(f"{phase} {workload} {backend}: skipped (past --max-seconds {limit:.0f})")
+        return True
+
+    def floor_ms(self) -> float:
+        return self.weight_bytes / self.copy_gbps / 1e6
+
+    def add(self, **row: Any) -> dict[str, Any]:
+        row = {"model": self.model_name, "layers": self.layers, "dtype": str(self.dtype).replace("torch.", ""),
+               "quantize": self.args.quantize or "-", **row, **self.env}
+        self.rows.append(row)
+        output.write_json(self.out / "e2e.json", self.env, self.rows, **self.meta())
+        return row
+
+    def meta(self) -> dict[str, Any]:
+        return {"command": self.args.command_line, "copy_gbps": self.copy_gbps, "quick": self.quick}
+
+    def ids(self, batch: int, seq: int, seed: int = 1) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        vocab = self.get_model().config.vocab_size
+        return torch.randint(0, vocab, (batch, seq), generator=g).to(self.device)
+
+    def profile(self, fn: Callable[[], Any], workload: str, backend: str) -> dict[str, Any]:
+        """With ``--profile`` on CUDA: the call's kernels (plain launches), written beside the table;
+        the totals go into the row."""
+        if not (self.args.profile and self.cuda):
+            return {}
+        prof = profile_kernels(fn)
+        name = f"profile_{workload.replace(' ', '_')}_{backend}.txt"
+        (self.out / name).write_text(render_profile(f"{workload} {backend}", prof))
+        self.say(f"{workload} {backend}: {prof['kernels_per_call']:.0f} kernels, {prof['kernel_ms_per_call']:.3f} ms "
+                 f"kernel time per call ({name})")
+        return {"kernels_per_call": prof["kernels_per_call"], "kernel_ms_per_call": prof["kernel_ms_per_call"],
+                "profile": prof}
+
+    def time_calls(self, fn: Callable[[], Any], reps: int) -> Timing:
+        """Milliseconds per call: CUDA events around each call, or back-to-back calls on the CPU."""
+        if not self.cuda:
+            return time_cpu(fn, rep_ms=50.0 * reps, min_samples=reps)
+        fn()  # one more warm-up call: lazy allocations, first-launch costs
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        return Timing.from_samples(samples)
+
+
+def _fresh(model: torch.nn.Module, backend: str, **kwargs: Any) -> Any:
+    """``model`` compiled with ``backend`` from a clean Dynamo state (eager: the model itself)."""
+    torch._dynamo.reset()
+    if hasattr(model, "_compiled_call"):  # generate's cached compile of __call__
+        del model._compiled_call
+    if backend == "eager":
+        return model
+    return torch.compile(model, backend=backend, dynamic=False, **kwargs)
+
+
+def _start_report(backend: str) -> None:
+    if backend == "fusepass":
+        import fusepass
+
+        fusepass.reset_reports()
+
+
+def _report_text(backend: str) -> str | None:
+    if backend != "fusepass":
+        return None
+    import fusepass
+
+    report = fusepass.last_report()
+    print(report, file=sys.stderr)  # the whole report (refusals and their reasons) into the log
+    return rewrites(report)
