@@ -140,6 +140,7 @@ def environment(device: str | torch.device) -> dict[str, str]:
         "transformers": _version("transformers"),
         "python": platform.python_version(),
         "commit": commit(),
+        "date": time.strftime("%Y-%m-%d"),
     }
 
 

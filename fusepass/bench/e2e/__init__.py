@@ -118,6 +118,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA: also profile each prefill call and decode step (plain launches): kernels, time per "
                         "kind of kernel, the top kernels; written as profile_*.txt beside the table")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs; default 1)")
+    p.add_argument("--hide", default=None,
+                   help="comma list of installed packages this run must not import, e.g. fla: with "
+                        "flash-linear-attention importable transformers runs Gated DeltaNet on its kernels, "
+                        "hidden it runs its own PyTorch code (what fusepass rewrites)")
     p.add_argument("--out", default=None, help="folder for e2e_table.txt, e2e.json/.csv and the plot (default: a new "
                                                "folder under <tmp>/fusepass-bench/)")
     p.set_defaults(func=main)

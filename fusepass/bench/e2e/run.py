@@ -47,6 +47,12 @@ class Run:
             # (threads waiting on each other) against 1 ms with one.
             torch.set_num_threads(args.threads or 1)
         self.backends = [b.strip() for b in args.backends.split(",")]
+        # Packages kept out of this run and its child processes: transformers
+        # imports an optional kernel package (flash-linear-attention for Gated
+        # DeltaNet) in a try block and runs its own PyTorch code when that fails.
+        self.hidden = [h.strip() for h in (getattr(args, "hide", None) or "").split(",") if h.strip()]
+        for name in self.hidden:
+            sys.modules[name] = None  # type: ignore[assignment]
         self.rows: list[dict[str, Any]] = []
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)

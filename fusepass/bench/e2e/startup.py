@@ -27,8 +27,10 @@ from .run import Run, _hit_totals
 _CHILD = r"""
 import json, sys, time
 t_process = time.perf_counter()
-import torch, transformers as tf
 spec = json.loads(sys.argv[1])
+for name in spec.get("hide", ()):
+    sys.modules[name] = None  # as the parent: transformers falls back to its own code
+import torch, transformers as tf
 if spec["threads"]:
     torch.set_num_threads(spec["threads"])
 cls, config = getattr(tf, spec["class"]), getattr(tf, spec["config"])(**spec["fields"])
@@ -87,7 +89,7 @@ def phase_startup(run: Run) -> None:
                     "fields": {**spec_model["fields"], "num_hidden_layers": run.layers},
                     "dtype": str(run.dtype).replace("torch.", ""), "device": run.device, "backend": backend,
                     "prompt": run.args.prompt, "quantize": run.args.quantize, "group_size": run.args.group_size,
-                    "threads": None if run.cuda else torch.get_num_threads()}
+                    "threads": None if run.cuda else torch.get_num_threads(), "hide": run.hidden}
             folder = Path(tempfile.mkdtemp(prefix="fusepass-startup-"))
             try:
                 for kind in ("cold", "warm"):
