@@ -15,14 +15,17 @@ import torch
 
 MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5")
 
-# What importing transformers' model classes prints when torchao is installed
-# (transformers imports it for its quantizer): torchao trying C++ extensions
-# built for another Python or CUDA (its Python paths work without them), and
-# torch deprecating the pytree registration torchao makes of two enums.
-# Dropped by their exact text, while fusepass imports a model, and only then.
+# What importing and running transformers' models prints around fusepass:
+# torchao (imported by transformers for its quantizer) trying C++ extensions
+# built for another Python or CUDA (its Python paths work without them);
+# torch deprecating the pytree registration torchao makes of two enums; and
+# transformers advising flash-linear-attention / causal-conv1d for its eager
+# GDN code (under fusepass that call is fusepass's op).  Dropped by their
+# exact text, while fusepass builds a model or runs a command, and only then.
 _PEER_NOISE = {
     "torchao": ("Failed to load ", ".so"),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+    "transformers.integrations.hub_kernels": ("is falling back to its reference PyTorch implementation",),
 }
 
 
@@ -38,7 +41,7 @@ class _Drop(logging.Filter):
 
 @contextlib.contextmanager
 def quiet_imports() -> Iterator[None]:
-    """Imports of ``transformers`` (and through it torchao) without their known start-up noise."""
+    """``transformers`` (and through it torchao) imported and run without the known noise above."""
     filters = [(logging.getLogger(name), _Drop(*fragments)) for name, fragments in _PEER_NOISE.items()]
     for logger, f in filters:
         logger.addFilter(f)

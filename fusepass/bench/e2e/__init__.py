@@ -33,6 +33,11 @@ Next to every decode and replay row: the weight-read floor, the bytes of every
 parameter and buffer (the input embedding excluded: a step reads B rows of it)
 over the copy bandwidth measured in the same run, and the row's share of it.
 Next to every fusepass row: the rewrite report's totals (hits per rule).
+
+The parts: :mod:`.models` (the configs, building and quantizing), :mod:`.run`
+(the state the phases share), :mod:`.phases` (prefill, decode, replay),
+:mod:`.startup` (the fresh processes), :mod:`.summary` (comparison, table,
+files); this module holds the command.
 """
 
 from __future__ import annotations
