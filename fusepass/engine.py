@@ -276,14 +276,41 @@ def _pattern_key(rule: Rule) -> str:
                  f"commutative_root={rule.commutative_root}"):
         h.update(part.encode())
         h.update(b"\0")
-    fns = [rule.example_inputs] + [f for form in rule.forms for f in (form.search, form.example_inputs)]
-    files = {getattr(getattr(fn, "__code__", None), "co_filename", "") for fn in fns if fn is not None}
+    fns = [fn for fn in [rule.example_inputs] + [f for form in rule.forms for f in (form.search, form.example_inputs)]
+           if fn is not None]
+    files = {getattr(getattr(fn, "__code__", None), "co_filename", "") for fn in fns}
     for name in sorted(files):
         try:
             h.update(Path(name).read_bytes())
         except OSError:
             h.update(name.encode())
+    # What the source text does not show: values a function closes over or
+    # defaults to (one ``def`` in a loop makes functions of one source).
+    for fn in fns:
+        for value in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).items(), *_cells(fn)):
+            h.update(_value_text(value).encode())
     return h.hexdigest()[:32]
+
+
+def _cells(fn: Any) -> list[Any]:
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            out.append(None)
+    return out
+
+
+def _value_text(value: Any) -> str:
+    """A text for a closed-over value: a function by its name and source (its repr has an address, which
+    would make every key new: a missed cache, never a wrong one)."""
+    if callable(value) and hasattr(value, "__code__"):
+        try:
+            return f"{value.__qualname__}:{inspect.getsource(value)}"
+        except (OSError, TypeError):
+            return f"{value.__qualname__}:{value.__code__.co_code!r}"
+    return repr(value)
 
 
 class _PatternPickler(pickle.Pickler):

@@ -101,3 +101,17 @@ def test_patterns_come_back_from_the_disk_cache_as_traced(tmp_path, monkeypatch)
     engine.compile_rule(other)
     assert len(list(tmp_path.glob("add_rms_norm-*.pkl"))) == 1
     engine._compiled.pop(id(other), None)
+
+
+def test_pattern_key_tells_apart_functions_of_one_source():
+    """One ``def`` in a loop: the same text, other behaviour, so another key."""
+    from fusepass import engine
+
+    def make(k):
+        def search(x):
+            return x * k
+        return fusepass.Rule(name="scaled", forms=[fusepass.Form("f", search, search)],
+                             example_inputs=lambda dtype: [torch.randn(4, 8, dtype=dtype)])
+
+    assert engine._pattern_key(make(2.0)) != engine._pattern_key(make(3.0))
+    assert engine._pattern_key(make(2.0)) == engine._pattern_key(make(2.0))
