@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.kernels._common import run_kernel
+from fusepass.kernels._common import on_device, run_kernel, sm_count
 from fusepass.kernels.dequant_matmul import FORMATS, WEIGHT_DTYPES, dequantize
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gpt_oss")
@@ -207,11 +207,92 @@ def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
 
 # --------------------------------------------------------------------- plan ----
 
+PLANS = ("decode", "sorted", "grouped_mm", "reference")
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _grouped_mm_ok(dtype: torch.dtype, fmt: str, device: torch.device | None) -> bool:
+    if dtype != torch.bfloat16 or fmt != "none" or not hasattr(torch, "_grouped_mm"):
+        return False
+    if device is None or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
 
 def moe_experts_plan(T: int, E: int, H: int, I: int, k: int, dtype: torch.dtype, fmt: str = "none",
                      device: torch.device | str | None = None) -> str:
-    """The path the CUDA op takes for these sizes: "reference" (plain torch)."""
-    return "reference"
+    """The path ``fusepass::moe_experts`` takes on CUDA for T tokens: "decode"
+    (few tokens: the two decode kernels, no routing step), "sorted" (slots
+    sorted by expert, grouped tl.dot kernels), "grouped_mm" (the same sort,
+    ``torch._grouped_mm`` for the two GEMMs) or "reference" (plain torch:
+    fp64, or a device without the kernels).  Measured plans for the GPU
+    (``plans.PLANS``) first, else a heuristic."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+    if dtype not in _KERNEL_DTYPES or (device is not None and device.type != "cuda"):
+        return "reference"
+    from fusepass.kernels.moe import plans
+
+    measured = plans.lookup(T, E, H, I, k, dtype, fmt, device)
+    if measured is not None and (measured != "grouped_mm" or _grouped_mm_ok(dtype, fmt, device)):
+        return measured
+    if T * k <= DECODE_MAX_SLOTS:
+        return "decode"
+    if T * k >= 16384 and _grouped_mm_ok(dtype, fmt, device):
+        return "grouped_mm"
+    return "sorted"
+
+
+# The decode kernels' programs each read all T * k ids; past a few hundred
+# slots the alignment step is cheaper than that and than reading an expert
+# chosen by many tokens once per BM of them.
+DECODE_MAX_SLOTS = 128
+
+
+def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+                bias_gate_up: Tensor | None, bias_down: Tensor | None, scale_gate_up: Tensor | None,
+                zero_gate_up: Tensor | None, scale_down: Tensor | None, zero_down: Tensor | None, activation: str,
+                gate_layout: str, transposed: bool, fmt: str, group_size: int, alpha: float, limit: float,
+                plan: str | None = None, cfg=None) -> Tensor:
+    """The experts through the Triton kernels (operands as the op checked them).
+    ``plan`` and ``cfg`` override the plan and its tiles (tests, sweeps)."""
+    from fusepass.kernels.moe import decode, prefill
+
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    E = w_gate_up.shape[0]
+    I = w_gate_up.shape[2 if transposed else 1] // 2
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0 or k == 0:
+        return out.zero_()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
+    b1 = None if bias_gate_up is None else bias_gate_up.contiguous()
+    b2 = None if bias_down is None else bias_down.contiguous()
+    if fmt != "none":  # packed weights, scales and zeros are read with unit inner strides
+        w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+        scale_gate_up, scale_down = scale_gate_up.contiguous(), scale_down.contiguous()
+        zero_gate_up = None if zero_gate_up is None else zero_gate_up.contiguous()
+        zero_down = None if zero_down is None else zero_down.contiguous()
+    group = group_size if fmt == "int4" else 0
+    plan = plan or moe_experts_plan(T, E, H, I, k, x.dtype, fmt, x.device)
+    halves = gate_layout == "halves"
+    args = (x, ids, tw, w_gate_up, w_down, b1, b2, scale_gate_up, zero_gate_up, scale_down, zero_down, activation,
+            halves, transposed, fmt, group, alpha, limit)
+    with on_device(x):
+        if plan == "decode":
+            decode.launch_decode(*args, cfg or decode.decode_heuristic(T, H, I, sm_count(x.device), group), out)
+        elif plan == "sorted":
+            prefill.launch_sorted(*args, cfg or prefill.sorted_heuristic(T, k, E, group), out)
+        elif plan == "grouped_mm":
+            prefill.launch_grouped_mm(x, ids, tw, w_gate_up, w_down, b1, b2, activation, halves, transposed, alpha,
+                                      limit, out)
+        else:
+            raise ValueError(f"unknown plan {plan!r}; one of {PLANS}")
+    return out
 
 
 # ----------------------------------------------------------------------- op ----
@@ -256,5 +337,7 @@ def _moe_experts_cuda(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up
     args = (x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down, scale_gate_up, zero_gate_up,
             scale_down, zero_down, activation, gate_layout, transposed, fmt, group_size)
     _check(*args)
-    return run_kernel("moe_experts", lambda: _reference_out(*args, alpha, limit),
+    if x.dtype not in _KERNEL_DTYPES:  # fp64: the reference
+        return _reference_out(*args, alpha, limit)
+    return run_kernel("moe_experts", lambda: experts_fwd(*args, alpha, limit),
                       lambda: _reference_out(*args, alpha, limit))

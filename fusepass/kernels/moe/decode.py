@@ -1,0 +1,208 @@
+"""The experts' decode path: few tokens, each active expert's weights streamed once.
+
+Two launches, no routing step before them:
+
+1. ``_moe_decode_up_kernel``, a program per (slot, block of BN intermediate
+   columns), a slot being one (token, choice) pair of the T * k.  The slot
+   reads all T * k expert ids (a few hundred bytes) and goes on only if it is
+   the first slot of its expert: that program gathers every slot routed to
+   the expert (their tokens' rows of x, BM at a time) and multiplies them into
+   the expert's gate and up rows, loaded once; the others return at once.  So
+   an expert chosen by several tokens is read once, and one no token chose
+   costs nothing.  Epilogue: the activation with the models' roundings,
+   stored per slot into h [T * k, I].
+2. ``_moe_decode_down_kernel``, a program per (token, block of BN output
+   columns): for each of the token's k experts, h's row times the expert's
+   down rows, rounded, biased, times the routing weight, summed in fp32 in
+   registers and stored once: the sum over experts is the epilogue, with no
+   atomics and no third launch.  An expert shared by two tokens is read by
+   two programs with adjacent ids (token is the fastest grid axis), the
+   second read served from L2.
+
+Both kernels multiply with fp32 FMAs on register tiles (a GEMV: one to a few
+rows per weight tile), products accumulated elementwise and reduced across K
+once at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fusepass.kernels._common import cdiv
+from fusepass.kernels.moe._tiles import cdiv_pow2, down_epilogue, gate_up_epilogue, row_scale, w_tile
+
+
+@triton.jit
+def _moe_decode_up_kernel(
+    x, ids, w, bias, scale, zero, h,
+    S, E, K, I, TOPK,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_hm,
+    DT: tl.constexpr, ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    i_s, i_n = tl.program_id(0), tl.program_id(1)
+    o_s = tl.arange(0, BS)
+    m_s = o_s < S
+    b_ids = tl.load(ids + o_s, mask=m_s, other=-1).to(tl.int32)
+    e = tl.load(ids + i_s).to(tl.int32)
+    match = (b_ids == e) & m_s
+    first = tl.min(tl.where(match, o_s, BS), axis=0)
+    if (e >= 0) & (e < E) & (first == i_s):
+        cnt = tl.sum(match.to(tl.int32), axis=0)
+        rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < I
+        if HALVES:
+            o_g, o_u = o_n, o_n + I
+        else:
+            o_g, o_u = 2 * o_n, 2 * o_n + 1
+        e64 = e.to(tl.int64)
+        p_w = w + e64 * stride_we
+        p_s = scale + e64 * stride_se
+        p_z = zero + e64 * stride_se
+        s_g = row_scale(p_s, o_g, m_n, FMT)
+        s_u = row_scale(p_s, o_u, m_n, FMT)
+        o_m = tl.arange(0, BM)
+        for m0 in range(0, cnt, BM):
+            # Rows m0 .. m0 + BM of this expert's slots, in slot order.
+            sel = match[None, :] & (rank[None, :] == (m0 + o_m)[:, None])  # [BM, BS]
+            b_slot = tl.sum(tl.where(sel, o_s[None, :], 0), axis=1)
+            m_m = (m0 + o_m) < cnt
+            p_x = x + (b_slot // TOPK).to(tl.int64)[:, None] * stride_xm
+            acc_g = tl.zeros([BM, BN, BK], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN, BK], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                o_k = k0 + tl.arange(0, BK)
+                # [BM, BK]
+                b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
+                # [BN, BK]
+                b_wg = w_tile(p_w, o_g, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
+                b_wu = w_tile(p_w, o_u, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
+                acc_g += b_wg.to(tl.float32)[None, :, :] * b_x[:, None, :]
+                acc_u += b_wu.to(tl.float32)[None, :, :] * b_x[:, None, :]
+            b_h = gate_up_epilogue(tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2), s_g, s_u, bias + e64 * stride_be,
+                                   o_g, o_u, m_n, DT, HAS_BIAS, ACT, ALPHA, LIMIT)
+            tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(h.dtype.element_ty),
+                     mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    h, ids, tw, w, bias, scale, zero, out,
+    E, K, N, TOPK,
+    stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
+    DT: tl.constexpr, WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for j in range(TOPK):
+        slot = i_t * TOPK + j
+        e = tl.load(ids + slot).to(tl.int32)
+        if (e >= 0) & (e < E):
+            e64 = e.to(tl.int64)
+            p_w = w + e64 * stride_we
+            p_s = scale + e64 * stride_se
+            p_z = zero + e64 * stride_se
+            p_h = h + slot.to(tl.int64) * stride_hm
+            acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                o_k = k0 + tl.arange(0, BK)
+                b_h = tl.load(p_h + o_k, mask=o_k < K, other=0).to(tl.float32)
+                b_w = w_tile(p_w, o_n, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
+                acc2 += b_w.to(tl.float32) * b_h[None, :]
+            b_tw = tl.load(tw + slot + tl.zeros([1], dtype=tl.int32)).to(tl.float32)
+            b_y = down_epilogue(tl.sum(acc2, axis=1)[None, :], row_scale(p_s, o_n, m_n, FMT),
+                                bias + e64 * stride_be, o_n, m_n, b_tw, DT, WDT, HAS_BIAS)
+            acc += tl.sum(b_y, axis=0)
+    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, acc.to(out.dtype.element_ty), mask=m_n)
+
+
+# ----------------------------------------------------------------- launch ----
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the decode path: gate_up (BM rows, BN columns, BK deep), down (BN2, BK2)."""
+
+    BM: int = 1
+    BN: int = 16
+    BK: int = 256
+    warps: int = 4
+    BN2: int = 16
+    BK2: int = 256
+    warps2: int = 4
+
+
+def decode_heuristic(T: int, H: int, I: int, n_sm: int, group: int) -> DecodeConfig:
+    """Tiles for T tokens: enough programs for two per SM in both launches.
+    Chosen without a GPU at hand; the benchmark's sweep times alternatives."""
+    BM = min(cdiv_pow2(T), 4)
+    BN2 = 16
+    while BN2 > 4 and T * cdiv(H, BN2) < 2 * n_sm:
+        BN2 //= 2
+    BK = min(256, cdiv_pow2(H))
+    BK2 = min(256, cdiv_pow2(I))
+    if group:  # int4: a tile never spans two groups
+        BK, BK2 = min(BK, group), min(BK2, group)
+    return DecodeConfig(BM=BM, BN=16, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4)
+
+
+def _strides(w: Tensor, transposed: bool) -> tuple[int, int]:
+    """(stride_n, stride_k) of an expert's weight seen as [N, K]."""
+    return (w.stride(2), w.stride(1)) if transposed else (w.stride(1), w.stride(2))
+
+
+def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1, b2, s1, z1, s2, z2,
+                  activation: str, halves: bool, transposed: bool, fmt: str, group: int, alpha: float, limit: float,
+                  cfg: DecodeConfig, out: Tensor) -> None:
+    """out [T, H] = the experts' sum, through the two decode kernels.  Operands
+    as the op checked them; ids and tw contiguous [T, k], x with unit column
+    stride; quantized weights, scales and zeros contiguous."""
+    T, H = x.shape
+    k = ids.shape[1]
+    S = T * k
+    E = w1.shape[0]
+    I = w1.shape[2 if transposed else 1] // 2
+    dt = tl_dtype(x.dtype)
+    wdt = tl_dtype(torch.promote_types(x.dtype, tw.dtype))
+    h = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    if fmt == "fp8":  # read as bytes and bitcast (a masked load's fill value cannot be cast to fp8)
+        w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
+    dummy = x  # an unused pointer argument
+    sn1, sk1 = _strides(w1, transposed)
+    _moe_decode_up_kernel[(S, cdiv(I, cfg.BN))](
+        x, ids, w1, b1 if b1 is not None else dummy, s1 if s1 is not None else dummy,
+        z1 if z1 is not None else dummy, h,
+        S, E, H, I, k,
+        x.stride(0), w1.stride(0), sn1, sk1, s1.stride(0) if s1 is not None else 0,
+        s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
+        DT=dt, ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
+        ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+        num_warps=cfg.warps,
+    )
+    sn2, sk2 = _strides(w2, transposed)
+    _moe_decode_down_kernel[(T, cdiv(H, cfg.BN2))](
+        h, ids, tw, w2, b2 if b2 is not None else dummy, s2 if s2 is not None else dummy,
+        z2 if z2 is not None else dummy, out,
+        E, I, H, k,
+        h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
+        s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, out.stride(0),
+        DT=dt, WDT=wdt, FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
+        BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2,
+    )
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def tl_dtype(dtype: torch.dtype):
+    return _TL_DTYPES[dtype]
