@@ -14,6 +14,7 @@ tile, so a tile never spans two groups: BK divides G).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -126,6 +127,11 @@ def down_epilogue(acc, s_d, p_b, o_n, m_n, b_w, DT: tl.constexpr, WDT: tl.conste
     if HAS_BIAS:
         b_d = _round(b_d + tl.load(p_b + o_n, mask=m_n, other=0).to(tl.float32)[None, :], DT)
     return _round(b_d * b_w[:, None], WDT)
+
+
+def workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised buffer between two launches (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def cdiv_pow2(n: int) -> int:

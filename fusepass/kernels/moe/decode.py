@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import cdiv
+from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import cdiv_pow2, down_epilogue, gate_up_epilogue, row_scale, w_tile
 
 
@@ -174,7 +175,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     I = w1.shape[2 if transposed else 1] // 2
     dt = tl_dtype(x.dtype)
     wdt = tl_dtype(torch.promote_types(x.dtype, tw.dtype))
-    h = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    h = _tiles.workspace((S, I), x.dtype, x.device)
     if fmt == "fp8":  # read as bytes and bitcast (a masked load's fill value cannot be cast to fp8)
         w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
     dummy = x  # an unused pointer argument

@@ -93,6 +93,12 @@ def _activation(gu: Tensor, activation: str, gate_layout: str, alpha: float, lim
     return r(r(up + 1) * glu)
 
 
+def _rounder(dtype: torch.dtype, cd: torch.dtype):
+    """t -> t rounded to ``dtype`` and back to ``cd`` (tests under the Triton
+    interpreter swap in its fp32 -> bf16 truncation)."""
+    return lambda t: t.to(dtype).to(cd)
+
+
 def moe_experts_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                           bias_gate_up: Tensor | None, bias_down: Tensor | None, scale_gate_up: Tensor | None,
                           zero_gate_up: Tensor | None, scale_down: Tensor | None, zero_down: Tensor | None,
@@ -109,8 +115,8 @@ def moe_experts_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_g
     dt = x.dtype
     wdt = torch.promote_types(dt, topk_weights.dtype)
 
-    def r(t: Tensor) -> Tensor:
-        return t.to(dt).to(cd)
+    r = _rounder(dt, cd)
+    r_w = _rounder(wdt, cd)
 
     out = torch.zeros(T, H, dtype=cd, device=x.device)
     ids = topk_ids.reshape(-1).long()
@@ -136,9 +142,9 @@ def moe_experts_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_g
         d = r(h @ w2.t())
         if bias_down is not None:
             d = r(d + bias_down[e].to(cd))
-        y = (d * topk_weights.reshape(-1)[p].to(cd)[:, None]).to(wdt).to(cd)
+        y = r_w(d * topk_weights.reshape(-1)[p].to(cd)[:, None])
         out.index_add_(0, tok, y)
-    return out.to(dt)
+    return r(out).to(dt)
 
 
 def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
@@ -258,13 +264,13 @@ def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Te
                 plan: str | None = None, cfg=None) -> Tensor:
     """The experts through the Triton kernels (operands as the op checked them).
     ``plan`` and ``cfg`` override the plan and its tiles (tests, sweeps)."""
-    from fusepass.kernels.moe import decode, prefill
+    from fusepass.kernels.moe import _tiles, decode, prefill
 
     T, H = x.shape
     k = topk_ids.shape[1]
     E = w_gate_up.shape[0]
     I = w_gate_up.shape[2 if transposed else 1] // 2
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    out = _tiles.workspace((T, H), x.dtype, x.device)
     if T == 0 or k == 0:
         return out.zero_()
     if x.stride(-1) != 1:

@@ -41,6 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import cdiv, interpreting
+from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import (
     _round,
     cdiv_pow2,
@@ -276,9 +277,8 @@ def align(ids: Tensor, E: int, BM: int) -> Alignment:
     P_MAX = S + min(E, S) * (BM - 1)
     NBLK_MAX = cdiv(P_MAX, BM)
     dev = ids.device
-    a = Alignment(torch.empty(P_MAX, dtype=torch.int32, device=dev), torch.empty(S, dtype=torch.int32, device=dev),
-                  torch.empty(NBLK_MAX, dtype=torch.int32, device=dev), torch.empty(E, dtype=torch.int32, device=dev),
-                  BM)
+    a = Alignment(_tiles.workspace((P_MAX,), torch.int32, dev), _tiles.workspace((S,), torch.int32, dev),
+                  _tiles.workspace((NBLK_MAX,), torch.int32, dev), _tiles.workspace((E,), torch.int32, dev), BM)
     CH = 1024 if not interpreting() else 64
     _moe_align_kernel[(E,)](ids, a.sorted_slots, a.pos_of_slot, a.block_expert, a.expert_end, S, E, P_MAX, NBLK_MAX,
                             BM=BM, NBINS=cdiv_pow2(E + 1), CH=CH, BMP=cdiv_pow2(BM), num_warps=4)
@@ -308,7 +308,7 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     f32 = _f32_dots(x.dtype)
     if fmt == "fp8":
         w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
-    h = torch.empty((a.sorted_slots.numel(), I), dtype=x.dtype, device=x.device)
+    h = _tiles.workspace((a.sorted_slots.numel(), I), x.dtype, x.device)
     sn1, sk1 = _strides(w1, transposed)
     _moe_sorted_up_kernel[(nblk, cdiv(I, cfg.BN))](
         x, a.sorted_slots, a.block_expert, w1, _ptrs(b1, x), _ptrs(s1, x), _ptrs(z1, x), h,
@@ -319,7 +319,7 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         ALPHA=float(alpha), LIMIT=float(limit), F32=f32, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    y = torch.empty((T * k, H), dtype=wdt_t, device=x.device)
+    y = _tiles.workspace((T * k, H), wdt_t, x.device)
     sn2, sk2 = _strides(w2, transposed)
     _moe_sorted_down_kernel[(nblk, cdiv(H, cfg.BN2))](
         h, a.sorted_slots, a.block_expert, tw, w2, _ptrs(b2, x), _ptrs(s2, x), _ptrs(z2, x), y,
@@ -358,7 +358,7 @@ def launch_grouped_mm(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor
     w1t = w1 if transposed else w1.transpose(-2, -1)
     w2t = w2 if transposed else w2.transpose(-2, -1)
     gu = torch._grouped_mm(xs, w1t, offs=a.expert_end)
-    h = torch.empty((R, I), dtype=x.dtype, device=x.device)
+    h = _tiles.workspace((R, I), x.dtype, x.device)
     BR, BN = (16, 256) if not interpreting() else (8, 32)
     _moe_act_kernel[(cdiv(R, BR), cdiv(I, BN))](
         gu, a.sorted_slots, ids, _ptrs(b1, x), h, R, I, gu.stride(0), b1.stride(0) if b1 is not None else 0,

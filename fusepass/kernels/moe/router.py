@@ -56,6 +56,7 @@ from torch import Tensor
 
 from fusepass.kernels._common import cdiv, interpreting, on_device, run_kernel
 from fusepass.kernels.dequant_matmul import _split_counters
+from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import cdiv_pow2, dot
 
 ROUTER_KINDS = ("softmax", "topk_softmax", "sigmoid")
@@ -298,9 +299,9 @@ def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: 
     T, H = x.shape
     E = weight.shape[0]
     dev = x.device
-    tw = torch.empty((T, top_k), dtype=weights_dtype, device=dev)
-    tid = torch.empty((T, top_k), dtype=torch.int64, device=dev)
-    logits = torch.empty((T, E), dtype=logits_dtype, device=dev)
+    tw = _tiles.workspace((T, top_k), weights_dtype, dev)
+    tid = _tiles.workspace((T, top_k), torch.int64, dev)
+    logits = _tiles.workspace((T, E), logits_dtype, dev)
     if T == 0:
         return tw, tid, logits
     if x.stride(-1) != 1:
