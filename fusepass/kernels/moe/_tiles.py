@@ -2,10 +2,11 @@
 (plain or dequantised), the gated activation with the models' roundings, and
 the down projection's epilogue.
 
-Weights are addressed as [N, K] (out, in features) through two strides, so
-one loader reads both transformers layouts: [E, N, K] (stride_n = K,
-stride_k = 1) and the transposed [E, K, N] of gpt-oss (stride_n = 1,
-stride_k = N).  Quantized weights are [E, N, K] only, as
+Weights are addressed as rows of [N, K] (out, in features): a pointer to
+each row's start and a stride along K, so one loader reads both transformers
+layouts: [E, N, K] (row stride K, stride_k = 1) and the transposed [E, K, N]
+of gpt-oss (row stride 1, stride_k = N), and tiles of one expert ([BN, BK])
+or of several at once ([KP, BN, BK]).  Quantized weights are [E, N, K] only, as
 ``fusepass.kernels.dequant_matmul`` stores one: int8 and fp8 per output
 channel (the scale multiplies the accumulator), int4 in groups of G along K
 (two codes per byte, low nibble first; the scale and zero point multiply the
@@ -28,42 +29,43 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
-def w_tile(p_w, o_n, m_n, k0, K, stride_n, stride_k, p_s, p_z, stride_sn,
+def w_tile(p_rows, m_rows, p_srows, p_zrows, k0, K, stride_k,
            FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, BK: tl.constexpr):
-    """The weight tile W[o_n, k0 : k0 + BK] of one expert (``p_w`` its [N, K]
-    base), [len(o_n), BK]: in the weight's dtype (plain), or fp32 (int8 and fp8
-    unscaled, int4 dequantised with its group's scale and zero).  Elements
-    past N or K read 0."""
-    o_k = k0 + tl.arange(0, BK)
-    m = m_n[:, None] & (o_k < K)[None, :]
-    if FMT == "none":
-        return tl.load(p_w + o_n[:, None] * stride_n + o_k[None, :] * stride_k, mask=m, other=0.0)
-    elif FMT == "int8":
-        return _int8_to_f32(tl.load(p_w + o_n[:, None] * stride_n + o_k[None, :], mask=m, other=0))
-    elif FMT == "fp8":
-        b_q = tl.load(p_w + o_n[:, None] * stride_n + o_k[None, :], mask=m, other=0)
-        return b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        BKP: tl.constexpr = BK // 2
-        o_kp = k0 // 2 + tl.arange(0, BKP)
-        b_q = tl.load(p_w + o_n[:, None] * stride_n + o_kp[None, :], mask=m_n[:, None] & (2 * o_kp < K)[None, :],
-                      other=0)
+    """Weight rows from column k0 on: ``p_rows`` points at the start of each
+    row (any shape, [BN] or [KP, BN]; masked by ``m_rows``), the result has a
+    last dim of BK more: in the weight's dtype (plain), or fp32 (int8 and fp8
+    unscaled, int4 dequantised with the group's scale and zero, whose rows
+    start at ``p_srows`` / ``p_zrows``).  Elements past K read 0."""
+    if FMT == "int4":
+        o_kp = k0 // 2 + tl.arange(0, BK // 2)
+        m = tl.expand_dims(m_rows, -1) & (2 * o_kp < K)
+        b_q = tl.load(tl.expand_dims(p_rows, -1) + o_kp, mask=m, other=0)
         b_lo, b_hi = _nibbles_to_f32(b_q)
-        b_s = tl.load(p_s + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+        b_s = tl.expand_dims(tl.load(p_srows + k0 // G, mask=m_rows, other=0).to(tl.float32), -1)
         if HAS_ZERO:
-            b_z = tl.load(p_z + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+            b_z = tl.expand_dims(tl.load(p_zrows + k0 // G, mask=m_rows, other=0).to(tl.float32), -1)
         else:
             b_z = 8.0
-        return tl.reshape(tl.join((b_lo - b_z) * b_s, (b_hi - b_z) * b_s), (o_n.shape[0], BK))
+        return tl.interleave((b_lo - b_z) * b_s, (b_hi - b_z) * b_s)
+    else:
+        o_k = k0 + tl.arange(0, BK)
+        m = tl.expand_dims(m_rows, -1) & (o_k < K)
+        if FMT == "none":
+            return tl.load(tl.expand_dims(p_rows, -1) + o_k * stride_k, mask=m, other=0.0)
+        elif FMT == "int8":
+            return _int8_to_f32(tl.load(tl.expand_dims(p_rows, -1) + o_k, mask=m, other=0))
+        else:
+            b_q = tl.load(tl.expand_dims(p_rows, -1) + o_k, mask=m, other=0)
+            return b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def row_scale(p_s, o_n, m_n, FMT: tl.constexpr):
-    """int8 / fp8: the per-channel scale of rows o_n, [len(o_n)] fp32; 1 otherwise."""
+def row_scale(p_srows, m_rows, FMT: tl.constexpr):
+    """int8 / fp8: the per-channel scale at ``p_srows`` (fp32, the rows' shape); 1 otherwise."""
     if FMT == "int8" or FMT == "fp8":
-        return tl.load(p_s + o_n, mask=m_n, other=0).to(tl.float32)
+        return tl.load(p_srows, mask=m_rows, other=0).to(tl.float32)
     else:
-        return tl.full(o_n.shape, 1.0, tl.float32)
+        return tl.full(m_rows.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -105,28 +107,30 @@ def gated_act(b_g, b_u, DT: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr
 
 
 @triton.jit
-def gate_up_epilogue(acc_g, acc_u, s_g, s_u, p_b, o_g, o_u, m_n, DT: tl.constexpr, HAS_BIAS: tl.constexpr,
+def gate_up_epilogue(acc_g, acc_u, s_g, s_u, p_bg, p_bu, m_b, DT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """[BM, BN] fp32 gate and up sums -> act in fp32 (to be stored in DT):
-    per-channel scales (s_g, s_u), the projection's rounding, its bias (columns
-    o_g, o_u of the expert's bias row at p_b) and its rounding, the activation."""
-    b_g = _round(acc_g * s_g[None, :], DT)
-    b_u = _round(acc_u * s_u[None, :], DT)
+    """fp32 gate and up sums (any shape) -> act in fp32 (to be stored in DT):
+    per-channel scales (s_g, s_u, broadcast), the projection's rounding, its
+    bias (at p_bg / p_bu, masked by m_b, broadcast) and its rounding, the
+    activation."""
+    b_g = _round(acc_g * s_g, DT)
+    b_u = _round(acc_u * s_u, DT)
     if HAS_BIAS:
-        b_g = _round(b_g + tl.load(p_b + o_g, mask=m_n, other=0).to(tl.float32)[None, :], DT)
-        b_u = _round(b_u + tl.load(p_b + o_u, mask=m_n, other=0).to(tl.float32)[None, :], DT)
+        b_g = _round(b_g + tl.load(p_bg, mask=m_b, other=0).to(tl.float32), DT)
+        b_u = _round(b_u + tl.load(p_bu, mask=m_b, other=0).to(tl.float32), DT)
     return gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
 
 
 @triton.jit
-def down_epilogue(acc, s_d, p_b, o_n, m_n, b_w, DT: tl.constexpr, WDT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """[BM, BN] fp32 down sums -> the routed contribution in fp32: scale,
-    rounding, bias and rounding, times the routing weight b_w [BM], rounded to
-    WDT (the promoted dtype of x and the routing weights)."""
-    b_d = _round(acc * s_d[None, :], DT)
+def down_epilogue(acc, s_d, p_b, m_b, b_w, DT: tl.constexpr, WDT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """fp32 down sums -> the routed contribution in fp32: scale, rounding, bias
+    (at p_b, masked by m_b) and rounding, times the routing weight b_w (all
+    broadcast against acc), rounded to WDT (the promoted dtype of x and the
+    routing weights)."""
+    b_d = _round(acc * s_d, DT)
     if HAS_BIAS:
-        b_d = _round(b_d + tl.load(p_b + o_n, mask=m_n, other=0).to(tl.float32)[None, :], DT)
-    return _round(b_d * b_w[:, None], WDT)
+        b_d = _round(b_d + tl.load(p_b, mask=m_b, other=0).to(tl.float32), DT)
+    return _round(b_d * b_w, WDT)
 
 
 def workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -43,10 +43,11 @@ def _moe_decode_up_kernel(
     x, ids, w, bias, scale, zero, h,
     S, E, K, I, TOPK,
     stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_hm,
-    DT: tl.constexpr, ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+    ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    DT: tl.constexpr = x.dtype.element_ty
     i_s, i_n = tl.program_id(0), tl.program_id(1)
     o_s = tl.arange(0, BS)
     m_s = o_s < S
@@ -64,11 +65,9 @@ def _moe_decode_up_kernel(
         else:
             o_g, o_u = 2 * o_n, 2 * o_n + 1
         e64 = e.to(tl.int64)
-        p_w = w + e64 * stride_we
-        p_s = scale + e64 * stride_se
-        p_z = zero + e64 * stride_se
-        s_g = row_scale(p_s, o_g, m_n, FMT)
-        s_u = row_scale(p_s, o_u, m_n, FMT)
+        p_wg, p_wu = w + e64 * stride_we + o_g * stride_wn, w + e64 * stride_we + o_u * stride_wn
+        p_sg, p_su = scale + e64 * stride_se + o_g * stride_sn, scale + e64 * stride_se + o_u * stride_sn
+        p_zg, p_zu = zero + e64 * stride_se + o_g * stride_sn, zero + e64 * stride_se + o_u * stride_sn
         o_m = tl.arange(0, BM)
         for m0 in range(0, cnt, BM):
             # Rows m0 .. m0 + BM of this expert's slots, in slot order.
@@ -83,13 +82,15 @@ def _moe_decode_up_kernel(
                 # [BM, BK]
                 b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
                 # [BN, BK]
-                b_wg = w_tile(p_w, o_g, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
-                b_wu = w_tile(p_w, o_u, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
+                b_wg = w_tile(p_wg, m_n, p_sg, p_zg, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)
+                b_wu = w_tile(p_wu, m_n, p_su, p_zu, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)
                 acc_g += b_wg.to(tl.float32)[None, :, :] * b_x[:, None, :]
                 acc_u += b_wu.to(tl.float32)[None, :, :] * b_x[:, None, :]
-            b_h = gate_up_epilogue(tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2), s_g, s_u, bias + e64 * stride_be,
-                                   o_g, o_u, m_n, DT, HAS_BIAS, ACT, ALPHA, LIMIT)
-            tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(h.dtype.element_ty),
+            p_b = bias + e64 * stride_be
+            b_h = gate_up_epilogue(tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2), row_scale(p_sg, m_n, FMT)[None, :],
+                                   row_scale(p_su, m_n, FMT)[None, :], p_b + o_g[None, :], p_b + o_u[None, :],
+                                   m_n[None, :], DT, HAS_BIAS, ACT, ALPHA, LIMIT)
+            tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
                      mask=m_m[:, None] & m_n[None, :])
 
 
@@ -98,33 +99,36 @@ def _moe_decode_down_kernel(
     h, ids, tw, w, bias, scale, zero, out,
     E, K, N, TOPK,
     stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
-    DT: tl.constexpr, WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
+    # each program keeps k times the bytes of one expert's tile in flight.
+    DT: tl.constexpr = out.dtype.element_ty
     i_t, i_n = tl.program_id(0), tl.program_id(1)
+    o_j = tl.arange(0, KP)
+    o_s = i_t * TOPK + o_j
+    b_e = tl.load(ids + o_s, mask=o_j < TOPK, other=-1).to(tl.int32)
+    v_j = (o_j < TOPK) & (b_e >= 0) & (b_e < E)
+    e64 = tl.where(v_j, b_e, 0).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for j in range(TOPK):
-        slot = i_t * TOPK + j
-        e = tl.load(ids + slot).to(tl.int32)
-        if (e >= 0) & (e < E):
-            e64 = e.to(tl.int64)
-            p_w = w + e64 * stride_we
-            p_s = scale + e64 * stride_se
-            p_z = zero + e64 * stride_se
-            p_h = h + slot.to(tl.int64) * stride_hm
-            acc2 = tl.zeros([BN, BK], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                o_k = k0 + tl.arange(0, BK)
-                b_h = tl.load(p_h + o_k, mask=o_k < K, other=0).to(tl.float32)
-                b_w = w_tile(p_w, o_n, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
-                acc2 += b_w.to(tl.float32) * b_h[None, :]
-            b_tw = tl.load(tw + slot + tl.zeros([1], dtype=tl.int32)).to(tl.float32)
-            b_y = down_epilogue(tl.sum(acc2, axis=1)[None, :], row_scale(p_s, o_n, m_n, FMT),
-                                bias + e64 * stride_be, o_n, m_n, b_tw, DT, WDT, HAS_BIAS)
-            acc += tl.sum(b_y, axis=0)
-    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, acc.to(out.dtype.element_ty), mask=m_n)
+    m_r = v_j[:, None] & m_n[None, :]  # [KP, BN]
+    p_w = w + e64[:, None] * stride_we + o_n[None, :] * stride_wn
+    p_s = scale + e64[:, None] * stride_se + o_n[None, :] * stride_sn
+    p_z = zero + e64[:, None] * stride_se + o_n[None, :] * stride_sn
+    p_h = h + o_s.to(tl.int64) * stride_hm
+    acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
+        b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [KP, BN, BK]
+        acc += b_w.to(tl.float32) * b_h[:, None, :]
+    b_tw = tl.load(tw + o_s, mask=v_j, other=0).to(tl.float32)
+    b_y = down_epilogue(tl.sum(acc, axis=2), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
+                        m_r, b_tw[:, None], DT, WDT, HAS_BIAS)
+    b_y = tl.where(m_r, b_y, 0.0)
+    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
 
 
 # ----------------------------------------------------------------- launch ----
@@ -143,15 +147,23 @@ class DecodeConfig:
     warps2: int = 4
 
 
-def decode_heuristic(T: int, H: int, I: int, n_sm: int, group: int) -> DecodeConfig:
-    """Tiles for T tokens: enough programs for two per SM in both launches.
-    Chosen without a GPU at hand; the benchmark's sweep times alternatives."""
-    BM = min(cdiv_pow2(T), 4)
-    BN2 = 16
-    while BN2 > 4 and T * cdiv(H, BN2) < 2 * n_sm:
-        BN2 //= 2
-    BK = min(256, cdiv_pow2(H))
-    BK2 = min(256, cdiv_pow2(I))
+def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int) -> DecodeConfig:
+    """Tiles for T tokens, chosen without a GPU at hand (the benchmark's sweep
+    times alternatives): 4096 fp32 partial products per accumulator per
+    program (32 registers a thread at 4 warps); gate_up BN = 16 columns
+    (a 32-byte sector of a transposed weight's row), down as few columns as
+    give two programs per SM on [E, H, I] weights (whole 256-element rows of
+    K), 16 on transposed ones (a sector per row)."""
+    BM = 1 if T == 1 else 2 if T <= 8 else 4
+    BK = min(4096 // (16 * BM), cdiv_pow2(H))
+    KP = cdiv_pow2(k)
+    if transposed:
+        BN2 = 16
+    else:
+        BN2 = 16
+        while BN2 > 2 and T * cdiv(H, BN2) < 2 * n_sm:
+            BN2 //= 2
+    BK2 = min(max(16, 4096 // (KP * BN2)), cdiv_pow2(I))
     if group:  # int4: a tile never spans two groups
         BK, BK2 = min(BK, group), min(BK2, group)
     return DecodeConfig(BM=BM, BN=16, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4)
@@ -173,7 +185,6 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     S = T * k
     E = w1.shape[0]
     I = w1.shape[2 if transposed else 1] // 2
-    dt = tl_dtype(x.dtype)
     wdt = tl_dtype(torch.promote_types(x.dtype, tw.dtype))
     h = _tiles.workspace((S, I), x.dtype, x.device)
     if fmt == "fp8":  # read as bytes and bitcast (a masked load's fill value cannot be cast to fp8)
@@ -186,7 +197,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         S, E, H, I, k,
         x.stride(0), w1.stride(0), sn1, sk1, s1.stride(0) if s1 is not None else 0,
         s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
-        DT=dt, ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
+        ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
         num_warps=cfg.warps,
     )
@@ -197,8 +208,8 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         E, I, H, k,
         h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
         s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, out.stride(0),
-        DT=dt, WDT=wdt, FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
-        BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2,
+        WDT=wdt, FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
+        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2,
     )
 
 

@@ -290,7 +290,7 @@ def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Te
             halves, transposed, fmt, group, alpha, limit)
     with on_device(x):
         if plan == "decode":
-            decode.launch_decode(*args, cfg or decode.decode_heuristic(T, H, I, sm_count(x.device), group), out)
+            decode.launch_decode(*args, cfg or decode.decode_heuristic(T, k, H, I, transposed, sm_count(x.device), group), out)
         elif plan == "sorted":
             prefill.launch_sorted(*args, cfg or prefill.sorted_heuristic(T, k, E, group), out)
         elif plan == "grouped_mm":

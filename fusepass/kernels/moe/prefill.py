@@ -105,10 +105,11 @@ def _moe_sorted_up_kernel(
     x, sorted_slots, block_expert, w, bias, scale, zero, h,
     K, I, TOPK,
     stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_hm,
-    DT: tl.constexpr, ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+    ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    DT: tl.constexpr = x.dtype.element_ty
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + i_b)
     if e >= 0:
@@ -123,21 +124,22 @@ def _moe_sorted_up_kernel(
         else:
             o_g, o_u = 2 * o_n, 2 * o_n + 1
         e64 = e.to(tl.int64)
-        p_w = w + e64 * stride_we
-        p_s = scale + e64 * stride_se
-        p_z = zero + e64 * stride_se
+        p_wg, p_wu = w + e64 * stride_we + o_g * stride_wn, w + e64 * stride_we + o_u * stride_wn
+        p_sg, p_su = scale + e64 * stride_se + o_g * stride_sn, scale + e64 * stride_se + o_u * stride_sn
+        p_zg, p_zu = zero + e64 * stride_se + o_g * stride_sn, zero + e64 * stride_se + o_u * stride_sn
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
-            b_wg = w_tile(p_w, o_g, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
-            b_wu = w_tile(p_w, o_u, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
+            b_wg = w_tile(p_wg, m_n, p_sg, p_zg, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [BN, BK]
+            b_wu = w_tile(p_wu, m_n, p_su, p_zu, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)
             acc_g = dot(b_x, tl.trans(b_wg.to(DT)), acc_g, F32)
             acc_u = dot(b_x, tl.trans(b_wu.to(DT)), acc_u, F32)
-        b_h = gate_up_epilogue(acc_g, acc_u, row_scale(p_s, o_g, m_n, FMT), row_scale(p_s, o_u, m_n, FMT),
-                               bias + e64 * stride_be, o_g, o_u, m_n, DT, HAS_BIAS, ACT, ALPHA, LIMIT)
-        tl.store(h + o_m.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(h.dtype.element_ty),
+        p_b = bias + e64 * stride_be
+        b_h = gate_up_epilogue(acc_g, acc_u, row_scale(p_sg, m_n, FMT)[None, :], row_scale(p_su, m_n, FMT)[None, :],
+                               p_b + o_g[None, :], p_b + o_u[None, :], m_n[None, :], DT, HAS_BIAS, ACT, ALPHA, LIMIT)
+        tl.store(h + o_m.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
                  mask=m_m[:, None] & m_n[None, :])
 
 
@@ -146,9 +148,10 @@ def _moe_sorted_down_kernel(
     h, sorted_slots, block_expert, tw, w, bias, scale, zero, y,
     K, N,
     stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_ym,
-    DT: tl.constexpr, WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+    WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
     HAS_BIAS: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    DT: tl.constexpr = h.dtype.element_ty
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + i_b)
     if e >= 0:
@@ -158,30 +161,31 @@ def _moe_sorted_down_kernel(
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < N
         e64 = e.to(tl.int64)
-        p_w = w + e64 * stride_we
-        p_s = scale + e64 * stride_se
-        p_z = zero + e64 * stride_se
+        p_w = w + e64 * stride_we + o_n * stride_wn
+        p_s = scale + e64 * stride_se + o_n * stride_sn
+        p_z = zero + e64 * stride_se + o_n * stride_sn
         p_h = h + o_m.to(tl.int64)[:, None] * stride_hm
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             b_h = tl.load(p_h + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
-            b_w = w_tile(p_w, o_n, m_n, k0, K, stride_wn, stride_wk, p_s, p_z, stride_sn, FMT, G, HAS_ZERO, BK)
+            b_w = w_tile(p_w, m_n, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [BN, BK]
             acc = dot(b_h, tl.trans(b_w.to(DT)), acc, F32)
         b_tw = tl.load(tw + b_slot, mask=m_m, other=0).to(tl.float32)
-        b_y = down_epilogue(acc, row_scale(p_s, o_n, m_n, FMT), bias + e64 * stride_be, o_n, m_n, b_tw, DT, WDT,
-                            HAS_BIAS)
+        b_y = down_epilogue(acc, row_scale(p_s, m_n, FMT)[None, :], bias + e64 * stride_be + o_n[None, :], m_n[None, :],
+                            b_tw[:, None], DT, WDT, HAS_BIAS)
         tl.store(y + b_slot.to(tl.int64)[:, None] * stride_ym + o_n[None, :], b_y.to(y.dtype.element_ty),
                  mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit
 def _moe_sum_kernel(y, ids, pos_of_slot, tw, bias, out, E, N, TOPK, stride_ym, stride_be, stride_om,
-                    DT: tl.constexpr, WDT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    WDT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
                     KP: tl.constexpr, BN: tl.constexpr):
     # out[t] = sum over t's valid slots j of y's row.  EPILOGUE (the grouped_mm
     # plan): y's rows are the down GEMM's rounded output in sorted order, and
     # the bias, the routing weight and their roundings are applied here.
+    DT: tl.constexpr = out.dtype.element_ty
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     o_j = tl.arange(0, KP)
     o_s = i_t * TOPK + o_j
@@ -201,14 +205,15 @@ def _moe_sum_kernel(y, ids, pos_of_slot, tw, bias, out, E, N, TOPK, stride_ym, s
         b_y = tl.where(m, _round(b_d * b_tw[:, None], WDT), 0.0)
     else:
         b_y = tl.load(y + o_s.to(tl.int64)[:, None] * stride_ym + o_n[None, :], mask=m, other=0).to(tl.float32)
-    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(out.dtype.element_ty), mask=m_n)
+    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
 
 
 @triton.jit
 def _moe_act_kernel(gu, sorted_slots, ids, bias, h, R, I, stride_gm, stride_be, stride_hm,
-                    DT: tl.constexpr, ACT: tl.constexpr, HALVES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ACT: tl.constexpr, HALVES: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ALPHA: tl.constexpr, LIMIT: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
     # h = act(gu (+ bias)) over rows of the gate_up GEMM's rounded output.
+    DT: tl.constexpr = h.dtype.element_ty
     i_r, i_n = tl.program_id(0), tl.program_id(1)
     o_r = i_r * BR + tl.arange(0, BR)
     b_slot = tl.load(sorted_slots + o_r, mask=o_r < R, other=-1)
@@ -229,7 +234,7 @@ def _moe_act_kernel(gu, sorted_slots, ids, bias, h, R, I, stride_gm, stride_be, 
         b_g = _round(b_g + tl.load(p_b + o_g[None, :], mask=m, other=0).to(tl.float32), DT)
         b_u = _round(b_u + tl.load(p_b + o_u[None, :], mask=m, other=0).to(tl.float32), DT)
     b_h = gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
-    tl.store(h + o_r.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(h.dtype.element_ty), mask=m)
+    tl.store(h + o_r.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT), mask=m)
 
 
 # ----------------------------------------------------------------- launch ----
@@ -303,7 +308,6 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     I = w1.shape[2 if transposed else 1] // 2
     a = align(ids, E, cfg.BM)
     nblk = a.block_expert.numel()
-    dt = tl_dtype(x.dtype)
     wdt_t = torch.promote_types(x.dtype, tw.dtype)
     f32 = _f32_dots(x.dtype)
     if fmt == "fp8":
@@ -315,7 +319,7 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         H, I, k,
         x.stride(0), w1.stride(0), sn1, sk1, s1.stride(0) if s1 is not None else 0,
         s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
-        DT=dt, ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
+        ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), F32=f32, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
@@ -326,7 +330,7 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         I, H,
         h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
         s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, y.stride(0),
-        DT=dt, WDT=tl_dtype(wdt_t), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None, F32=f32,
+        WDT=tl_dtype(wdt_t), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None, F32=f32,
         BM=cfg.BM, BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     _sum(y, ids, a.pos_of_slot, tw, None, out, E, epilogue=False)
@@ -340,7 +344,7 @@ def _sum(y: Tensor, ids: Tensor, pos_of_slot: Tensor, tw: Tensor, b2: Tensor | N
     wdt = torch.promote_types(out.dtype, tw.dtype)
     _moe_sum_kernel[(T, cdiv(H, BN))](
         y, ids, pos_of_slot, tw, _ptrs(b2, y), out, E, H, k, y.stride(0), b2.stride(0) if b2 is not None else 0,
-        out.stride(0), DT=tl_dtype(out.dtype), WDT=tl_dtype(wdt), EPILOGUE=epilogue, HAS_BIAS=b2 is not None,
+        out.stride(0), WDT=tl_dtype(wdt), EPILOGUE=epilogue, HAS_BIAS=b2 is not None,
         KP=cdiv_pow2(k), BN=BN, num_warps=4,
     )
 
@@ -362,7 +366,7 @@ def launch_grouped_mm(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor
     BR, BN = (16, 256) if not interpreting() else (8, 32)
     _moe_act_kernel[(cdiv(R, BR), cdiv(I, BN))](
         gu, a.sorted_slots, ids, _ptrs(b1, x), h, R, I, gu.stride(0), b1.stride(0) if b1 is not None else 0,
-        h.stride(0), DT=tl_dtype(x.dtype), ACT=activation, HALVES=halves, HAS_BIAS=b1 is not None,
+        h.stride(0), ACT=activation, HALVES=halves, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), BR=BR, BN=BN, num_warps=4,
     )
     d = torch._grouped_mm(h, w2t, offs=a.expert_end)
