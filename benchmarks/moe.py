@@ -1,0 +1,457 @@
+"""Mixture-of-Experts blocks, bf16: fusepass's router and experts ops against
+Inductor on transformers' ``grouped_mm`` and ``batched_mm`` experts forms of
+the same block, and the weight-read floor.
+
+Blocks (random weights, built from transformers' own modules):
+Qwen3-30B-A3B's sparse block (128 experts, top-8, hidden 2048, expert
+intermediate 768; softmax router, renormalised) and gpt-oss-20b's (32
+experts, top-4, hidden 2880, intermediate 2880; top-k-then-softmax router
+with a bias, transposed interleaved experts with biases and the clamped
+activation).
+
+    fusepass bench --ops moe [--quick]               # the registry entry (cases() below)
+    python benchmarks/moe.py --out DIR              # GPU: checks, CUDA-graph times, plan sweep, table last
+    TRITON_INTERPRET=1 python benchmarks/moe.py --cpu-smoke --out DIR   # the same on tiny shapes, CPU
+
+What the script does, in one process:
+1. the copy bandwidth (a 2 GiB bf16 ``copy_``, bytes read + written per second);
+2. per block and token count T: the router op against the fp32 reference
+   (logits; ids exactly against the reference selection from the op's own
+   logits), the experts op against the fp32 reference (the models' bf16
+   roundings) on the op's routing, the whole op pair replayed in a CUDA graph
+   against its eager result, and transformers' grouped_mm form against the
+   reference on the same routing;
+3. CUDA-graph times: fusepass (router + experts, the plan the op picks),
+   Inductor on the grouped_mm and batched_mm forms (batched_mm up to T = 64:
+   it gathers T * k expert matrices), and the floor: the bytes of the experts
+   the tokens chose (and the router's weight) at the copy bandwidth;
+4. int4 experts (group 128, asymmetric) at T = 1 against the bf16 op;
+5. the plan sweep: the experts op's paths (and decode tiles at T <= 8) timed
+   per T; the fastest per T printed as a ``plans.PLANS`` entry;
+6. the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Case, compiled  # noqa: E402
+from fusepass.kernels import moe  # noqa: E402  - registers fusepass::moe_router / moe_experts
+from fusepass.kernels.moe import decode, experts as ex, prefill, router as rt  # noqa: E402
+
+ops = torch.ops.fusepass
+
+MODELS = {
+    "qwen3-30b-a3b": dict(E=128, k=8, H=2048, I=768, kind="softmax", renorm=True, act="silu", layout="halves",
+                          transposed=False, bias=False, alpha=0.0, limit=0.0),
+    "gpt-oss-20b": dict(E=32, k=4, H=2880, I=2880, kind="topk_softmax", renorm=False, act="gpt_oss",
+                        layout="interleaved", transposed=True, bias=True, alpha=1.702, limit=7.0),
+}
+SMOKE_DIMS = {"qwen3-30b-a3b": dict(E=8, k=2, H=64, I=32), "gpt-oss-20b": dict(E=4, k=2, H=64, I=48)}
+TS = (1, 8, 64, 512, 4096)
+GPT_OSS_TS = (1, 8, 512)
+SMOKE_TS = (1, 3, 17)
+BATCHED_MAX_T = 64  # batched_mm gathers T * k * 3 * H * I weights: 25 GB at T = 512 (Qwen3-30B-A3B dims)
+GROUP = 128
+
+
+# -- blocks -----------------------------------------------------------------------------
+
+
+class Block:
+    """One sparse MoE block: transformers' router and experts modules, and the op arguments."""
+
+    def __init__(self, name: str, device: str, dtype=torch.bfloat16, smoke: bool = False, seed: int = 0):
+        m = dict(MODELS[name])
+        if smoke:
+            m.update(SMOKE_DIMS[name])
+        self.name, self.m = name, m
+        self.group = 16 if smoke else GROUP  # int4 experts' group size
+        E, k, H, I = m["E"], m["k"], m["H"], m["I"]
+        if name.startswith("qwen3"):
+            from transformers import Qwen3MoeConfig
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+            cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k,
+                                 norm_topk_prob=True)
+            block = Qwen3MoeSparseMoeBlock(cfg)
+            self.gate, self.experts = block.gate, block.experts
+        else:
+            from transformers import GptOssConfig
+            from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+            cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=k)
+            block = GptOssMLP(cfg)
+            self.gate, self.experts = block.router, block.experts
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in block.parameters():  # N(0, 0.02): router logits of std ~0.9 at H = 2048
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        self.module = block.to(device=device, dtype=dtype)
+        self.module.requires_grad_(False)
+
+    def router_args(self, x):
+        m = self.m
+        return (x, self.gate.weight, getattr(self.gate, "bias", None), None, m["kind"], m["k"], m["renorm"], 1, 1,
+                1.0, x.dtype, x.dtype)
+
+    def expert_weights(self):
+        e = self.experts
+        return (e.gate_up_proj, e.down_proj, getattr(e, "gate_up_proj_bias", None), getattr(e, "down_proj_bias", None))
+
+    def op_tail(self):
+        m = self.m
+        return (m["act"], m["layout"], m["transposed"])
+
+    def fusepass(self, x, quant=None):
+        w, ids, _ = ops.moe_router(*self.router_args(x))
+        return self.experts_op(x, ids, w, quant)
+
+    def experts_op(self, x, ids, w, quant=None):
+        m = self.m
+        w1, w2, b1, b2 = self.expert_weights()
+        if quant is None:
+            return ops.moe_experts(x, ids, w, w1, w2, b1, b2, None, None, None, None, *self.op_tail(), "none", 0,
+                                   m["alpha"], m["limit"])
+        q1, s1, z1, q2, s2, z2 = quant
+        return ops.moe_experts(x, ids, w, q1, q2, b1, b2, s1, z1, s2, z2, *self.op_tail(), "int4", self.group,
+                               m["alpha"], m["limit"])
+
+    def hf_form(self, impl: str):
+        """transformers' router then its ``impl`` experts function, as one function to compile."""
+        from transformers.integrations import moe as hf_moe
+        fwd = {"grouped_mm": hf_moe.grouped_mm_experts_forward, "batched_mm": hf_moe.batched_mm_experts_forward}[impl]
+        gate, experts = self.gate, self.experts
+
+        def form(x):
+            _, w, ids = gate(x)
+            return fwd(experts, x, ids, w)
+        return form
+
+    def reference(self, x, ids, w, quant=None):
+        """fp32 experts with the models' bf16 roundings, on the given routing."""
+        w1, w2, b1, b2 = self.expert_weights()
+        m = self.m
+        if quant is None:
+            return ex.moe_experts_reference(x, ids, w, w1, w2, b1, b2, None, None, None, None, m["act"], m["layout"],
+                                            m["transposed"], "none", 0, m["alpha"], m["limit"])
+        q1, s1, z1, q2, s2, z2 = quant
+        return ex.moe_experts_reference(x, ids, w, q1, q2, b1, b2, s1, z1, s2, z2, m["act"], m["layout"], False,
+                                        "int4", self.group, m["alpha"], m["limit"])
+
+    def floor_bytes(self, ids, quant=None) -> int:
+        """Bytes of the experts the tokens chose, and of the router's weight."""
+        m = self.m
+        active = torch.unique(ids[(ids >= 0) & (ids < m["E"])]).numel()
+        per_expert = 3 * m["H"] * m["I"] * 2 + (2 * m["I"] + m["H"]) * 2 * m["bias"]
+        if quant is not None:
+            per_expert = sum(t[0].numel() * t.element_size() for t in quant if t is not None)
+        return active * per_expert + self.gate.weight.numel() * 2
+
+
+def quantize_int4(w: torch.Tensor, group: int = GROUP):
+    """[E, N, K] -> (uint8 [E, N, K // 2], scale, zero [E, N, K // group]) bf16, asymmetric round to nearest."""
+    E, N, K = w.shape
+    g = w.float().view(E, N, K // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    s = ((hi - lo) / 15).clamp_min(1e-8)
+    z = (-lo / s).round().clamp(0, 15)
+    q = (g / s[..., None] + z[..., None]).round().clamp(0, 15).to(torch.uint8).view(E, N, K)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), s.to(torch.bfloat16), z.to(torch.bfloat16)
+
+
+def quantized_experts(block: Block):
+    w1, w2, _, _ = block.expert_weights()
+    if block.m["transposed"]:
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    q1, s1, z1 = quantize_int4(w1, block.group)
+    q2, s2, z2 = quantize_int4(w2, block.group)
+    return q1, s1, z1, q2, s2, z2
+
+
+# -- measurement ---------------------------------------------------------------------------
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    o, r = out.double(), ref.double()
+    return ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
+
+
+def timer(device: str, rep_ms: float):
+    if device == "cuda":
+        import triton.testing
+
+        def cuda_time(fn) -> float:
+            return triton.testing.do_bench_cudagraph(fn, rep=rep_ms) * 1e3  # µs
+        return cuda_time
+    from fusepass.bench.timing import time_cpu
+
+    return lambda fn: time_cpu(fn, rep_ms=5, min_samples=2).median * 1e3
+
+
+def copy_bandwidth(device: str, smoke: bool) -> float:
+    """Bytes read + written per second by a large bf16 copy_ (GB/s)."""
+    n = (1 << 20) if smoke else (1 << 30)  # 2 GiB of bf16 on the GPU
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    us = timer(device, 50)(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n * 2 / us / 1e3
+
+
+def graph_check(block: Block, x: torch.Tensor, device: str) -> float:
+    """The op pair captured in a CUDA graph and replayed on new inputs, against eager (0.0 = bitwise)."""
+    if device != "cuda":
+        return 0.0
+    static_x = x.clone()
+    block.fusepass(static_x)  # compiles, and creates the router's counter pool before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = block.fusepass(static_x)
+    worst = 0.0
+    for seed in (1, 2):
+        new = torch.randn(x.shape, generator=torch.Generator(device).manual_seed(seed), device=device).to(x.dtype)
+        static_x.copy_(new)
+        graph.replay()
+        worst = max(worst, (static_out.float() - block.fusepass(new).float()).abs().max().item())
+    return worst
+
+
+def check(block: Block, x: torch.Tensor) -> dict:
+    """The router and experts ops against fp32 references, and transformers' grouped_mm form on the op's routing."""
+    args = block.router_args(x)
+    w, ids, logits = ops.moe_router(*args)
+    ref_logits = rt.moe_router_reference(*args)[2]
+    ref_w, ref_ids = rt.router_select_reference(logits, None, *args[4:10], x.dtype)
+    out = block.experts_op(x, ids, w)
+    ref = block.reference(x, ids, w)
+    from transformers.integrations import moe as hf_moe
+    hf = hf_moe.grouped_mm_experts_forward(block.experts, x, ids, w)
+    return dict(logits_err=rel(logits, ref_logits), ids_equal=bool(torch.equal(ids, ref_ids)),
+                weights_err=rel(w, ref_w), experts_err=rel(out, ref), hf_grouped_mm_err=rel(hf, ref),
+                ok=bool(torch.equal(ids, ref_ids)) and rel(logits, ref_logits) < 1.6e-2 and rel(out, ref) < 1.6e-2
+                and rel(w, ref_w) < 1.6e-2)
+
+
+def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[str, float]:
+    """The experts op's paths (and tiles) on one routing: µs per candidate."""
+    T = x.shape[0]
+    m = block.m
+    w1, w2, b1, b2 = block.expert_weights()
+    args = (x, ids, w, w1, w2, b1, b2, None, None, None, None, m["act"], m["layout"], m["transposed"], "none", 0,
+            m["alpha"], m["limit"])
+    cands: dict[str, tuple] = {}
+    if T * m["k"] <= 512:
+        base = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], 132, 0)
+        cands["decode"] = ("decode", base)
+        if not smoke and T <= 8:
+            for bn, bk in ((8, 512), (32, 128)):
+                cands[f"decode-BN{bn}-BK{bk}"] = ("decode", decode.DecodeConfig(
+                    BM=base.BM, BN=bn, BK=min(bk, 4096 // (bn * base.BM)), BN2=base.BN2, BK2=base.BK2))
+            for bn2 in (4, 8, 32):
+                if bn2 != base.BN2:
+                    cands[f"decode-BN2{bn2}"] = ("decode", decode.DecodeConfig(
+                        BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 4096 // (bn2 * 8))))
+    if T * m["k"] >= 16:
+        base = prefill.sorted_heuristic(T, m["k"], m["E"], 0)
+        cands["sorted"] = ("sorted", base)
+        if not smoke:
+            for bm in (16, 32, 64, 128):
+                if bm != base.BM:
+                    cands[f"sorted-BM{bm}"] = ("sorted", prefill.SortedConfig(
+                        BM=bm, BN=64 if bm < 128 else 128, BK=64, warps=4 if bm < 128 else 8, stages=3,
+                        BN2=64 if bm < 128 else 128, BK2=64, warps2=4 if bm < 128 else 8, stages2=3))
+        if x.is_cuda and ex._grouped_mm_ok(x.dtype, "none", x.device):
+            cands["grouped_mm"] = ("grouped_mm", None)
+    times = {}
+    ref = None
+    # The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): its
+    # errors compound through the block's roundings.
+    limit = 5e-2 if smoke else 1.6e-2
+    for name, (plan, cfg) in cands.items():
+        try:
+            out = ex.experts_fwd(*args, plan=plan, cfg=cfg)
+            ref = block.reference(x, ids, w) if ref is None else ref
+            err = rel(out, ref)
+            if err > limit:
+                print(f"#   {name}: wrong result ({err:.2e}), not timed")
+                continue
+            times[name] = time_us(lambda: ex.experts_fwd(*args, plan=plan, cfg=cfg))
+        except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported, not fatal
+            print(f"#   {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    return times
+
+
+def run(args) -> dict:
+    smoke = args.cpu_smoke
+    device = "cpu" if smoke else "cuda"
+    time_us = timer(device, args.rep)
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               commit=os.environ.get("FUSEPASS_COMMIT", "unknown"))
+    import triton
+    env["triton"] = triton.__version__
+    print(f"# {env}")
+    t0 = time.time()
+    bw = copy_bandwidth(device, smoke)
+    print(f"# copy bandwidth {bw:.0f} GB/s (bytes read + written)")
+    rows, sweeps = [], {}
+    for name in args.models.split(","):
+        block = Block(name, device, smoke=smoke)
+        ts = SMOKE_TS if smoke else (TS if name.startswith("qwen3") else GPT_OSS_TS)
+        ts = [t for t in ts if not args.ts or t in args.ts]
+        for T in ts:
+            if time.time() - t0 > args.budget:
+                print(f"# budget spent: {name} T={T} and later skipped")
+                break
+            x = torch.randn(T, block.m["H"], generator=torch.Generator().manual_seed(T)).to(device, torch.bfloat16)
+            row = dict(model=name, T=T, plan=ex.moe_experts_plan(T, block.m["E"], block.m["H"], block.m["I"],
+                                                                 block.m["k"], x.dtype, "none", x.device))
+            with torch.no_grad():
+                row.update(check(block, x))
+                row["graph_err"] = graph_check(block, x, device)
+                w, ids, _ = ops.moe_router(*block.router_args(x))
+                floor_us = block.floor_bytes(ids) / bw / 1e3
+                row.update(floor_us=floor_us, fusepass_us=time_us(lambda: block.fusepass(x)),
+                           router_us=time_us(lambda: ops.moe_router(*block.router_args(x))))
+                forms = ["grouped_mm"] + (["batched_mm"] if T <= BATCHED_MAX_T else [])
+                for impl in forms:
+                    try:
+                        fn = compiled(block.hf_form(impl), backend="eager") if smoke else compiled(block.hf_form(impl))
+                        fn(x)
+                        row[f"inductor_{impl}_us"] = time_us(lambda: fn(x))
+                    except Exception as exc:  # noqa: BLE001 - reported
+                        print(f"# inductor {impl} T={T}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                if T == 1 and not block.m["transposed"]:
+                    quant = quantized_experts(block)
+                    out4 = block.experts_op(x, ids, w, quant)
+                    row["int4_err"] = rel(out4, block.reference(x, ids, w, quant))
+                    row["int4_us"] = time_us(lambda: block.fusepass(x, quant))
+                    row["int4_floor_us"] = block.floor_bytes(ids, quant) / bw / 1e3
+                    del quant
+                if not args.no_sweep:
+                    sweeps[(name, T)] = sweep(block, x, ids, w, time_us, smoke)
+            rows.append(row)
+            print("# " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+                  flush=True)
+        del block
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    print(f"# {time.time() - t0:.0f} s")
+    return dict(env=env, copy_gbps=bw, rows=rows,
+                sweeps={f"{k[0]}:T{k[1]}": v for k, v in sweeps.items()})
+
+
+def table(result: dict) -> str:
+    from tabulate import tabulate
+
+    head = ["model", "T", "plan", "floor", "fusepass", "x floor", "router", "ind. grouped_mm", "ind. batched_mm",
+            "int4", "int4 / bf16", "check"]
+    body = []
+    for r in result["rows"]:
+        f = r.get("fusepass_us")
+        body.append([r["model"], r["T"], r["plan"], f"{r['floor_us']:.1f}", f"{f:.1f}", f"{f / r['floor_us']:.2f}",
+                     f"{r['router_us']:.1f}", _us(r.get("inductor_grouped_mm_us")), _us(r.get("inductor_batched_mm_us")),
+                     _us(r.get("int4_us")), f"{r['int4_us'] / f:.2f}" if r.get("int4_us") else "-",
+                     ("ok" if r["ok"] and r["graph_err"] == 0 else "FAIL") + f" {r['experts_err']:.1e}"])
+    lines = [tabulate(body, head, tablefmt="github")]
+    best = {}
+    for key, times in result["sweeps"].items():
+        if times:
+            name = min(times, key=times.get)
+            best[key] = name
+            lines.append(f"sweep {key}: " + ", ".join(f"{n} {t:.1f}" for n, t in sorted(times.items(), key=lambda i: i[1])))
+    lines.append("fastest path per (model, T): " + json.dumps(best))
+    return "\n".join(lines)
+
+
+def _us(v) -> str:
+    return f"{v:.1f}" if v else "-"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="folder for moe.json and moe.txt")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--ts", type=lambda s: [int(v) for v in s.split(",")], default=None)
+    p.add_argument("--rep", type=float, default=30.0, help="ms of replays per timing")
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds; later (model, T) entries are skipped")
+    args = p.parse_args(argv)
+    if args.cpu_smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--cpu-smoke needs TRITON_INTERPRET=1 in the environment")
+    result = run(args)
+    text = table(result)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "moe.json").write_text(json.dumps(result, indent=1, default=str))
+        (out / "moe.txt").write_text(text + "\n")
+    print(text)
+    return 0 if all(r["ok"] and r["graph_err"] == 0 for r in result["rows"]) else 1
+
+
+# -- the registry entry (`fusepass bench --ops moe`) ------------------------------------------
+
+
+def cases(quick: bool = False, device: str = "cuda") -> list[Case]:
+    """Qwen3-30B-A3B's block at decode and prefill T (tiny dims on CPU): fusepass's
+    op pair, Inductor on transformers' grouped_mm form ("inductor") and batched_mm
+    form; the reference is fp32 with the models' bf16 roundings on the op's routing
+    convention (ties to the lower expert index).  bytes_moved counts every
+    expert's weights once (the floor at T >= 64; at T = 1 the active ones are 8 of 128)."""
+    smoke = device == "cpu"
+    ts = (1, 17) if smoke else ((1, 64) if quick else (1, 8, 64, 512, 4096))
+    out = []
+    holder: dict = {}
+
+    def block() -> Block:
+        if "b" not in holder:
+            holder["b"] = Block("qwen3-30b-a3b", device, smoke=smoke)
+        return holder["b"]
+
+    for T in ts:
+        def make_inputs(T=T):
+            b = block()
+            return (torch.randn(T, b.m["H"], device=device, dtype=torch.bfloat16),)
+
+        def reference(x):
+            b = block()
+            w, ids, _ = rt.moe_router_reference(*b.router_args(x))
+            return b.reference(x, ids, w)
+
+        providers = {
+            "fusepass": lambda x: block().fusepass(x),
+            "inductor": _lazy_form("grouped_mm", block, smoke),
+        }
+        if T <= BATCHED_MAX_T:
+            providers["inductor-batched_mm"] = _lazy_form("batched_mm", block, smoke)
+        m = MODELS["qwen3-30b-a3b"] if not smoke else {**MODELS["qwen3-30b-a3b"], **SMOKE_DIMS["qwen3-30b-a3b"]}
+        out.append(Case(op="moe", shape=f"qwen3-30b-a3b-T{T}", dtype=torch.bfloat16, make_inputs=make_inputs,
+                        reference=reference, providers=providers,
+                        bytes_moved=m["E"] * 3 * m["H"] * m["I"] * 2,
+                        notes={"T": str(T), "E": str(m["E"]), "k": str(m["k"]), "H": str(m["H"]), "I": str(m["I"])}))
+    return out
+
+
+def _lazy_form(impl: str, block, smoke: bool):
+    fn = {}
+
+    def call(x):
+        if "f" not in fn:
+            form = block().hf_form(impl)
+            fn["f"] = compiled(form, backend="eager") if smoke else compiled(form)
+        return fn["f"](x)
+    return call
+
+
+if __name__ == "__main__":
+    sys.exit(main())
