@@ -80,9 +80,9 @@ def dot(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def gated_act(b_g, b_u, DT: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """act(gate, up) in fp32 from gate and up already rounded to DT, with
-    eager's roundings to DT after each step; the result unrounded (the caller
-    stores it in DT)."""
+    """act(gate, up) in fp32 from gate and up as the projection left them
+    (``proj_epilogue``), with eager's roundings to DT after each step; the
+    result unrounded (the caller stores it in DT)."""
     if ACT == "silu":
         # ATen's CUDA silu: x / (1 + exp(-x)); x -> -inf gives -0.
         b_a = _round(b_g / (1.0 + tl.exp(-b_g)), DT)
@@ -107,30 +107,20 @@ def gated_act(b_g, b_u, DT: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr
 
 
 @triton.jit
-def gate_up_epilogue(acc_g, acc_u, s_g, s_u, p_bg, p_bu, m_b, DT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """fp32 gate and up sums (any shape) -> act in fp32 (to be stored in DT):
-    per-channel scales (s_g, s_u, broadcast), the projection's rounding, its
-    bias (at p_bg / p_bu, masked by m_b, broadcast) and its rounding, the
-    activation."""
-    b_g = _round(acc_g * s_g, DT)
-    b_u = _round(acc_u * s_u, DT)
+def proj_epilogue(acc, s, p_b, m_b, DT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A projection's fp32 sums -> its output as eager has it, in fp32: the
+    per-channel scale ``s`` (broadcast), rounded to DT; plus the bias at
+    ``p_b`` (masked by ``m_b``), rounded again."""
+    b = _round(acc * s, DT)
     if HAS_BIAS:
-        b_g = _round(b_g + tl.load(p_bg, mask=m_b, other=0).to(tl.float32), DT)
-        b_u = _round(b_u + tl.load(p_bu, mask=m_b, other=0).to(tl.float32), DT)
-    return gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
+        b = _round(b + tl.load(p_b, mask=m_b, other=0).to(tl.float32), DT)
+    return b
 
 
 @triton.jit
-def down_epilogue(acc, s_d, p_b, m_b, b_w, DT: tl.constexpr, WDT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """fp32 down sums -> the routed contribution in fp32: scale, rounding, bias
-    (at p_b, masked by m_b) and rounding, times the routing weight b_w (all
-    broadcast against acc), rounded to WDT (the promoted dtype of x and the
-    routing weights)."""
-    b_d = _round(acc * s_d, DT)
-    if HAS_BIAS:
-        b_d = _round(b_d + tl.load(p_b, mask=m_b, other=0).to(tl.float32), DT)
-    return _round(b_d * b_w, WDT)
+def split_pairs(b):
+    """[..., 2 BN] with gate and up interleaved (gate first) -> (gate, up), each [..., BN]."""
+    return tl.split(tl.reshape(b, b.shape[:-1] + [b.shape[-1] // 2, 2]))
 
 
 def workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from fusepass.kernels._common import cdiv
 from fusepass.kernels.moe import _tiles
-from fusepass.kernels.moe._tiles import cdiv_pow2, down_epilogue, gate_up_epilogue, row_scale, w_tile
+from fusepass.kernels.moe._tiles import _round, cdiv_pow2, gated_act, proj_epilogue, row_scale, split_pairs, w_tile
 
 
 @triton.jit
@@ -58,16 +58,21 @@ def _moe_decode_up_kernel(
     if (e >= 0) & (e < E) & (first == i_s):
         cnt = tl.sum(match.to(tl.int32), axis=0)
         rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
-        o_n = i_n * BN + tl.arange(0, BN)
-        m_n = o_n < I
-        if HALVES:
-            o_g, o_u = o_n, o_n + I
-        else:
-            o_g, o_u = 2 * o_n, 2 * o_n + 1
         e64 = e.to(tl.int64)
-        p_wg, p_wu = w + e64 * stride_we + o_g * stride_wn, w + e64 * stride_we + o_u * stride_wn
-        p_sg, p_su = scale + e64 * stride_se + o_g * stride_sn, scale + e64 * stride_se + o_u * stride_sn
-        p_zg, p_zu = zero + e64 * stride_se + o_g * stride_sn, zero + e64 * stride_se + o_u * stride_sn
+        p_w = w + e64 * stride_we
+        p_s = scale + e64 * stride_se
+        p_z = zero + e64 * stride_se
+        p_b = bias + e64 * stride_be
+        # Gate and up rows: two blocks of BN (halves), or 2 BN adjacent rows
+        # (interleaved: one contiguous tile, split once in the epilogue).
+        if HALVES:
+            o_g = i_n * BN + tl.arange(0, BN)
+            m_g = o_g < I
+            o_u = o_g + I
+        else:
+            o_g = 2 * i_n * BN + tl.arange(0, 2 * BN)
+            m_g = o_g < 2 * I
+            o_u = o_g
         o_m = tl.arange(0, BM)
         for m0 in range(0, cnt, BM):
             # Rows m0 .. m0 + BM of this expert's slots, in slot order.
@@ -75,23 +80,30 @@ def _moe_decode_up_kernel(
             b_slot = tl.sum(tl.where(sel, o_s[None, :], 0), axis=1)
             m_m = (m0 + o_m) < cnt
             p_x = x + (b_slot // TOPK).to(tl.int64)[:, None] * stride_xm
-            acc_g = tl.zeros([BM, BN, BK], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN, BK], dtype=tl.float32)
+            acc_g = tl.zeros([BM, o_g.shape[0], BK], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN if HALVES else 1, BK], dtype=tl.float32)
             for k0 in range(0, K, BK):
                 o_k = k0 + tl.arange(0, BK)
                 # [BM, BK]
                 b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
-                # [BN, BK]
-                b_wg = w_tile(p_wg, m_n, p_sg, p_zg, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)
-                b_wu = w_tile(p_wu, m_n, p_su, p_zu, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)
-                acc_g += b_wg.to(tl.float32)[None, :, :] * b_x[:, None, :]
-                acc_u += b_wu.to(tl.float32)[None, :, :] * b_x[:, None, :]
-            p_b = bias + e64 * stride_be
-            b_h = gate_up_epilogue(tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2), row_scale(p_sg, m_n, FMT)[None, :],
-                                   row_scale(p_su, m_n, FMT)[None, :], p_b + o_g[None, :], p_b + o_u[None, :],
-                                   m_n[None, :], DT, HAS_BIAS, ACT, ALPHA, LIMIT)
+                b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K,
+                             stride_wk, FMT, G, HAS_ZERO, BK)
+                acc_g += b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
+                if HALVES:
+                    b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
+                                 stride_wk, FMT, G, HAS_ZERO, BK)
+                    acc_u += b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
+            b_g = proj_epilogue(tl.sum(acc_g, axis=2), row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :],
+                                p_b + o_g[None, :], m_g[None, :], DT, HAS_BIAS)
+            if HALVES:
+                b_u = proj_epilogue(tl.sum(acc_u, axis=2), row_scale(p_s + o_u * stride_sn, m_g, FMT)[None, :],
+                                    p_b + o_u[None, :], m_g[None, :], DT, HAS_BIAS)
+            else:
+                b_g, b_u = split_pairs(b_g)
+            b_h = gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
+            o_n = i_n * BN + tl.arange(0, BN)
             tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
-                     mask=m_m[:, None] & m_n[None, :])
+                     mask=m_m[:, None] & (o_n < I)[None, :])
 
 
 @triton.jit
@@ -125,9 +137,9 @@ def _moe_decode_down_kernel(
         b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [KP, BN, BK]
         acc += b_w.to(tl.float32) * b_h[:, None, :]
     b_tw = tl.load(tw + o_s, mask=v_j, other=0).to(tl.float32)
-    b_y = down_epilogue(tl.sum(acc, axis=2), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
-                        m_r, b_tw[:, None], DT, WDT, HAS_BIAS)
-    b_y = tl.where(m_r, b_y, 0.0)
+    b_d = proj_epilogue(tl.sum(acc, axis=2), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
+                        m_r, DT, HAS_BIAS)
+    b_y = tl.where(m_r, _round(b_d * b_tw[:, None], WDT), 0.0)
     tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
 
 
@@ -157,16 +169,16 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     BM = 1 if T == 1 else 2 if T <= 8 else 4
     BK = min(4096 // (16 * BM), cdiv_pow2(H))
     KP = cdiv_pow2(k)
-    if transposed:
-        BN2 = 16
+    if transposed:  # rows of 16 columns, the k experts' tiles twice as deep at 8 warps
+        BN2, warps2 = 16, 8
     else:
-        BN2 = 16
+        BN2, warps2 = 16, 4
         while BN2 > 2 and T * cdiv(H, BN2) < 2 * n_sm:
             BN2 //= 2
-    BK2 = min(max(16, 4096 // (KP * BN2)), cdiv_pow2(I))
+    BK2 = min(max(16, 1024 * warps2 // (KP * BN2)), cdiv_pow2(I))
     if group:  # int4: a tile never spans two groups
         BK, BK2 = min(BK, group), min(BK2, group)
-    return DecodeConfig(BM=BM, BN=16, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4)
+    return DecodeConfig(BM=BM, BN=16, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=warps2)
 
 
 def _strides(w: Tensor, transposed: bool) -> tuple[int, int]:

@@ -46,10 +46,10 @@ from fusepass.kernels.moe._tiles import (
     _round,
     cdiv_pow2,
     dot,
-    down_epilogue,
-    gate_up_epilogue,
     gated_act,
+    proj_epilogue,
     row_scale,
+    split_pairs,
     w_tile,
 )
 from fusepass.kernels.moe.decode import _strides, tl_dtype
@@ -117,30 +117,44 @@ def _moe_sorted_up_kernel(
         b_slot = tl.load(sorted_slots + o_m)
         m_m = b_slot >= 0
         p_x = x + (tl.where(m_m, b_slot, 0) // TOPK).to(tl.int64)[:, None] * stride_xm
-        o_n = i_n * BN + tl.arange(0, BN)
-        m_n = o_n < I
-        if HALVES:
-            o_g, o_u = o_n, o_n + I
-        else:
-            o_g, o_u = 2 * o_n, 2 * o_n + 1
         e64 = e.to(tl.int64)
-        p_wg, p_wu = w + e64 * stride_we + o_g * stride_wn, w + e64 * stride_we + o_u * stride_wn
-        p_sg, p_su = scale + e64 * stride_se + o_g * stride_sn, scale + e64 * stride_se + o_u * stride_sn
-        p_zg, p_zu = zero + e64 * stride_se + o_g * stride_sn, zero + e64 * stride_se + o_u * stride_sn
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        p_w = w + e64 * stride_we
+        p_s = scale + e64 * stride_se
+        p_z = zero + e64 * stride_se
+        p_b = bias + e64 * stride_be
+        # Gate and up rows: two blocks of BN (halves, two dots), or 2 BN
+        # adjacent rows (interleaved: one dot, split in the epilogue).
+        if HALVES:
+            o_g = i_n * BN + tl.arange(0, BN)
+            m_g = o_g < I
+            o_u = o_g + I
+        else:
+            o_g = 2 * i_n * BN + tl.arange(0, 2 * BN)
+            m_g = o_g < 2 * I
+            o_u = o_g
+        acc_g = tl.zeros([BM, o_g.shape[0]], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN if HALVES else 16], dtype=tl.float32)
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
-            b_wg = w_tile(p_wg, m_n, p_sg, p_zg, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [BN, BK]
-            b_wu = w_tile(p_wu, m_n, p_su, p_zu, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)
-            acc_g = dot(b_x, tl.trans(b_wg.to(DT)), acc_g, F32)
-            acc_u = dot(b_x, tl.trans(b_wu.to(DT)), acc_u, F32)
-        p_b = bias + e64 * stride_be
-        b_h = gate_up_epilogue(acc_g, acc_u, row_scale(p_sg, m_n, FMT)[None, :], row_scale(p_su, m_n, FMT)[None, :],
-                               p_b + o_g[None, :], p_b + o_u[None, :], m_n[None, :], DT, HAS_BIAS, ACT, ALPHA, LIMIT)
+            b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K, stride_wk,
+                         FMT, G, HAS_ZERO, BK)
+            acc_g = dot(b_x, tl.trans(b_w.to(DT)), acc_g, F32)
+            if HALVES:
+                b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
+                             stride_wk, FMT, G, HAS_ZERO, BK)
+                acc_u = dot(b_x, tl.trans(b_w.to(DT)), acc_u, F32)
+        b_g = proj_epilogue(acc_g, row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :], p_b + o_g[None, :],
+                            m_g[None, :], DT, HAS_BIAS)
+        if HALVES:
+            b_u = proj_epilogue(acc_u, row_scale(p_s + o_u * stride_sn, m_g, FMT)[None, :], p_b + o_u[None, :],
+                                m_g[None, :], DT, HAS_BIAS)
+        else:
+            b_g, b_u = split_pairs(b_g)
+        b_h = gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
+        o_n = i_n * BN + tl.arange(0, BN)
         tl.store(h + o_m.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
-                 mask=m_m[:, None] & m_n[None, :])
+                 mask=m_m[:, None] & (o_n < I)[None, :])
 
 
 @triton.jit
@@ -172,8 +186,9 @@ def _moe_sorted_down_kernel(
             b_w = w_tile(p_w, m_n, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [BN, BK]
             acc = dot(b_h, tl.trans(b_w.to(DT)), acc, F32)
         b_tw = tl.load(tw + b_slot, mask=m_m, other=0).to(tl.float32)
-        b_y = down_epilogue(acc, row_scale(p_s, m_n, FMT)[None, :], bias + e64 * stride_be + o_n[None, :], m_n[None, :],
-                            b_tw[:, None], DT, WDT, HAS_BIAS)
+        b_d = proj_epilogue(acc, row_scale(p_s, m_n, FMT)[None, :], bias + e64 * stride_be + o_n[None, :],
+                            m_n[None, :], DT, HAS_BIAS)
+        b_y = _round(b_d * b_tw[:, None], WDT)
         tl.store(y + b_slot.to(tl.int64)[:, None] * stride_ym + o_n[None, :], b_y.to(y.dtype.element_ty),
                  mask=m_m[:, None] & m_n[None, :])
 
@@ -218,23 +233,28 @@ def _moe_act_kernel(gu, sorted_slots, ids, bias, h, R, I, stride_gm, stride_be, 
     o_r = i_r * BR + tl.arange(0, BR)
     b_slot = tl.load(sorted_slots + o_r, mask=o_r < R, other=-1)
     m_r = b_slot >= 0
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_n = o_n < I
-    if HALVES:
-        o_g, o_u = o_n, o_n + I
-    else:
-        o_g, o_u = 2 * o_n, 2 * o_n + 1
-    m = m_r[:, None] & m_n[None, :]
     p = gu + o_r.to(tl.int64)[:, None] * stride_gm
-    b_g = tl.load(p + o_g[None, :], mask=m, other=0).to(tl.float32)
-    b_u = tl.load(p + o_u[None, :], mask=m, other=0).to(tl.float32)
     if HAS_BIAS:
         b_e = tl.load(ids + tl.where(m_r, b_slot, 0), mask=m_r, other=0).to(tl.int64)
         p_b = bias + b_e[:, None] * stride_be
-        b_g = _round(b_g + tl.load(p_b + o_g[None, :], mask=m, other=0).to(tl.float32), DT)
-        b_u = _round(b_u + tl.load(p_b + o_u[None, :], mask=m, other=0).to(tl.float32), DT)
+    else:
+        p_b = bias + tl.zeros([BR, 1], dtype=tl.int64)
+    if HALVES:
+        o_g = i_n * BN + tl.arange(0, BN)
+        m = m_r[:, None] & (o_g < I)[None, :]
+        b_g = proj_epilogue(tl.load(p + o_g[None, :], mask=m, other=0).to(tl.float32), 1.0, p_b + o_g[None, :], m,
+                            DT, HAS_BIAS)
+        b_u = proj_epilogue(tl.load(p + I + o_g[None, :], mask=m, other=0).to(tl.float32), 1.0,
+                            p_b + I + o_g[None, :], m, DT, HAS_BIAS)
+    else:
+        o_g = 2 * i_n * BN + tl.arange(0, 2 * BN)
+        m = m_r[:, None] & (o_g < 2 * I)[None, :]
+        b_g, b_u = split_pairs(proj_epilogue(tl.load(p + o_g[None, :], mask=m, other=0).to(tl.float32), 1.0,
+                                             p_b + o_g[None, :], m, DT, HAS_BIAS))
     b_h = gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
-    tl.store(h + o_r.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT), mask=m)
+    o_n = i_n * BN + tl.arange(0, BN)
+    tl.store(h + o_r.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
+             mask=m_r[:, None] & (o_n < I)[None, :])
 
 
 # ----------------------------------------------------------------- launch ----
