@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.kernels.dequant_matmul import _int8_to_f32, _nibbles_to_f32
+from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _nibbles_to_f32
 
 
 @triton.jit

@@ -55,7 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import cdiv, interpreting, on_device, run_kernel
-from fusepass.kernels.dequant_matmul import _split_counters
+from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import cdiv_pow2, dot
 
