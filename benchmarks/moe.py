@@ -90,12 +90,12 @@ class Block:
             cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=k)
             block = GptOssMLP(cfg)
             self.gate, self.experts = block.router, block.experts
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in block.parameters():  # N(0, 0.02): router logits of std ~0.9 at H = 2048
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         self.module = block.to(device=device, dtype=dtype)
         self.module.requires_grad_(False)
+        gen = torch.Generator(device).manual_seed(seed)
+        with torch.no_grad():
+            for p in block.parameters():  # N(0, 0.02): router logits of std ~0.9 at H = 2048
+                p.normal_(0.0, 0.02, generator=gen)
 
     def router_args(self, x):
         m = self.m
@@ -255,11 +255,16 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
         if not smoke and T <= 8:
             for bn, bk in ((8, 512), (32, 128)):
                 cands[f"decode-BN{bn}-BK{bk}"] = ("decode", decode.DecodeConfig(
-                    BM=base.BM, BN=bn, BK=min(bk, 4096 // (bn * base.BM)), BN2=base.BN2, BK2=base.BK2))
+                    BM=base.BM, BN=bn, BK=min(bk, 4096 // (bn * base.BM)), BN2=base.BN2, BK2=base.BK2,
+                    warps2=base.warps2))
             for bn2 in (4, 8, 32):
                 if bn2 != base.BN2:
                     cands[f"decode-BN2{bn2}"] = ("decode", decode.DecodeConfig(
                         BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 4096 // (bn2 * 8))))
+            # tiles reduced across K every step: fewer registers, deeper tiles
+            cands["decode-nodefer"] = ("decode", decode.DecodeConfig(
+                BM=base.BM, BN=16, BK=1024, warps=8, BN2=4 if not m["transposed"] else 16,
+                BK2=512 if not m["transposed"] else 256, warps2=8, defer=False, defer2=False))
     if T * m["k"] >= 16:
         base = prefill.sorted_heuristic(T, m["k"], m["E"], 0)
         cands["sorted"] = ("sorted", base)
@@ -290,63 +295,107 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
     return times
 
 
+def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str, float]:
+    """int4 experts at T = 1: decode tiles (the weight bytes per tile are a
+    quarter of bf16's at the same shape, so wider and deeper tiles)."""
+    m = block.m
+    q1, s1, z1, q2, s2, z2 = quant
+    _, _, b1, b2 = block.expert_weights()
+    args = (x, ids, w, q1, q2, b1, b2, s1, z1, s2, z2, m["act"], m["layout"], False, "int4", block.group,
+            m["alpha"], m["limit"])
+    base = decode.decode_heuristic(x.shape[0], m["k"], m["H"], m["I"], False, 132, block.group)
+    cands = {"decode": base}
+    if not smoke:
+        for bn, bk, warps in ((16, 512, 8), (32, 256, 8), (32, 512, 8), (64, 256, 8), (16, 1024, 8)):
+            cands[f"decode-BN{bn}-BK{bk}-w{warps}"] = decode.DecodeConfig(
+                BM=1, BN=bn, BK=bk, warps=warps, BN2=base.BN2, BK2=base.BK2, warps2=base.warps2)
+        for bn2, bk2, warps2 in ((4, 256, 8), (8, 256, 8), (4, 512, 8), (16, 128, 8)):
+            cands[f"decode-BN2{bn2}-BK2{bk2}-w{warps2}"] = decode.DecodeConfig(
+                BM=1, BN=base.BN, BK=base.BK, warps=base.warps, BN2=bn2, BK2=bk2, warps2=warps2)
+        for bn, bk in ((16, 1024), (32, 1024), (16, 2048)):  # reduced across K every tile
+            cands[f"decode-nodefer-BN{bn}-BK{bk}"] = decode.DecodeConfig(
+                BM=1, BN=bn, BK=bk, warps=8, BN2=4, BK2=1024, warps2=8, defer=False, defer2=False)
+    ref = block.reference(x, ids, w, quant)
+    times = {}
+    for name, cfg in cands.items():
+        try:
+            err = rel(ex.experts_fwd(*args, plan="decode", cfg=cfg), ref)
+            if err > (5e-2 if smoke else 1.6e-2):
+                print(f"#   int4 {name}: wrong result ({err:.2e}), not timed")
+                continue
+            times[name] = time_us(lambda: ex.experts_fwd(*args, plan="decode", cfg=cfg))
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            print(f"#   int4 {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    return times
+
+
 def run(args) -> dict:
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
     time_us = timer(device, args.rep)
-    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               commit=os.environ.get("FUSEPASS_COMMIT", "unknown"))
     import triton
-    env["triton"] = triton.__version__
+    env = dict(torch=torch.__version__, triton=triton.__version__,
+               device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               commit=os.environ.get("FUSEPASS_COMMIT", "unknown"))
     print(f"# {env}")
     t0 = time.time()
     bw = copy_bandwidth(device, smoke)
     print(f"# copy bandwidth {bw:.0f} GB/s (bytes read + written)")
     rows, sweeps = [], {}
-    for name in args.models.split(","):
-        block = Block(name, device, smoke=smoke)
-        ts = SMOKE_TS if smoke else (TS if name.startswith("qwen3") else GPT_OSS_TS)
-        ts = [t for t in ts if not args.ts or t in args.ts]
-        for T in ts:
-            if time.time() - t0 > args.budget:
-                print(f"# budget spent: {name} T={T} and later skipped")
-                break
-            x = torch.randn(T, block.m["H"], generator=torch.Generator().manual_seed(T)).to(device, torch.bfloat16)
-            row = dict(model=name, T=T, plan=ex.moe_experts_plan(T, block.m["E"], block.m["H"], block.m["I"],
-                                                                 block.m["k"], x.dtype, "none", x.device))
-            with torch.no_grad():
-                row.update(check(block, x))
-                row["graph_err"] = graph_check(block, x, device)
-                w, ids, _ = ops.moe_router(*block.router_args(x))
-                floor_us = block.floor_bytes(ids) / bw / 1e3
-                row.update(floor_us=floor_us, fusepass_us=time_us(lambda: block.fusepass(x)),
-                           router_us=time_us(lambda: ops.moe_router(*block.router_args(x))))
-                forms = ["grouped_mm"] + (["batched_mm"] if T <= BATCHED_MAX_T else [])
-                for impl in forms:
-                    try:
-                        fn = compiled(block.hf_form(impl), backend="eager") if smoke else compiled(block.hf_form(impl))
-                        fn(x)
-                        row[f"inductor_{impl}_us"] = time_us(lambda: fn(x))
-                    except Exception as exc:  # noqa: BLE001 - reported
-                        print(f"# inductor {impl} T={T}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
-                if T == 1 and not block.m["transposed"]:
-                    quant = quantized_experts(block)
-                    out4 = block.experts_op(x, ids, w, quant)
-                    row["int4_err"] = rel(out4, block.reference(x, ids, w, quant))
-                    row["int4_us"] = time_us(lambda: block.fusepass(x, quant))
-                    row["int4_floor_us"] = block.floor_bytes(ids, quant) / bw / 1e3
-                    del quant
-                if not args.no_sweep:
-                    sweeps[(name, T)] = sweep(block, x, ids, w, time_us, smoke)
-            rows.append(row)
-            print("# " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
-                  flush=True)
-        del block
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    # The table first for every (model, T), the sweeps after it while the budget lasts.
+    for sweeping in (False, True):
+        if sweeping and args.no_sweep:
+            break
+        for name in args.models.split(","):
+            block = Block(name, device, smoke=smoke)
+            ts = SMOKE_TS if smoke else (TS if name.startswith("qwen3") else GPT_OSS_TS)
+            for T in [t for t in ts if not args.ts or t in args.ts]:
+                if time.time() - t0 > args.budget:
+                    print(f"# budget spent: {name} T={T} {'sweep' if sweeping else 'row'} and later skipped")
+                    break
+                x = torch.randn(T, block.m["H"], generator=torch.Generator().manual_seed(T)).to(device, torch.bfloat16)
+                with torch.no_grad():
+                    w, ids, _ = ops.moe_router(*block.router_args(x))
+                    if sweeping:
+                        sweeps[(name, T)] = sweep(block, x, ids, w, time_us, smoke)
+                        if T == 1 and not block.m["transposed"]:
+                            sweeps[(name + "-int4", T)] = sweep_int4(block, x, ids, w, quantized_experts(block),
+                                                                     time_us, smoke)
+                        continue
+                    row = measure(block, x, ids, w, bw, time_us, smoke)
+                rows.append(row)
+                print("# " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+                      flush=True)
+            del block
+            if device == "cuda":
+                torch.cuda.empty_cache()
     print(f"# {time.time() - t0:.0f} s")
-    return dict(env=env, copy_gbps=bw, rows=rows,
-                sweeps={f"{k[0]}:T{k[1]}": v for k, v in sweeps.items()})
+    return dict(env=env, copy_gbps=bw, rows=rows, sweeps={f"{k[0]}:T{k[1]}": v for k, v in sweeps.items()})
+
+
+def measure(block: Block, x, ids, w, bw: float, time_us, smoke: bool) -> dict:
+    """One row of the table: checks, and the CUDA-graph times of every contender."""
+    T = x.shape[0]
+    m = block.m
+    row = dict(model=block.name, T=T, plan=ex.moe_experts_plan(T, m["E"], m["H"], m["I"], m["k"], x.dtype, "none",
+                                                              x.device))
+    row.update(check(block, x))
+    row["graph_err"] = graph_check(block, x, x.device.type)
+    row.update(floor_us=block.floor_bytes(ids) / bw / 1e3, fusepass_us=time_us(lambda: block.fusepass(x)),
+               router_us=time_us(lambda: ops.moe_router(*block.router_args(x))))
+    for impl in ["grouped_mm"] + (["batched_mm"] if T <= BATCHED_MAX_T else []):
+        try:
+            fn = compiled(block.hf_form(impl), backend="eager") if smoke else compiled(block.hf_form(impl))
+            fn(x)
+            row[f"inductor_{impl}_us"] = time_us(lambda: fn(x))
+        except Exception as exc:  # noqa: BLE001 - reported
+            print(f"# inductor {impl} T={T}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    if T == 1 and not m["transposed"]:
+        quant = quantized_experts(block)
+        row["int4_err"] = rel(block.experts_op(x, ids, w, quant), block.reference(x, ids, w, quant))
+        row["int4_us"] = time_us(lambda: block.fusepass(x, quant))
+        row["int4_floor_us"] = block.floor_bytes(ids, quant) / bw / 1e3
+    return row
 
 
 def table(result: dict) -> str:
@@ -384,7 +433,8 @@ def main(argv=None) -> int:
     p.add_argument("--ts", type=lambda s: [int(v) for v in s.split(",")], default=None)
     p.add_argument("--rep", type=float, default=30.0, help="ms of replays per timing")
     p.add_argument("--no-sweep", action="store_true")
-    p.add_argument("--budget", type=float, default=240.0, help="seconds; later (model, T) entries are skipped")
+    p.add_argument("--budget", type=float, default=420.0,
+                   help="seconds; later entries (the table's rows first, then the sweeps) are skipped")
     args = p.parse_args(argv)
     if args.cpu_smoke and os.environ.get("TRITON_INTERPRET") != "1":
         p.error("--cpu-smoke needs TRITON_INTERPRET=1 in the environment")

@@ -350,7 +350,7 @@ def test_experts_shared_unused_and_outside_experts(poisoned, plan):
     ids[:, 1] = torch.tensor([5, 8, -1, 5, 3] * 4)
     inputs = _experts_inputs(T, E, 32, 16, 2, torch.float16, ids=ids)
     cfg = prefill.SortedConfig(BM=16, BN=16, BK=32, BN2=32, BK2=16) if plan == "sorted" else \
-        decode.DecodeConfig(BM=4, BN=8, BK=32, BN2=16, BK2=16)
+        decode.DecodeConfig(BM=4, BN=8, BK=32, BN2=16, BK2=16, defer=False, defer2=False)
     out, ref = _run_experts(plan, inputs, "silu", "halves", False, "none", 0, cfg)
     _assert_experts_close(out, ref)
 

@@ -9,8 +9,8 @@ of gpt-oss (row stride 1, stride_k = N), and tiles of one expert ([BN, BK])
 or of several at once ([KP, BN, BK]).  Quantized weights are [E, N, K] only, as
 ``fusepass.kernels.dequant_matmul`` stores one: int8 and fp8 per output
 channel (the scale multiplies the accumulator), int4 in groups of G along K
-(two codes per byte, low nibble first; the scale and zero point multiply the
-tile, so a tile never spans two groups: BK divides G).
+(two codes per byte, low nibble first; the tile is dequantised in registers
+with its groups' scales and zero points).
 """
 
 from __future__ import annotations
@@ -37,13 +37,17 @@ def w_tile(p_rows, m_rows, p_srows, p_zrows, k0, K, stride_k,
     unscaled, int4 dequantised with the group's scale and zero, whose rows
     start at ``p_srows`` / ``p_zrows``).  Elements past K read 0."""
     if FMT == "int4":
+        # Each packed byte's group (its two codes share it: G is even), so a
+        # tile may span several groups; the loads of one group's scale by a
+        # row's threads are one address, served at once.
         o_kp = k0 // 2 + tl.arange(0, BK // 2)
         m = tl.expand_dims(m_rows, -1) & (2 * o_kp < K)
         b_q = tl.load(tl.expand_dims(p_rows, -1) + o_kp, mask=m, other=0)
         b_lo, b_hi = _nibbles_to_f32(b_q)
-        b_s = tl.expand_dims(tl.load(p_srows + k0 // G, mask=m_rows, other=0).to(tl.float32), -1)
+        o_g = (2 * o_kp) // G
+        b_s = tl.load(tl.expand_dims(p_srows, -1) + o_g, mask=m, other=0).to(tl.float32)
         if HAS_ZERO:
-            b_z = tl.expand_dims(tl.load(p_zrows + k0 // G, mask=m_rows, other=0).to(tl.float32), -1)
+            b_z = tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m, other=0).to(tl.float32)
         else:
             b_z = 8.0
         return tl.interleave((b_lo - b_z) * b_s, (b_hi - b_z) * b_s)

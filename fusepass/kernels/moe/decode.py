@@ -39,13 +39,23 @@ from fusepass.kernels.moe._tiles import _round, cdiv_pow2, gated_act, proj_epilo
 
 
 @triton.jit
+def _fma(b_w, b_x, DEFER: tl.constexpr):
+    """[BM, rows, BK or 1] partial sums of one weight tile [rows, BK] times x rows [BM, BK]."""
+    b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
+    if DEFER:
+        return b_p
+    else:
+        return tl.expand_dims(tl.sum(b_p, axis=2), 2)
+
+
+@triton.jit
 def _moe_decode_up_kernel(
     x, ids, w, bias, scale, zero, h,
     S, E, K, I, TOPK,
     stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_hm,
     ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr,
 ):
     DT: tl.constexpr = x.dtype.element_ty
     i_s, i_n = tl.program_id(0), tl.program_id(1)
@@ -80,19 +90,21 @@ def _moe_decode_up_kernel(
             b_slot = tl.sum(tl.where(sel, o_s[None, :], 0), axis=1)
             m_m = (m0 + o_m) < cnt
             p_x = x + (b_slot // TOPK).to(tl.int64)[:, None] * stride_xm
-            acc_g = tl.zeros([BM, o_g.shape[0], BK], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN if HALVES else 1, BK], dtype=tl.float32)
+            # DEFER: products summed elementwise, reduced across K once at the
+            # end (BM * rows * BK registers); else reduced every tile.
+            acc_g = tl.zeros([BM, o_g.shape[0], BK if DEFER else 1], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN if HALVES else 1, BK if DEFER else 1], dtype=tl.float32)
             for k0 in range(0, K, BK):
                 o_k = k0 + tl.arange(0, BK)
                 # [BM, BK]
                 b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
                 b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K,
                              stride_wk, FMT, G, HAS_ZERO, BK)
-                acc_g += b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
+                acc_g += _fma(b_w, b_x, DEFER)
                 if HALVES:
                     b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
                                  stride_wk, FMT, G, HAS_ZERO, BK)
-                    acc_u += b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
+                    acc_u += _fma(b_w, b_x, DEFER)
             b_g = proj_epilogue(tl.sum(acc_g, axis=2), row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :],
                                 p_b + o_g[None, :], m_g[None, :], DT, HAS_BIAS)
             if HALVES:
@@ -112,7 +124,7 @@ def _moe_decode_down_kernel(
     E, K, N, TOPK,
     stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
     WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr,
 ):
     # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
     # each program keeps k times the bytes of one expert's tile in flight.
@@ -130,12 +142,15 @@ def _moe_decode_down_kernel(
     p_s = scale + e64[:, None] * stride_se + o_n[None, :] * stride_sn
     p_z = zero + e64[:, None] * stride_se + o_n[None, :] * stride_sn
     p_h = h + o_s.to(tl.int64) * stride_hm
-    acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+    acc = tl.zeros([KP, BN, BK if DEFER else 1], dtype=tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
         b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [KP, BN, BK]
-        acc += b_w.to(tl.float32) * b_h[:, None, :]
+        if DEFER:
+            acc += b_w.to(tl.float32) * b_h[:, None, :]
+        else:
+            acc += tl.expand_dims(tl.sum(b_w.to(tl.float32) * b_h[:, None, :], axis=2), 2)
     b_tw = tl.load(tw + o_s, mask=v_j, other=0).to(tl.float32)
     b_d = proj_epilogue(tl.sum(acc, axis=2), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
                         m_r, DT, HAS_BIAS)
@@ -157,6 +172,8 @@ class DecodeConfig:
     BN2: int = 16
     BK2: int = 256
     warps2: int = 4
+    defer: bool = True  # gate_up: reduce across K at the end (else every tile)
+    defer2: bool = True
 
 
 def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int) -> DecodeConfig:
@@ -176,8 +193,6 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
         while BN2 > 2 and T * cdiv(H, BN2) < 2 * n_sm:
             BN2 //= 2
     BK2 = min(max(16, 1024 * warps2 // (KP * BN2)), cdiv_pow2(I))
-    if group:  # int4: a tile never spans two groups
-        BK, BK2 = min(BK, group), min(BK2, group)
     return DecodeConfig(BM=BM, BN=16, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=warps2)
 
 
@@ -210,7 +225,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         x.stride(0), w1.stride(0), sn1, sk1, s1.stride(0) if s1 is not None else 0,
         s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
-        ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+        ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DEFER=cfg.defer,
         num_warps=cfg.warps,
     )
     sn2, sk2 = _strides(w2, transposed)
@@ -221,7 +236,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
         s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, out.stride(0),
         WDT=wdt, FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
-        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2,
+        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, num_warps=cfg.warps2,
     )
 
 

@@ -282,7 +282,7 @@ def sorted_heuristic(T: int, k: int, E: int, group: int) -> SortedConfig:
     alternatives."""
     per_expert = T * k / E
     BM = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 160 else 128
-    BK = 64 if not group else min(64, group)
+    BK = 64
     warps = 8 if BM >= 128 else 4
     return SortedConfig(BM=BM, BN=64, BK=BK, warps=warps, stages=3, BN2=64, BK2=BK, warps2=warps, stages2=3)
 
