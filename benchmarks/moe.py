@@ -202,7 +202,6 @@ def copy_bandwidth(device: str, smoke: bool) -> float:
     src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     us = timer(device, 50)(lambda: dst.copy_(src))
-    del src, dst
     return 2 * n * 2 / us / 1e3
 
 
@@ -407,7 +406,8 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         f = r.get("fusepass_us")
         body.append([r["model"], r["T"], r["plan"], f"{r['floor_us']:.1f}", f"{f:.1f}", f"{f / r['floor_us']:.2f}",
-                     f"{r['router_us']:.1f}", _us(r.get("inductor_grouped_mm_us")), _us(r.get("inductor_batched_mm_us")),
+                     f"{r['router_us']:.1f}", _us(r.get("inductor_grouped_mm_us")),
+                     _us(r.get("inductor_batched_mm_us")),
                      _us(r.get("int4_us")), f"{r['int4_us'] / f:.2f}" if r.get("int4_us") else "-",
                      ("ok" if r["ok"] and r["graph_err"] == 0 else "FAIL") + f" {r['experts_err']:.1e}"])
     lines = [tabulate(body, head, tablefmt="github")]
@@ -416,7 +416,8 @@ def table(result: dict) -> str:
         if times:
             name = min(times, key=times.get)
             best[key] = name
-            lines.append(f"sweep {key}: " + ", ".join(f"{n} {t:.1f}" for n, t in sorted(times.items(), key=lambda i: i[1])))
+            ranked = sorted(times.items(), key=lambda i: i[1])
+            lines.append(f"sweep {key}: " + ", ".join(f"{n} {t:.1f}" for n, t in ranked))
     lines.append("fastest path per (model, T): " + json.dumps(best))
     return "\n".join(lines)
 

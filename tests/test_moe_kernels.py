@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fusepass.kernels.moe as moe
 from fusepass.kernels._common import TOLERANCES
 from fusepass.kernels.moe import experts as ex
 from fusepass.kernels.moe import router as rt
@@ -33,7 +32,7 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
 
 
 def _block(model: str, dtype: torch.dtype):
-    """(block, router module, experts module, router kwargs, experts args, shared-experts fn) of a tiny transformers MoE block."""
+    """(block, router module, experts module, router kwargs, experts args) of a tiny transformers MoE block."""
     if model == "qwen3_moe":
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock

@@ -5,3 +5,5 @@ compute them.  Importing the package registers both ops."""
 from fusepass.kernels.moe import experts, router  # noqa: F401 - registers the ops
 from fusepass.kernels.moe.experts import moe_experts_plan, moe_experts_reference  # noqa: F401
 from fusepass.kernels.moe.router import moe_router_reference  # noqa: F401
+
+__all__ = ["experts", "router", "moe_experts_plan", "moe_experts_reference", "moe_router_reference"]

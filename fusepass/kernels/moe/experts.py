@@ -57,6 +57,7 @@ from torch import Tensor
 
 from fusepass.kernels._common import on_device, run_kernel, sm_count
 from fusepass.kernels.dequant_matmul import FORMATS, WEIGHT_DTYPES, dequantize
+from fusepass.kernels.moe import _tiles, decode, plans, prefill
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gpt_oss")
 GATE_LAYOUTS = ("halves", "interleaved")
@@ -154,14 +155,16 @@ def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
     torch._check(activation in ACTIVATIONS, lambda: f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     torch._check(gate_layout in GATE_LAYOUTS, lambda: f"gate_layout must be one of {GATE_LAYOUTS}, got {gate_layout!r}")
     torch._check(fmt in EXPERT_FORMATS, lambda: f"fmt must be one of {EXPERT_FORMATS}, got {fmt!r}")
-    torch._check(x.dim() == 2 and x.dtype in _FLOATS, lambda: f"x must be a floating [T, H], got {tuple(x.shape)} {x.dtype}")
+    torch._check(x.dim() == 2 and x.dtype in _FLOATS,
+                 lambda: f"x must be a floating [T, H], got {tuple(x.shape)} {x.dtype}")
     T, H = x.shape
     torch._check(topk_ids.dim() == 2 and topk_ids.shape[0] == T and not topk_ids.is_floating_point()
                  and topk_ids.dtype != torch.bool,
                  lambda: f"topk_ids must be integer [{T}, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     k = topk_ids.shape[1]
     torch._check(tuple(topk_weights.shape) == (T, k) and topk_weights.dtype in _FLOATS,
-                 lambda: f"topk_weights must be floating [{T}, {k}], got {tuple(topk_weights.shape)} {topk_weights.dtype}")
+                 lambda: f"topk_weights must be floating [{T}, {k}], "
+                         f"got {tuple(topk_weights.shape)} {topk_weights.dtype}")
     torch._check(w_gate_up.dim() == 3 and w_down.dim() == 3,
                  lambda: f"expert weights must be 3-D, got {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
     E = w_gate_up.shape[0]
@@ -172,12 +175,14 @@ def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
         torch._check(scale_gate_up is None and zero_gate_up is None and scale_down is None and zero_down is None,
                      lambda: "plain expert weights take no scales or zero points")
         if transposed:
-            torch._check(w_gate_up.shape[1] == H, lambda: f"w_gate_up must be [E, {H}, 2I], got {tuple(w_gate_up.shape)}")
+            torch._check(w_gate_up.shape[1] == H,
+                         lambda: f"w_gate_up must be [E, {H}, 2I], got {tuple(w_gate_up.shape)}")
             I2 = w_gate_up.shape[2]
             torch._check(tuple(w_down.shape[1:]) == (I2 // 2, H),
                          lambda: f"w_down must be [E, {I2 // 2}, {H}], got {tuple(w_down.shape)}")
         else:
-            torch._check(w_gate_up.shape[2] == H, lambda: f"w_gate_up must be [E, 2I, {H}], got {tuple(w_gate_up.shape)}")
+            torch._check(w_gate_up.shape[2] == H,
+                         lambda: f"w_gate_up must be [E, 2I, {H}], got {tuple(w_gate_up.shape)}")
             I2 = w_gate_up.shape[1]
             torch._check(tuple(w_down.shape[1:]) == (H, I2 // 2),
                          lambda: f"w_down must be [E, {H}, {I2 // 2}], got {tuple(w_down.shape)}")
@@ -188,7 +193,8 @@ def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
                      lambda: f"{fmt} expert weights must be {wdt}, got {w_gate_up.dtype}, {w_down.dtype}")
         pack = 2 if fmt == "int4" else 1
         I2 = w_gate_up.shape[1]
-        torch._check(w_gate_up.shape[2] * pack == H, lambda: f"w_gate_up holds {w_gate_up.shape[2] * pack} features, x {H}")
+        torch._check(w_gate_up.shape[2] * pack == H,
+                     lambda: f"w_gate_up holds {w_gate_up.shape[2] * pack} features, x {H}")
         torch._check(w_down.shape[1] == H and w_down.shape[2] * pack == I2 // 2,
                      lambda: f"w_down must hold [E, {H}, {I2 // 2}], got {tuple(w_down.shape)} ({fmt})")
         for name, s, z, N, K in (("gate_up", scale_gate_up, zero_gate_up, I2, H),
@@ -215,6 +221,11 @@ def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
 
 PLANS = ("decode", "sorted", "grouped_mm", "reference")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The decode kernels' programs each read all T * k ids, and an expert chosen
+# by many tokens is read once per BM of them: past a hundred or so slots the
+# alignment step costs less.  Chosen without a GPU at hand; plans.PLANS holds
+# what the H100 measures.
+DECODE_MAX_SLOTS = 128
 
 
 def _grouped_mm_ok(dtype: torch.dtype, fmt: str, device: torch.device | None) -> bool:
@@ -239,8 +250,6 @@ def moe_experts_plan(T: int, E: int, H: int, I: int, k: int, dtype: torch.dtype,
             device = torch.device("cuda", torch.cuda.current_device())
     if dtype not in _KERNEL_DTYPES or (device is not None and device.type != "cuda"):
         return "reference"
-    from fusepass.kernels.moe import plans
-
     measured = plans.lookup(T, E, H, I, k, dtype, fmt, device)
     if measured is not None and (measured != "grouped_mm" or _grouped_mm_ok(dtype, fmt, device)):
         return measured
@@ -251,12 +260,6 @@ def moe_experts_plan(T: int, E: int, H: int, I: int, k: int, dtype: torch.dtype,
     return "sorted"
 
 
-# The decode kernels' programs each read all T * k ids; past a few hundred
-# slots the alignment step is cheaper than that and than reading an expert
-# chosen by many tokens once per BM of them.
-DECODE_MAX_SLOTS = 128
-
-
 def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                 bias_gate_up: Tensor | None, bias_down: Tensor | None, scale_gate_up: Tensor | None,
                 zero_gate_up: Tensor | None, scale_down: Tensor | None, zero_down: Tensor | None, activation: str,
@@ -264,8 +267,6 @@ def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Te
                 plan: str | None = None, cfg=None) -> Tensor:
     """The experts through the Triton kernels (operands as the op checked them).
     ``plan`` and ``cfg`` override the plan and its tiles (tests, sweeps)."""
-    from fusepass.kernels.moe import _tiles, decode, prefill
-
     T, H = x.shape
     k = topk_ids.shape[1]
     E = w_gate_up.shape[0]
@@ -290,7 +291,8 @@ def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Te
             halves, transposed, fmt, group, alpha, limit)
     with on_device(x):
         if plan == "decode":
-            decode.launch_decode(*args, cfg or decode.decode_heuristic(T, k, H, I, transposed, sm_count(x.device), group), out)
+            cfg = cfg or decode.decode_heuristic(T, k, H, I, transposed, sm_count(x.device), group)
+            decode.launch_decode(*args, cfg, out)
         elif plan == "sorted":
             prefill.launch_sorted(*args, cfg or prefill.sorted_heuristic(T, k, E, group), out)
         elif plan == "grouped_mm":

@@ -354,9 +354,11 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tens
                  lambda: f"a correction bias belongs to the sigmoid router, not {kind!r}")
     torch._check(correction_bias is None or tuple(correction_bias.shape) == (E,),
                  lambda: f"correction_bias must be [{E}], got {tuple(correction_bias.shape)}")
-    torch._check(n_group == 1 or kind == "sigmoid", lambda: f"group-limited top-k belongs to the sigmoid router, not {kind!r}")
+    torch._check(n_group == 1 or kind == "sigmoid",
+                 lambda: f"group-limited top-k belongs to the sigmoid router, not {kind!r}")
     torch._check(n_group >= 1 and E % n_group == 0, lambda: f"{E} experts do not split into {n_group} groups")
-    torch._check(n_group == 1 or E // n_group >= 2, lambda: "groups need two experts or more (their score is a top-2 sum)")
+    torch._check(n_group == 1 or E // n_group >= 2,
+                 lambda: "groups need two experts or more (their score is a top-2 sum)")
     torch._check(1 <= topk_group <= n_group, lambda: f"topk_group = {topk_group} outside [1, {n_group}]")
     torch._check(top_k <= topk_group * (E // n_group),
                  lambda: f"top_k = {top_k} exceeds the {topk_group * (E // n_group)} experts of the chosen groups")
@@ -377,7 +379,8 @@ def _reference_out(x, weight, bias, correction_bias, kind, top_k, renormalize, n
 def moe_router(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str, top_k: int,
                renormalize: bool, n_group: int, topk_group: int, scaling: float, logits_dtype: torch.dtype,
                weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """(topk_weights, topk_ids, logits) of an MoE router (module docstring).  This body serves CPU and every non-CUDA device."""
+    """(topk_weights, topk_ids, logits) of an MoE router (module docstring).
+    This body serves CPU and every non-CUDA device."""
     _check(x, weight, bias, correction_bias, kind, top_k, n_group, topk_group, logits_dtype, weights_dtype)
     return _reference_out(x, weight, bias, correction_bias, kind, top_k, renormalize, n_group, topk_group, scaling,
                           logits_dtype, weights_dtype)
