@@ -463,3 +463,24 @@ def test_router_kernel_zero_tokens():
     x, w, _, _ = _router_inputs(0, 8, 32, "bf16", False, False, None)
     tw, tid, logits = rt.router_fwd(x, w, None, None, "softmax", 2, True, 1, 1, 1.0, torch.bfloat16, torch.bfloat16)
     assert tw.shape == (0, 2) and tid.shape == (0, 2) and logits.shape == (0, 8)
+
+
+def test_decode_kernels_compile_for_sm90_with_vector_loads():
+    """The decode kernels built for an H100 without one (Triton's ptxas): no
+    spills, and weights read as 16-byte vectors, not element by element
+    (benchmarks/moe_ptx.py; a subprocess: the interpreter's kernels cannot be
+    compiled)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "moe_ptx.py"), "--only", "decode"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("spill    0") >= 10, proc.stdout

@@ -30,27 +30,49 @@ def _round(v, DT: tl.constexpr):
 
 @triton.jit
 def w_tile(p_rows, m_rows, p_srows, p_zrows, k0, K, stride_k,
-           FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, BK: tl.constexpr):
+           FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, BK: tl.constexpr, TRANS: tl.constexpr):
     """Weight rows from column k0 on: ``p_rows`` points at the start of each
     row (any shape, [BN] or [KP, BN]; masked by ``m_rows``), the result has a
-    last dim of BK more: in the weight's dtype (plain), or fp32 (int8 and fp8
-    unscaled, int4 dequantised with the group's scale and zero, whose rows
-    start at ``p_srows`` / ``p_zrows``).  Elements past K read 0."""
-    if FMT == "int4":
-        # Each packed byte's group (its two codes share it: G is even), so a
-        # tile may span several groups; the loads of one group's scale by a
-        # row's threads are one address, served at once.
-        o_kp = k0 // 2 + tl.arange(0, BK // 2)
-        m = tl.expand_dims(m_rows, -1) & (2 * o_kp < K)
+    dim of BK more: last ([..., BN, BK]), or with TRANS (plain weights stored
+    [E, K, N], a row's elements BN apart) before the rows' last dim
+    ([..., BK, BN]), so that the dim contiguous in memory is the fastest of
+    the tile and its loads are 16-byte vectors (Triton lays the load out as
+    the arithmetic on it: a transposed tile multiplied as [BN, BK] was read
+    two bytes at a time, seen in the PTX for sm90).  Values: the weight's
+    dtype (plain), or fp32 (int8 and fp8 unscaled, int4 dequantised with its
+    groups' scales and zeros, whose rows start at ``p_srows`` / ``p_zrows``).
+    Elements past K read 0."""
+    if TRANS:
+        o_k = k0 + tl.arange(0, BK)
+        m = tl.expand_dims(m_rows, -2) & (o_k < K)[:, None]
+        return tl.load(tl.expand_dims(p_rows, -2) + o_k[:, None] * stride_k, mask=m, other=0.0)
+    elif FMT == "int4":
+        o_kp = tl.multiple_of(k0 // 2, BK // 2) + tl.arange(0, BK // 2)
+        # o_kp < K / 2, not 2 o_kp < K: a mask constant over 16 bytes keeps the
+        # loads 16-byte vectors (K is even).
+        m = tl.expand_dims(m_rows, -1) & (o_kp < K // 2)
         b_q = tl.load(tl.expand_dims(p_rows, -1) + o_kp, mask=m, other=0)
-        b_lo, b_hi = _nibbles_to_f32(b_q)
-        o_g = (2 * o_kp) // G
-        b_s = tl.load(tl.expand_dims(p_srows, -1) + o_g, mask=m, other=0).to(tl.float32)
-        if HAS_ZERO:
-            b_z = tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m, other=0).to(tl.float32)
-        else:
-            b_z = 8.0
-        return tl.interleave((b_lo - b_z) * b_s, (b_hi - b_z) * b_s)
+        if BK <= G:  # one group per tile: a scale and zero per row
+            b_s = tl.expand_dims(tl.load(p_srows + k0 // G, mask=m_rows, other=0).to(tl.float32), -1)
+            if HAS_ZERO:
+                b_z = tl.expand_dims(tl.load(p_zrows + k0 // G, mask=m_rows, other=0).to(tl.float32), -1)
+            else:
+                b_z = 8.0
+            b_lo, b_hi = _nibbles_to_f32(b_q)
+        else:  # NG groups per tile: codes [..., NG, G / 2] against scales [..., NG, 1]
+            NG: tl.constexpr = BK // G
+            o_g = k0 // G + tl.arange(0, NG)
+            m_g = tl.expand_dims(m_rows, -1) & (o_g * G < K)
+            b_s = tl.expand_dims(tl.load(tl.expand_dims(p_srows, -1) + o_g, mask=m_g, other=0).to(tl.float32), -1)
+            if HAS_ZERO:
+                b_z = tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m_g, other=0).to(tl.float32)
+                b_z = tl.expand_dims(b_z, -1)
+            else:
+                b_z = 8.0
+            b_lo, b_hi = _nibbles_to_f32(tl.reshape(b_q, b_q.shape[:-1] + [NG, G // 2]))
+        b_lo = (b_lo - b_z) * b_s
+        b_hi = (b_hi - b_z) * b_s
+        return tl.interleave(tl.reshape(b_lo, b_q.shape), tl.reshape(b_hi, b_q.shape))
     else:
         o_k = k0 + tl.arange(0, BK)
         m = tl.expand_dims(m_rows, -1) & (o_k < K)

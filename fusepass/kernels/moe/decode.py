@@ -39,13 +39,15 @@ from fusepass.kernels.moe._tiles import _round, cdiv_pow2, gated_act, proj_epilo
 
 
 @triton.jit
-def _fma(b_w, b_x, DEFER: tl.constexpr):
-    """[BM, rows, BK or 1] partial sums of one weight tile [rows, BK] times x rows [BM, BK]."""
-    b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
-    if DEFER:
-        return b_p
+def _fma(b_w, b_x, DEFER: tl.constexpr, TRANS: tl.constexpr):
+    """Partial sums of one weight tile times x rows [BM, BK]: [BM, rows, BK or
+    1] from a [rows, BK] tile, [BM, BK or 1, rows] from a TRANS [BK, rows] one."""
+    if TRANS:
+        b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, :, None]
+        return b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=1), 1)
     else:
-        return tl.expand_dims(tl.sum(b_p, axis=2), 2)
+        b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
+        return b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=2), 2)
 
 
 @triton.jit
@@ -56,6 +58,7 @@ def _moe_decode_up_kernel(
     ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr,
+    TRANS: tl.constexpr,
 ):
     DT: tl.constexpr = x.dtype.element_ty
     i_s, i_n = tl.program_id(0), tl.program_id(1)
@@ -92,23 +95,27 @@ def _moe_decode_up_kernel(
             p_x = x + (b_slot // TOPK).to(tl.int64)[:, None] * stride_xm
             # DEFER: products summed elementwise, reduced across K once at the
             # end (BM * rows * BK registers); else reduced every tile.
-            acc_g = tl.zeros([BM, o_g.shape[0], BK if DEFER else 1], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN if HALVES else 1, BK if DEFER else 1], dtype=tl.float32)
+            KD: tl.constexpr = BK if DEFER else 1
+            RG: tl.constexpr = o_g.shape[0]
+            RU: tl.constexpr = BN if HALVES else 1
+            acc_g = tl.zeros([BM, KD, RG] if TRANS else [BM, RG, KD], dtype=tl.float32)
+            acc_u = tl.zeros([BM, KD, RU] if TRANS else [BM, RU, KD], dtype=tl.float32)
             for k0 in range(0, K, BK):
                 o_k = k0 + tl.arange(0, BK)
                 # [BM, BK]
                 b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
                 b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K,
-                             stride_wk, FMT, G, HAS_ZERO, BK)
-                acc_g += _fma(b_w, b_x, DEFER)
+                             stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                acc_g += _fma(b_w, b_x, DEFER, TRANS)
                 if HALVES:
                     b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
-                                 stride_wk, FMT, G, HAS_ZERO, BK)
-                    acc_u += _fma(b_w, b_x, DEFER)
-            b_g = proj_epilogue(tl.sum(acc_g, axis=2), row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :],
+                                 stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                    acc_u += _fma(b_w, b_x, DEFER, TRANS)
+            KAX: tl.constexpr = 1 if TRANS else 2
+            b_g = proj_epilogue(tl.sum(acc_g, axis=KAX), row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :],
                                 p_b + o_g[None, :], m_g[None, :], DT, HAS_BIAS)
             if HALVES:
-                b_u = proj_epilogue(tl.sum(acc_u, axis=2), row_scale(p_s + o_u * stride_sn, m_g, FMT)[None, :],
+                b_u = proj_epilogue(tl.sum(acc_u, axis=KAX), row_scale(p_s + o_u * stride_sn, m_g, FMT)[None, :],
                                     p_b + o_u[None, :], m_g[None, :], DT, HAS_BIAS)
             else:
                 b_g, b_u = split_pairs(b_g)
@@ -124,7 +131,7 @@ def _moe_decode_down_kernel(
     E, K, N, TOPK,
     stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
     WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr,
+    KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr, TRANS: tl.constexpr,
 ):
     # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
     # each program keeps k times the bytes of one expert's tile in flight.
@@ -142,17 +149,18 @@ def _moe_decode_down_kernel(
     p_s = scale + e64[:, None] * stride_se + o_n[None, :] * stride_sn
     p_z = zero + e64[:, None] * stride_se + o_n[None, :] * stride_sn
     p_h = h + o_s.to(tl.int64) * stride_hm
-    acc = tl.zeros([KP, BN, BK if DEFER else 1], dtype=tl.float32)
+    KD: tl.constexpr = BK if DEFER else 1
+    KAX: tl.constexpr = 1 if TRANS else 2
+    acc = tl.zeros([KP, KD, BN] if TRANS else [KP, BN, KD], dtype=tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
-        b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [KP, BN, BK]
-        if DEFER:
-            acc += b_w.to(tl.float32) * b_h[:, None, :]
-        else:
-            acc += tl.expand_dims(tl.sum(b_w.to(tl.float32) * b_h[:, None, :], axis=2), 2)
+        # [KP, BN, BK], or [KP, BK, BN] (TRANS)
+        b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+        b_p = b_w.to(tl.float32) * (b_h[:, :, None] if TRANS else b_h[:, None, :])
+        acc += b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=KAX), KAX)
     b_tw = tl.load(tw + o_s, mask=v_j, other=0).to(tl.float32)
-    b_d = proj_epilogue(tl.sum(acc, axis=2), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
+    b_d = proj_epilogue(tl.sum(acc, axis=KAX), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
                         m_r, DT, HAS_BIAS)
     b_y = tl.where(m_r, _round(b_d * b_tw[:, None], WDT), 0.0)
     tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
@@ -226,6 +234,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DEFER=cfg.defer,
+        TRANS=transposed,
         num_warps=cfg.warps,
     )
     sn2, sk2 = _strides(w2, transposed)
@@ -236,7 +245,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
         s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, out.stride(0),
         WDT=wdt, FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
-        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, num_warps=cfg.warps2,
+        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, num_warps=cfg.warps2,
     )
 
 

@@ -101,13 +101,22 @@ def _moe_align_kernel(ids, sorted_slots, pos_of_slot, block_expert, expert_end,
 
 
 @triton.jit
+def _k_major(b_w, TRANS: tl.constexpr):
+    """A weight tile as the dot's [BK, BN] operand (w_tile gives [BN, BK], or [BK, BN] with TRANS)."""
+    if TRANS:
+        return b_w
+    else:
+        return tl.trans(b_w)
+
+
+@triton.jit
 def _moe_sorted_up_kernel(
     x, sorted_slots, block_expert, w, bias, scale, zero, h,
     K, I, TOPK,
     stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_hm,
     ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, F32: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     DT: tl.constexpr = x.dtype.element_ty
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -138,12 +147,12 @@ def _moe_sorted_up_kernel(
             o_k = k0 + tl.arange(0, BK)
             b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
             b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K, stride_wk,
-                         FMT, G, HAS_ZERO, BK)
-            acc_g = dot(b_x, tl.trans(b_w.to(DT)), acc_g, F32)
+                         FMT, G, HAS_ZERO, BK, TRANS)
+            acc_g = dot(b_x, _k_major(b_w.to(DT), TRANS), acc_g, F32)
             if HALVES:
                 b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
-                             stride_wk, FMT, G, HAS_ZERO, BK)
-                acc_u = dot(b_x, tl.trans(b_w.to(DT)), acc_u, F32)
+                             stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                acc_u = dot(b_x, _k_major(b_w.to(DT), TRANS), acc_u, F32)
         b_g = proj_epilogue(acc_g, row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :], p_b + o_g[None, :],
                             m_g[None, :], DT, HAS_BIAS)
         if HALVES:
@@ -163,7 +172,8 @@ def _moe_sorted_down_kernel(
     K, N,
     stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_ym,
     WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
-    HAS_BIAS: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, F32: tl.constexpr, TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     DT: tl.constexpr = h.dtype.element_ty
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -183,8 +193,8 @@ def _moe_sorted_down_kernel(
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             b_h = tl.load(p_h + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
-            b_w = w_tile(p_w, m_n, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK)  # [BN, BK]
-            acc = dot(b_h, tl.trans(b_w.to(DT)), acc, F32)
+            b_w = w_tile(p_w, m_n, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+            acc = dot(b_h, _k_major(b_w.to(DT), TRANS), acc, F32)
         b_tw = tl.load(tw + b_slot, mask=m_m, other=0).to(tl.float32)
         b_d = proj_epilogue(acc, row_scale(p_s, m_n, FMT)[None, :], bias + e64 * stride_be + o_n[None, :],
                             m_n[None, :], DT, HAS_BIAS)
@@ -340,7 +350,7 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         x.stride(0), w1.stride(0), sn1, sk1, s1.stride(0) if s1 is not None else 0,
         s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
-        ALPHA=float(alpha), LIMIT=float(limit), F32=f32, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+        ALPHA=float(alpha), LIMIT=float(limit), F32=f32, TRANS=transposed, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     y = _tiles.workspace((T * k, H), wdt_t, x.device)
@@ -351,7 +361,7 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
         s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, y.stride(0),
         WDT=tl_dtype(wdt_t), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None, F32=f32,
-        BM=cfg.BM, BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2, num_stages=cfg.stages2,
+        TRANS=transposed, BM=cfg.BM, BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     _sum(y, ids, a.pos_of_slot, tw, None, out, E, epilogue=False)
 
