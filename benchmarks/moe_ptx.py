@@ -29,7 +29,6 @@ from collections import Counter
 from pathlib import Path
 
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -88,7 +87,7 @@ def decode_up(fmt="none", halves=True, act="silu", BM=1, BN=16, BK=256, BS=8, de
 def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
     types = dict(h=BF16, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16)
-    consts = dict(WDT=tl.bfloat16, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4", HAS_BIAS=bias,
+    consts = dict(ROUND_W=True, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4", HAS_BIAS=bias,
                   KP=KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans)
     return compile_sm90(decode._moe_decode_down_kernel, types, consts, warps,
                         unit="stride_wn" if trans else "stride_wk")
@@ -128,7 +127,7 @@ def cases(only: str | None):
                 dict(BM=64, NBINS=256, CH=1024, BMP=64))),
             ("sum", lambda: compile_sm90(prefill._moe_sum_kernel, dict(
                 y=BF16, ids=I64, pos_of_slot=I32, tw=BF16, bias=BF16, out=BF16),
-                dict(WDT=tl.bfloat16, EPILOGUE=False, HAS_BIAS=False, KP=8, BN=1024))),
+                dict(ROUND_W=True, EPILOGUE=False, HAS_BIAS=False, KP=8, BN=1024))),
         ],
     }
     for name, items in groups.items():
@@ -153,7 +152,7 @@ def _sorted(which: str, BM: int, trans: bool):
         return prefill._moe_sorted_up_kernel, types, consts
     types = dict(h=BF16, sorted_slots=I32, block_expert=I32, tw=BF16, w=BF16, bias=BF16, scale=BF16, zero=BF16,
                  y=BF16)
-    consts = dict(WDT=tl.bfloat16, FMT="none", G=0, HAS_ZERO=False, HAS_BIAS=trans, F32=False, TRANS=trans, BM=BM,
+    consts = dict(ROUND_W=True, FMT="none", G=0, HAS_ZERO=False, HAS_BIAS=trans, F32=False, TRANS=trans, BM=BM,
                   BN=64, BK=64)
     return prefill._moe_sorted_down_kernel, types, consts
 

@@ -29,6 +29,16 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
+def _round_if(v, DT: tl.constexpr, ROUND: tl.constexpr):
+    """v rounded to DT and back where ROUND (the routed product: rounded to x's
+    dtype when the routing weights are in it, left in fp32 when they are fp32)."""
+    if ROUND:
+        return _round(v, DT)
+    else:
+        return v
+
+
+@triton.jit
 def w_tile(p_rows, m_rows, p_srows, p_zrows, k0, K, stride_k,
            FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, BK: tl.constexpr, TRANS: tl.constexpr):
     """Weight rows from column k0 on: ``p_rows`` points at the start of each

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from fusepass.kernels._common import cdiv
 from fusepass.kernels.moe import _tiles
-from fusepass.kernels.moe._tiles import _round, cdiv_pow2, gated_act, proj_epilogue, row_scale, split_pairs, w_tile
+from fusepass.kernels.moe._tiles import _round_if, cdiv_pow2, gated_act, proj_epilogue, row_scale, split_pairs, w_tile
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def _moe_decode_down_kernel(
     h, ids, tw, w, bias, scale, zero, out,
     E, K, N, TOPK,
     stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
-    WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROUND_W: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr, TRANS: tl.constexpr,
 ):
     # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
@@ -162,7 +162,7 @@ def _moe_decode_down_kernel(
     b_tw = tl.load(tw + o_s, mask=v_j, other=0).to(tl.float32)
     b_d = proj_epilogue(tl.sum(acc, axis=KAX), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
                         m_r, DT, HAS_BIAS)
-    b_y = tl.where(m_r, _round(b_d * b_tw[:, None], WDT), 0.0)
+    b_y = tl.where(m_r, _round_if(b_d * b_tw[:, None], DT, ROUND_W), 0.0)
     tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
 
 
@@ -220,7 +220,6 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     S = T * k
     E = w1.shape[0]
     I = w1.shape[2 if transposed else 1] // 2
-    wdt = tl_dtype(torch.promote_types(x.dtype, tw.dtype))
     h = _tiles.workspace((S, I), x.dtype, x.device)
     if fmt == "fp8":  # read as bytes and bitcast (a masked load's fill value cannot be cast to fp8)
         w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
@@ -244,13 +243,12 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         E, I, H, k,
         h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
         s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, out.stride(0),
-        WDT=wdt, FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
+        ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
         KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, num_warps=cfg.warps2,
     )
 
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-def tl_dtype(dtype: torch.dtype):
-    return _TL_DTYPES[dtype]
+def round_w(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """Whether expert output times routing weight rounds to x's dtype (the
+    promoted dtype of the two is x's), or stays fp32 (Mixtral's fp32 weights)."""
+    return torch.promote_types(x_dtype, w_dtype) == x_dtype

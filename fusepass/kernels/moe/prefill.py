@@ -44,6 +44,7 @@ from fusepass.kernels._common import cdiv, interpreting
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import (
     _round,
+    _round_if,
     cdiv_pow2,
     dot,
     gated_act,
@@ -52,7 +53,7 @@ from fusepass.kernels.moe._tiles import (
     split_pairs,
     w_tile,
 )
-from fusepass.kernels.moe.decode import _strides, tl_dtype
+from fusepass.kernels.moe.decode import _strides, round_w
 
 
 @triton.jit
@@ -171,7 +172,7 @@ def _moe_sorted_down_kernel(
     h, sorted_slots, block_expert, tw, w, bias, scale, zero, y,
     K, N,
     stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_ym,
-    WDT: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+    ROUND_W: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
     HAS_BIAS: tl.constexpr, F32: tl.constexpr, TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr,
 ):
@@ -198,14 +199,14 @@ def _moe_sorted_down_kernel(
         b_tw = tl.load(tw + b_slot, mask=m_m, other=0).to(tl.float32)
         b_d = proj_epilogue(acc, row_scale(p_s, m_n, FMT)[None, :], bias + e64 * stride_be + o_n[None, :],
                             m_n[None, :], DT, HAS_BIAS)
-        b_y = _round(b_d * b_tw[:, None], WDT)
+        b_y = _round_if(b_d * b_tw[:, None], DT, ROUND_W)
         tl.store(y + b_slot.to(tl.int64)[:, None] * stride_ym + o_n[None, :], b_y.to(y.dtype.element_ty),
                  mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit
 def _moe_sum_kernel(y, ids, pos_of_slot, tw, bias, out, E, N, TOPK, stride_ym, stride_be, stride_om,
-                    WDT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ROUND_W: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
                     KP: tl.constexpr, BN: tl.constexpr):
     # out[t] = sum over t's valid slots j of y's row.  EPILOGUE (the grouped_mm
     # plan): y's rows are the down GEMM's rounded output in sorted order, and
@@ -227,7 +228,7 @@ def _moe_sum_kernel(y, ids, pos_of_slot, tw, bias, out, E, N, TOPK, stride_ym, s
             b_b = tl.load(bias + b_e.to(tl.int64)[:, None] * stride_be + o_n[None, :], mask=m, other=0)
             b_d = _round(b_d + b_b.to(tl.float32), DT)
         b_tw = tl.load(tw + o_s, mask=v_j, other=0).to(tl.float32)
-        b_y = tl.where(m, _round(b_d * b_tw[:, None], WDT), 0.0)
+        b_y = tl.where(m, _round_if(b_d * b_tw[:, None], DT, ROUND_W), 0.0)
     else:
         b_y = tl.load(y + o_s.to(tl.int64)[:, None] * stride_ym + o_n[None, :], mask=m, other=0).to(tl.float32)
     tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
@@ -338,7 +339,7 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     I = w1.shape[2 if transposed else 1] // 2
     a = align(ids, E, cfg.BM)
     nblk = a.block_expert.numel()
-    wdt_t = torch.promote_types(x.dtype, tw.dtype)
+    rw = round_w(x.dtype, tw.dtype)
     f32 = _f32_dots(x.dtype)
     if fmt == "fp8":
         w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
@@ -353,14 +354,14 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         ALPHA=float(alpha), LIMIT=float(limit), F32=f32, TRANS=transposed, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    y = _tiles.workspace((T * k, H), wdt_t, x.device)
+    y = _tiles.workspace((T * k, H), x.dtype if rw else torch.float32, x.device)
     sn2, sk2 = _strides(w2, transposed)
     _moe_sorted_down_kernel[(nblk, cdiv(H, cfg.BN2))](
         h, a.sorted_slots, a.block_expert, tw, w2, _ptrs(b2, x), _ptrs(s2, x), _ptrs(z2, x), y,
         I, H,
         h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
         s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, y.stride(0),
-        WDT=tl_dtype(wdt_t), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None, F32=f32,
+        ROUND_W=rw, FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None, F32=f32,
         TRANS=transposed, BM=cfg.BM, BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     _sum(y, ids, a.pos_of_slot, tw, None, out, E, epilogue=False)
@@ -371,10 +372,9 @@ def _sum(y: Tensor, ids: Tensor, pos_of_slot: Tensor, tw: Tensor, b2: Tensor | N
     T, H = out.shape
     k = ids.shape[1]
     BN = min(1024, cdiv_pow2(H)) if not interpreting() else min(64, cdiv_pow2(H))
-    wdt = torch.promote_types(out.dtype, tw.dtype)
     _moe_sum_kernel[(T, cdiv(H, BN))](
         y, ids, pos_of_slot, tw, _ptrs(b2, y), out, E, H, k, y.stride(0), b2.stride(0) if b2 is not None else 0,
-        out.stride(0), WDT=tl_dtype(wdt), EPILOGUE=epilogue, HAS_BIAS=b2 is not None,
+        out.stride(0), ROUND_W=round_w(out.dtype, tw.dtype), EPILOGUE=epilogue, HAS_BIAS=b2 is not None,
         KP=cdiv_pow2(k), BN=BN, num_warps=4,
     )
 
