@@ -32,7 +32,9 @@ bf16 values computes in fp32 and rounds once, which is this).
 Ties: the top-k here (selection and order) puts the lower expert index first
 among equal scores, in the reference and in the kernel.  torch.topk does not
 promise an order among ties: on CPU it picks among them arbitrarily
-(``std::nth_element``), on CUDA its selection keeps the lowest indices.  Ties
+(``std::nth_element``; seen here: [1, 2, 2, 2, 0, 2, 3, 2] top-3 gives ids
+6, 5, 1), while ATen's CUDA kernel fills the places left after the values
+above the k-th with the lowest-indexed values equal to it, as this op does.  Ties
 are not rare: bf16 logits have 8 significant bits, and with 128 experts two of
 them near the k-th place are equal in a few percent of tokens; an equal score
 at the k-th place decides which expert runs, so a comparison against eager
