@@ -468,7 +468,7 @@ def test_router_kernel_zero_tokens():
 def test_decode_kernels_compile_for_sm90_with_vector_loads():
     """The decode kernels built for an H100 without one (Triton's ptxas): no
     spills, and weights read as 16-byte vectors, not element by element
-    (benchmarks/moe_ptx.py; a subprocess: the interpreter's kernels cannot be
+    (``benchmarks/moe.py --ptx``; a subprocess: the interpreter's kernels cannot be
     compiled)."""
     import subprocess
     import sys
@@ -480,7 +480,7 @@ def test_decode_kernels_compile_for_sm90_with_vector_loads():
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("Triton without its NVIDIA backend")
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "moe_ptx.py"), "--only", "decode"], env=env,
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "moe.py"), "--ptx", "decode"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("spill    0") >= 10, proc.stdout
