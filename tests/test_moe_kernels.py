@@ -323,6 +323,10 @@ EXPERT_CASES = {
     "T3-E8-k2-bf16-fp8-interleaved": (3, 8, 64, 32, 2, "bf16", "silu", "interleaved", False, False, "fp8", 0, False,
                                       None),
     "T17-E8-k3-bf16-silu": (17, 8, 64, 32, 3, "bf16", "silu", "halves", False, False, "none", 0, False, None),
+    "T5-E5-k1-fp32-odd-H37-I19": (5, 5, 37, 19, 1, "fp32", "silu", "interleaved", False, True, "none", 0, False,
+                                  None),
+    "T5-E5-k1-fp16-odd-H37-I19-transposed": (5, 5, 37, 19, 1, "fp16", "gpt_oss", "halves", True, True, "none", 0,
+                                             False, None),
 }
 
 
