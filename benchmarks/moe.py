@@ -102,6 +102,12 @@ class Block:
             for p in block.parameters():  # N(0, 0.02): router logits of std ~0.9 at H = 2048
                 p.normal_(0.0, 0.02, generator=gen)
 
+    def quantized(self):
+        """The experts in int4 (group 128, asymmetric), made once."""
+        if not hasattr(self, "_int4"):
+            self._int4 = quantized_experts(self)
+        return self._int4
+
     def router_args(self, x):
         m = self.m
         return (x, self.gate.weight, getattr(self.gate, "bias", None), None, m["kind"], m["k"], m["renorm"], 1, 1,
@@ -363,8 +369,8 @@ def run(args) -> dict:
                     if sweeping:
                         sweeps[(name, T)] = sweep(block, x, ids, w, time_us, smoke)
                         if T == 1 and not block.m["transposed"]:
-                            sweeps[(name + "-int4", T)] = sweep_int4(block, x, ids, w, quantized_experts(block),
-                                                                     time_us, smoke)
+                            sweeps[(name + "-int4", T)] = sweep_int4(block, x, ids, w, block.quantized(), time_us,
+                                                                     smoke)
                         continue
                     row = measure(block, x, ids, w, bw, time_us, smoke)
                 rows.append(row)
@@ -378,27 +384,40 @@ def run(args) -> dict:
 
 
 def measure(block: Block, x, ids, w, bw: float, time_us, smoke: bool) -> dict:
-    """One row of the table: checks, and the CUDA-graph times of every contender."""
+    """One row of the table: checks, and the CUDA-graph times of every contender
+    (a contender that fails is reported in the row, the run goes on)."""
     T = x.shape[0]
     m = block.m
     row = dict(model=block.name, T=T, plan=ex.moe_experts_plan(T, m["E"], m["H"], m["I"], m["k"], x.dtype, "none",
-                                                              x.device))
-    row.update(check(block, x))
-    row["graph_err"] = graph_check(block, x, x.device.type)
-    row.update(floor_us=block.floor_bytes(ids) / bw / 1e3, fusepass_us=time_us(lambda: block.fusepass(x)),
-               router_us=time_us(lambda: ops.moe_router(*block.router_args(x))))
-    for impl in ["grouped_mm"] + (["batched_mm"] if T <= BATCHED_MAX_T else []):
+                                                              x.device), ok=False, graph_err=None,
+               floor_us=block.floor_bytes(ids) / bw / 1e3)
+    errors = []
+
+    def attempt(what: str, fn) -> None:
         try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            errors.append(f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}")
+            print(f"# {block.name} T={T} {errors[-1]}", flush=True)
+
+    attempt("check", lambda: row.update(check(block, x)))
+    attempt("graph", lambda: row.update(graph_err=graph_check(block, x, x.device.type)))
+    attempt("fusepass", lambda: row.update(fusepass_us=time_us(lambda: block.fusepass(x))))
+    attempt("router", lambda: row.update(router_us=time_us(lambda: ops.moe_router(*block.router_args(x)))))
+    for impl in ["grouped_mm"] + (["batched_mm"] if T <= BATCHED_MAX_T else []):
+        def inductor(impl=impl):
             fn = compiled(block.hf_form(impl), backend="eager") if smoke else compiled(block.hf_form(impl))
             fn(x)
             row[f"inductor_{impl}_us"] = time_us(lambda: fn(x))
-        except Exception as exc:  # noqa: BLE001 - reported
-            print(f"# inductor {impl} T={T}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        attempt(f"inductor {impl}", inductor)
     if T == 1 and not m["transposed"]:
-        quant = quantized_experts(block)
-        row["int4_err"] = rel(block.experts_op(x, ids, w, quant), block.reference(x, ids, w, quant))
-        row["int4_us"] = time_us(lambda: block.fusepass(x, quant))
-        row["int4_floor_us"] = block.floor_bytes(ids, quant) / bw / 1e3
+        def int4():
+            quant = block.quantized()
+            row["int4_err"] = rel(block.experts_op(x, ids, w, quant), block.reference(x, ids, w, quant))
+            row["int4_us"] = time_us(lambda: block.fusepass(x, quant))
+            row["int4_floor_us"] = block.floor_bytes(ids, quant) / bw / 1e3
+        attempt("int4", int4)
+    row["errors"] = errors
     return row
 
 
@@ -410,11 +429,12 @@ def table(result: dict) -> str:
     body = []
     for r in result["rows"]:
         f = r.get("fusepass_us")
-        body.append([r["model"], r["T"], r["plan"], f"{r['floor_us']:.1f}", f"{f:.1f}", f"{f / r['floor_us']:.2f}",
-                     f"{r['router_us']:.1f}", _us(r.get("inductor_grouped_mm_us")),
-                     _us(r.get("inductor_batched_mm_us")),
-                     _us(r.get("int4_us")), f"{r['int4_us'] / f:.2f}" if r.get("int4_us") else "-",
-                     ("ok" if r["ok"] and r["graph_err"] == 0 else "FAIL") + f" {r['experts_err']:.1e}"])
+        good = r.get("ok") and r.get("graph_err") == 0 and not r.get("errors")
+        body.append([r["model"], r["T"], r["plan"], f"{r['floor_us']:.1f}", _us(f),
+                     f"{f / r['floor_us']:.2f}" if f else "-", _us(r.get("router_us")),
+                     _us(r.get("inductor_grouped_mm_us")), _us(r.get("inductor_batched_mm_us")),
+                     _us(r.get("int4_us")), f"{r['int4_us'] / f:.2f}" if r.get("int4_us") and f else "-",
+                     ("ok" if good else "FAIL") + (f" {r['experts_err']:.1e}" if "experts_err" in r else "")])
     lines = [tabulate(body, head, tablefmt="github")]
     best = {}
     for key, times in result["sweeps"].items():
@@ -458,7 +478,7 @@ def main(argv=None) -> int:
         (out / "moe.json").write_text(json.dumps(result, indent=1, default=str))
         (out / "moe.txt").write_text(text + "\n")
     print(text)
-    return 0 if all(r["ok"] and r["graph_err"] == 0 for r in result["rows"]) else 1
+    return 0 if all(r.get("ok") and r.get("graph_err") == 0 and not r.get("errors") for r in result["rows"]) else 1
 
 
 # -- the kernels compiled for an H100 without one (--ptx) -----------------------------------
