@@ -20,8 +20,12 @@ Two launches, no routing step before them:
    second read served from L2.
 
 Both kernels multiply with fp32 FMAs on register tiles (a GEMV: one to a few
-rows per weight tile), products accumulated elementwise and reduced across K
-once at the end.
+rows per weight tile), the products accumulated elementwise and reduced
+across K once at the end, or (``defer=False``) every tile, which takes fewer
+registers for deeper tiles.  Weight tiles are laid out with the dim that is
+contiguous in memory fastest ([BN, BK] for [E, N, K] weights, [BK, BN] for
+gpt-oss's [E, K, N]), so every weight load is a 16-byte vector
+(``benchmarks/moe.py --ptx`` checks the PTX for sm90).
 """
 
 from __future__ import annotations

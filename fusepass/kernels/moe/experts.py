@@ -47,6 +47,17 @@ models' k <= 8 with weights summing to about 1).
 A pair whose id lies outside [0, E) contributes nothing, as transformers'
 expert-parallel sentinels do in ``grouped_mm``.  T = 0 gives an empty output;
 an expert no token chose costs nothing.
+
+On CUDA (fp16, bf16, fp32) the op takes one of three paths, chosen per token
+count by ``moe_experts_plan`` (measured plans in ``plans.py``, else a
+heuristic): "decode" (few tokens, ``decode.py``: two launches, each active
+expert's weights read once, no routing step), "sorted" (``prefill.py``: the
+(token, choice) pairs sorted by expert on the device, grouped tl.dot GEMMs)
+and "grouped_mm" (the same sort, ``torch._grouped_mm`` for the GEMMs; bf16 on
+sm90).  None synchronises with the host or has a shape that depends on the
+routing, so the op runs under CUDA graphs and with dynamic T.  fp64 and a
+kernel that fails take the plain-torch body (which reads the ids on the
+host).
 """
 
 from __future__ import annotations

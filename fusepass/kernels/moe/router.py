@@ -273,13 +273,21 @@ def router_heuristic(T: int, E: int, H: int) -> RouterConfig:
     """Few tokens: FMAs, the experts split over up to 128 programs (at T = 1 one
     weight row of E each, read in one or two tiles: one DRAM round trip
     rather than a loop of them in a few programs); more tokens: tl.dot over
-    all experts.  Chosen without a GPU at hand."""
+    all experts (fp32 and mixed dtypes as exact fp32 dots); fewer than 16
+    experts, too few for tl.dot: FMAs over all of them, 4 tokens a program.
+    Chosen without a GPU at hand."""
     BEA = cdiv_pow2(E)
-    if T <= 8 or BEA < 16:
-        BT = cdiv_pow2(min(T, 8))
+    if T <= 8:
+        BT = cdiv_pow2(T)
         BE = max(1, cdiv_pow2(cdiv(E, 128)))
-        BK = max(16, min(4096 // (BT * BE), cdiv_pow2(H)))
-        return RouterConfig(BT=BT, BE=BE, BK=BK, dot=False)
+        return RouterConfig(BT=BT, BE=BE, BK=max(16, min(4096 // (BT * BE), cdiv_pow2(H))), dot=False)
+    return _whole(BEA, H)
+
+
+def _whole(BEA: int, H: int) -> RouterConfig:
+    """All experts in one program (no split, no counters)."""
+    if BEA < 16:
+        return RouterConfig(BT=4, BE=BEA, BK=max(16, min(4096 // (4 * BEA), cdiv_pow2(H))), dot=False)
     BT = 16 if BEA >= 256 else 32
     return RouterConfig(BT=BT, BE=BEA, BK=64, dot=True, warps=8 if BEA >= 256 else 4)
 
@@ -319,9 +327,9 @@ def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: 
     ctr = None
     if n_e > 1:
         ctr = _split_counters(dev, n_t)
-        if ctr is None:  # a CUDA-graph capture without free counters: one program per token block
-            cfg = RouterConfig(BT=cfg.BT, BE=BEA, BK=max(16, 4096 // (cfg.BT * BEA)), dot=cfg.dot, warps=cfg.warps)
-            n_e = 1
+        if ctr is None:  # a CUDA-graph capture without free counters: all experts in each program
+            cfg = _whole(BEA, H)
+            n_t, n_e = cdiv(T, cfg.BT), 1
     f32 = x.dtype == torch.float32 or weight.dtype != x.dtype or interpreting()
     with on_device(x):
         _moe_router_kernel[(n_t, n_e)](
@@ -330,7 +338,7 @@ def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: 
             T, E, H, x.stride(0), weight.stride(0),
             KIND=kind, TOP_K=top_k, RENORM=bool(renormalize), NG=n_group, TG=topk_group, SCALING=float(scaling),
             HAS_BIAS=bias is not None, HAS_CB=correction_bias is not None, SPLIT=n_e > 1,
-            USE_DOT=cfg.dot and weight.dtype == x.dtype and BEA >= 16 and cfg.BT >= 16, F32=f32,
+            USE_DOT=cfg.dot and BEA >= 16 and cfg.BT >= 16, F32=f32,
             BT=cfg.BT, BE=cfg.BE if n_e > 1 else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k), num_warps=cfg.warps,
         )
     return tw, tid, logits
