@@ -263,18 +263,18 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
         base = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], 132, 0)
         cands["decode"] = ("decode", base)
         if not smoke and T <= 8:
-            for bn, bk in ((8, 512), (32, 128)):
+            KP = 1 << (m["k"] - 1).bit_length()
+            # products summed elementwise, reduced across K at the end
+            cands["decode-defer"] = ("decode", decode.DecodeConfig(
+                BM=base.BM, BN=16, BK=4096 // (16 * base.BM), BN2=base.BN2, BK2=max(16, 4096 // (KP * base.BN2)),
+                defer=True, defer2=True))
+            for bn, bk in ((16, 512), (4, 2048)):
                 cands[f"decode-BN{bn}-BK{bk}"] = ("decode", decode.DecodeConfig(
-                    BM=base.BM, BN=bn, BK=min(bk, 4096 // (bn * base.BM)), BN2=base.BN2, BK2=base.BK2,
-                    warps2=base.warps2))
-            for bn2 in (4, 8, 32):
-                if bn2 != base.BN2:
-                    cands[f"decode-BN2{bn2}"] = ("decode", decode.DecodeConfig(
-                        BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 4096 // (bn2 * 8))))
-            # tiles reduced across K every step: fewer registers, deeper tiles
-            cands["decode-nodefer"] = ("decode", decode.DecodeConfig(
-                BM=base.BM, BN=16, BK=1024, warps=8, BN2=4 if not m["transposed"] else 16,
-                BK2=512 if not m["transposed"] else 256, warps2=8, defer=False, defer2=False))
+                    BM=base.BM, BN=bn, BK=bk // base.BM, BN2=base.BN2, BK2=base.BK2, defer=False, defer2=False))
+            for bn2 in (2, 8) if not m["transposed"] else (32,):
+                cands[f"decode-BN2{bn2}"] = ("decode", decode.DecodeConfig(
+                    BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 8192 // (KP * bn2)), defer=False,
+                    defer2=False))
     if T * m["k"] >= 16:
         base = prefill.sorted_heuristic(T, m["k"], m["E"], 0)
         cands["sorted"] = ("sorted", base)
@@ -316,15 +316,13 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
     base = decode.decode_heuristic(x.shape[0], m["k"], m["H"], m["I"], False, 132, block.group)
     cands = {"decode": base}
     if not smoke:
-        for bn, bk, warps in ((16, 512, 8), (32, 256, 8), (32, 512, 8), (64, 256, 8), (16, 1024, 8)):
+        for bn, bk, warps in ((4, 2048, 4), (8, 2048, 8), (16, 1024, 8), (16, 512, 4)):
             cands[f"decode-BN{bn}-BK{bk}-w{warps}"] = decode.DecodeConfig(
-                BM=1, BN=bn, BK=bk, warps=warps, BN2=base.BN2, BK2=base.BK2, warps2=base.warps2)
-        for bn2, bk2, warps2 in ((4, 256, 8), (8, 256, 8), (4, 512, 8), (16, 128, 8)):
+                BM=1, BN=bn, BK=bk, warps=warps, BN2=base.BN2, BK2=base.BK2, defer=False, defer2=False)
+        for bn2, bk2, warps2 in ((4, 512, 8), (8, 256, 8), (2, 512, 4)):
             cands[f"decode-BN2{bn2}-BK2{bk2}-w{warps2}"] = decode.DecodeConfig(
-                BM=1, BN=base.BN, BK=base.BK, warps=base.warps, BN2=bn2, BK2=bk2, warps2=warps2)
-        for bn, bk in ((16, 1024), (32, 1024), (16, 2048)):  # reduced across K every tile
-            cands[f"decode-nodefer-BN{bn}-BK{bk}"] = decode.DecodeConfig(
-                BM=1, BN=bn, BK=bk, warps=8, BN2=4, BK2=1024, warps2=8, defer=False, defer2=False)
+                BM=1, BN=base.BN, BK=base.BK, BN2=bn2, BK2=bk2, warps2=warps2, defer=False, defer2=False)
+        cands["decode-defer"] = decode.DecodeConfig(BM=1, BN=16, BK=256, BN2=4, BK2=128, defer=True, defer2=True)
     ref = block.reference(x, ids, w, quant)
     times = {}
     for name, cfg in cands.items():
@@ -556,19 +554,21 @@ def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=Fa
 
 def ptx_kernels(only: str | None):
     groups = {
-        "decode": [
-            ("decode up, Qwen3 T1", lambda: decode_up()),
-            ("decode up, Qwen3 T8 (BM 2)", lambda: decode_up(BM=2, BK=128, BS=64)),
+        "decode": [  # the heuristic's tiles at the two models' dims, and the deferred-sum form
+            ("decode up, Qwen3 T1", lambda: decode_up(BN=8, BK=1024, defer=False)),
+            ("decode up, Qwen3 T8 (BM 2)", lambda: decode_up(BM=2, BN=8, BK=1024, BS=64, defer=False)),
             ("decode up, gpt-oss T1 (transposed, interleaved)", lambda: decode_up(
-                halves=False, act="gpt_oss", bias=True, BS=4, trans=True)),
-            ("decode up, int4 g128", lambda: decode_up(fmt="int4")),
-            ("decode up, int8", lambda: decode_up(fmt="int8")),
-            ("decode up, fp8", lambda: decode_up(fmt="fp8")),
-            ("decode up, no defer BK1024 w8", lambda: decode_up(defer=False, BK=1024, warps=8)),
-            ("decode down, Qwen3 T1", lambda: decode_down()),
-            ("decode down, gpt-oss T1 (transposed)", lambda: decode_down(KP=4, BN=16, bias=True, trans=True,
-                                                                         warps=8)),
-            ("decode down, int4 g128", lambda: decode_down(fmt="int4")),
+                BN=16, BK=512, defer=False, halves=False, act="gpt_oss", bias=True, BS=4, trans=True)),
+            ("decode up, int4 g128", lambda: decode_up(fmt="int4", BN=8, BK=1024, defer=False)),
+            ("decode up, int8", lambda: decode_up(fmt="int8", BN=8, BK=1024, defer=False)),
+            ("decode up, fp8", lambda: decode_up(fmt="fp8", BN=8, BK=1024, defer=False)),
+            ("decode up, deferred sum BN16 BK256", lambda: decode_up()),
+            ("decode down, Qwen3 T1", lambda: decode_down(BN=4, BK=256, defer=False)),
+            ("decode down, Qwen3 T8", lambda: decode_down(BN=16, BK=64, defer=False)),
+            ("decode down, gpt-oss T1 (transposed)", lambda: decode_down(KP=4, BN=16, BK=256, defer=False, bias=True,
+                                                                         trans=True)),
+            ("decode down, int4 g128", lambda: decode_down(fmt="int4", BN=4, BK=256, defer=False)),
+            ("decode down, deferred sum BN4 BK128", lambda: decode_down()),
         ],
         "sorted": [
             (f"sorted {which}, BM{bm}{' transposed' if trans else ''}", lambda which=which, bm=bm, trans=trans:

@@ -487,4 +487,4 @@ def test_decode_kernels_compile_for_sm90_with_vector_loads():
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "moe.py"), "--ptx", "decode"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("spill    0") >= 10, proc.stdout
+    assert proc.stdout.count("spill    0") >= 12, proc.stdout
