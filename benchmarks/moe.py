@@ -415,6 +415,11 @@ def measure(block: Block, x, ids, w, bw: float, time_us, smoke: bool) -> dict:
             row["int4_us"] = time_us(lambda: block.fusepass(x, quant))
             row["int4_floor_us"] = block.floor_bytes(ids, quant) / bw / 1e3
         attempt("int4", int4)
+    from fusepass.kernels._common import kernel_fallbacks
+
+    fallbacks = {op: why for op, why in kernel_fallbacks().items() if op.startswith("moe")}
+    if fallbacks:  # a kernel that failed ran as the plain-torch body: its times are not the kernels'
+        errors.append(f"kernel fallbacks: {fallbacks}")
     row["errors"] = errors
     return row
 
