@@ -296,7 +296,8 @@ def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Te
         zero_gate_up = None if zero_gate_up is None else zero_gate_up.contiguous()
         zero_down = None if zero_down is None else zero_down.contiguous()
     group = group_size if fmt == "int4" else 0
-    plan = plan or moe_experts_plan(T, E, H, I, k, x.dtype, fmt, x.device)
+    # (CPU tensors reach the kernels only under the interpreter: plan as for a GPU.)
+    plan = plan or moe_experts_plan(T, E, H, I, k, x.dtype, fmt, x.device if x.is_cuda else None)
     halves = gate_layout == "halves"
     args = (x, ids, tw, w_gate_up, w_down, b1, b2, scale_gate_up, zero_gate_up, scale_down, zero_down, activation,
             halves, transposed, fmt, group, alpha, limit)
