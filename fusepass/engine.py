@@ -729,7 +729,7 @@ def _source_hash(options: Options) -> str:
 
 def _hash_sources(options: Options) -> str:
     h = hashlib.sha256()
-    for path in sorted(itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/*.py"),
+    for path in sorted(itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/**/*.py"),
                                        _PACKAGE.glob("patterns/_*.py"))):
         h.update(path.name.encode())
         h.update(path.read_bytes())
