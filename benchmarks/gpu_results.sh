@@ -5,6 +5,7 @@
 #   pip install -e ".[bench]" liger-kernel flash-linear-attention gemlite torchao   # once: fusepass and the peers
 #   bash benchmarks/gpu_results.sh                  # every part (about 50 min on one H100)
 #   bash benchmarks/gpu_results.sh ops-norms-gdn ops-dequant page                   # some parts
+#   bash benchmarks/gpu_results.sh --cpu-smoke [parts]   # the same commands on a CPU: tiny models, quick shapes
 #
 # Each part is one command under ten minutes (its limit below is about 1.5x
 # what it took on an H100); a part that runs out is said so and the next one
@@ -25,57 +26,77 @@
 #   torchao         Llama-3-8B with torchao's Int8WeightOnlyConfig, decode B1     ~305 s
 #   page            BENCHMARKS.md from $OUT                                        ~2 s
 set -u
+SMOKE=
+if [ "${1:-}" = "--cpu-smoke" ]; then SMOKE=1; shift; fi
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-E="python3 -m fusepass.cli bench e2e"
-L="--model llama3-8b --layers full --batch 1 --prompt 64 --new-tokens 64"
+OPS="python3 -m fusepass.cli bench"
+TINY=
+LLAMA="--model llama3-8b --layers full"
+LLAMA4="--model llama3-8b --layers 4"
+QWEN3="--model qwen3-8b --layers full"
 # flash-linear-attention hidden from the whole-model rows: with it importable,
 # transformers runs Gated DeltaNet on its kernels and the Qwen3.5 rows would
 # time those, not the PyTorch code fusepass rewrites.
-Q="--model qwen3.5-9b --layers 4 --hide fla"
+QWEN35="--model qwen3.5-9b --layers 4 --hide fla"
+PAGE=BENCHMARKS.md
+if [ -n "$SMOKE" ]; then  # every command as on the GPU; the last occurrence of an option wins
+  OPS="$OPS --quick"
+  TINY="--quick --device cpu --prefill 32 --prompt 16 --new-tokens 8 --batch 1 --repeat 1"
+  LLAMA="--model tiny-llama --layers full"; LLAMA4="--model tiny-llama --layers 2"; QWEN3=$LLAMA
+  QWEN35="--model tiny-qwen3.5 --layers 4 --hide fla"
+  PAGE="$OUT/BENCHMARKS.md"
+fi
+L="$LLAMA --batch 1 --prompt 64 --new-tokens 64"
+Q="$QWEN35"
 
 run() {  # part, limit (s), command...
   local part=$1 limit=$2; shift 2
   local t=$SECONDS
+  [ -n "$SMOKE" ] && limit=$((limit * 4))  # a 2-core CPU compiles slower than an H100's host
   echo "== $part (limit ${limit} s): $*"
   timeout "$limit" "$@" >> "$OUT/$part.log" 2>&1
   echo "   exit $?, $((SECONDS - t)) s"
 }
+e2e() {  # part, limit (s), fusepass bench e2e arguments...
+  local part=$1 limit=$2; shift 2
+  run "$part" "$limit" python3 -m fusepass.cli bench e2e "$@" $TINY
+}
 
 part() {
   case $1 in
-    ops-norms-gdn) run "$1" 400 python3 -m fusepass.cli bench --ops rms_norm,add_rms_norm,swiglu,geglu,rms_norm_gated,gdn \
+    ops-norms-gdn) run "$1" 400 $OPS --ops rms_norm,add_rms_norm,swiglu,geglu,rms_norm_gated,gdn \
                      --out "$OUT/ops-norms-gdn" ;;
-    ops-dequant)   run "$1" 300 python3 -m fusepass.cli bench --ops dequant_matmul --out "$OUT/ops-dequant" ;;
-    llama-decode)  run "$1" 240 $E $L --phases decode,replay --backends inductor,fusepass --out "$OUT/e2e/llama-bf16"
-                   run "$1" 180 $E $L --phases decode,replay --backends fusepass --quantize int8 --out "$OUT/e2e/llama-int8"
-                   run "$1" 180 $E $L --phases decode,replay --backends fusepass --quantize int4 --out "$OUT/e2e/llama-int4" ;;
-    llama-prefill) run "$1" 360 $E --model llama3-8b --layers full --phases prefill --prefill 512,2048,8192 \
+    ops-dequant)   run "$1" 300 $OPS --ops dequant_matmul --out "$OUT/ops-dequant" ;;
+    llama-decode)  e2e "$1" 240 $L --phases decode,replay --backends inductor,fusepass --out "$OUT/e2e/llama-bf16"
+                   e2e "$1" 180 $L --phases decode,replay --backends fusepass --quantize int8 --out "$OUT/e2e/llama-int8"
+                   e2e "$1" 180 $L --phases decode,replay --backends fusepass --quantize int4 --out "$OUT/e2e/llama-int4" ;;
+    llama-prefill) e2e "$1" 360 $LLAMA --phases prefill --prefill 512,2048,8192 \
                      --backends eager,inductor,fusepass --out "$OUT/e2e/llama-prefill"
-                   run "$1" 300 $E $L --batch 32 --phases decode,replay --backends inductor,fusepass --out "$OUT/e2e/llama-b32" ;;
+                   e2e "$1" 300 $L --batch 32 --phases decode,replay --backends inductor,fusepass --out "$OUT/e2e/llama-b32" ;;
     # Inductor last: its compile of the unrolled chunk loop grows with T.
-    qwen-prefill)  run "$1" 560 $E $Q --phases prefill --prefill 512,2048,8192 --backends eager,fusepass,inductor \
+    qwen-prefill)  e2e "$1" 560 $Q --phases prefill --prefill 512,2048,8192 --backends eager,fusepass,inductor \
                      --max-seconds 450 --out "$OUT/e2e/qwen-prefill" ;;
-    qwen-decode)   run "$1" 150 $E $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 1 \
+    qwen-decode)   e2e "$1" 150 $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 1 \
                      --backends inductor,fusepass --out "$OUT/e2e/qwen-decode"
-                   run "$1" 300 $E $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 32 \
+                   e2e "$1" 300 $Q --phases decode,replay --prompt 128 --new-tokens 64 --batch 32 \
                      --backends inductor,fusepass --out "$OUT/e2e/qwen-b32" ;;
-    qwen3-decode)  run "$1" 420 $E --model qwen3-8b --layers full --batch 1 --prompt 64 --new-tokens 64 \
+    qwen3-decode)  e2e "$1" 420 $QWEN3 --batch 1 --prompt 64 --new-tokens 64 \
                      --phases decode,replay --backends inductor,fusepass --out "$OUT/e2e/qwen3-decode" ;;
-    startup)       run "$1" 240 $E --model llama3-8b --layers 4 --phases startup --repeat 1 --backends inductor,fusepass \
+    startup)       e2e "$1" 240 $LLAMA4 --phases startup --repeat 1 --backends inductor,fusepass \
                      --out "$OUT/e2e/llama-startup"
-                   run "$1" 360 $E $Q --phases startup --repeat 1 --prompt 4096 --backends inductor,fusepass \
+                   e2e "$1" 360 $Q --phases startup --repeat 1 --prompt 4096 --backends inductor,fusepass \
                      --child-timeout 300 --out "$OUT/e2e/qwen-startup" ;;
-    torchao)       run "$1" 480 $E $L --phases decode --backends inductor,fusepass --quantize torchao-int8 \
+    torchao)       e2e "$1" 480 $L --phases decode --backends inductor,fusepass --quantize torchao-int8 \
                      --out "$OUT/e2e/torchao" ;;
-    page)          python3 -m fusepass.bench.page "$OUT" --out BENCHMARKS.md ;;
+    page)          python3 -m fusepass.bench.page "$OUT" --out "$PAGE" ;;
     *) echo "gpu_results.sh: no part '$1'"; return 2 ;;
   esac
 }
 
 T0=$SECONDS
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+[ -z "$SMOKE" ] && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"
 PARTS=${*:-"ops-norms-gdn ops-dequant llama-decode llama-prefill qwen-prefill qwen-decode qwen3-decode startup torchao page"}
