@@ -244,7 +244,8 @@ SUBCOMMANDS = (_demo_parser, _rules_parser, bench_parser)
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fusepass", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)

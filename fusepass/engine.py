@@ -2,9 +2,9 @@
 
 Patterns are traced from each rule's plain-torch ``search`` functions with
 Inductor's machinery (``fwd_only`` + ``fx_to_pattern``), once per dtype, kept
-on disk for the next process (the pattern cache, below), and matched with Inductor's ``PatternExpr.match``.  fusepass drives the matching
-itself rather than through ``PatternMatcherPass`` so that every refusal keeps
-its reason:
+on disk for the next process (the pattern cache, below), and matched with
+Inductor's ``PatternExpr.match``.  fusepass drives the matching itself rather
+than through ``PatternMatcherPass`` so that every refusal keeps its reason:
 
 - intermediates may have users outside the match in the pattern (``MULTIPLE``);
   a match whose intermediate *is* used elsewhere is refused here, naming it
@@ -262,7 +262,8 @@ def _package_files_digest() -> str:
     global _package_digest
     if _package_digest is None:
         h = hashlib.sha256()
-        files = itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/**/*.py"), _PACKAGE.glob("patterns/**/*.py"))
+        files = itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/**/*.py"),
+                                _PACKAGE.glob("patterns/**/*.py"))
         for path in sorted(files):
             h.update(str(path.relative_to(_PACKAGE)).encode())
             h.update(path.read_bytes())

@@ -327,7 +327,8 @@ def test_benchmarks_page_is_generated_from_the_runs_json(tmp_path):
     text = out.read_text()
     assert "### rms_norm" in text and "### llama3-8b, 32 layer(s), bfloat16, int4" in text
     assert "| 4096x4096 | 24.9 | fails its check | 23.9 | 1.04x | 2800 (115%) |" in text
-    assert "| decode B1 | 108 tok/s, 60% of floor | 182 tok/s, 35% of floor | 1.69x | dequant_matmul_int4×224 |" in text
+    assert ("| decode B1 | 108 tok/s, 60% of floor | 182 tok/s, 35% of floor | 1.69x | dequant_matmul_int4×224 |"
+            in text)
     for needle in ("NVIDIA H100 80GB HBM3", "torch 2.11.0+cu130", "commit abc1234", "    fusepass bench --ops rms_norm",
                    "    fusepass bench e2e --model llama3-8b --quantize int4"):
         assert needle in text
