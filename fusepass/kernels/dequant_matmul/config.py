@@ -61,7 +61,8 @@ def _valid(cfg: Config, M: int, K: int, fmt: str, G: int, dtype: torch.dtype) ->
     if cfg.kind == "cublas":
         return True
     if cfg.kind == "gemv":
-        return M <= _GEMV_MAX_M and (fmt != "int4" or cfg.BK % G == 0)
+        # int4: a thread's chunk of 16 bytes (fewer for G < 32) lies inside one group
+        return M <= _GEMV_MAX_M and (fmt != "int4" or (cfg.BK % G == 0 and (G % 32 == 0 or G in (2, 4, 8, 16))))
     if cfg.kind == "mmt":  # 16-deep dots of 16-bit operands; int4 tiles within one group
         return dtype != torch.float32 and cfg.BK >= 32 and cfg.BM >= 16 and (fmt != "int4" or G % cfg.BK == 0)
     # mm: tensor cores need 16-deep dots of 16-bit operands (fp32 runs the
