@@ -35,8 +35,8 @@ def _pairs(x: Tensor) -> Tensor:
 
 
 def _words(w: Tensor) -> Tensor:
-    """The packed int4 weight uint8 [N, K / 2] as int32 [N, K / 8] (eight codes a
-    word); a row stride or offset that is not whole words is copied first."""
+    """A weight of bytes (int4 packed uint8 [N, K / 2], int8 [N, K]) as int32 words
+    of four bytes; a row stride or offset that is not whole words is copied first."""
     if w.stride(0) % 4 or w.storage_offset() % 4:
         w = w.contiguous()
     return w.view(torch.int32)
@@ -84,13 +84,15 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, x, xp, *operands, x.stride(0), xp.stride(0),
              *w_strides, BM=_pow2(M), ASM=asm, **meta)
     elif cfg.kind == "mmt":
-        if fmt == "int4":
+        # int4 always, int8 in whole tiles: the weight read as int32 words (see the kernel)
+        words = fmt == "int4" or (fmt == "int8" and even and K % 4 == 0)
+        if words:
             wv = _words(w)
             operands = (wv, *operands[1:])
-            w_strides = (wv.stride(0), scale.stride(0))
+            w_strides = (wv.stride(0), w_strides[1])
         _run(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split), warmup, x, *operands, x.stride(0),
              *w_strides, BM=cfg.BM, DOT_F32=x.dtype == torch.float32 or not x.is_cuda,
-             ASM=fmt == "int4" and x.is_cuda and not interpreting(), **meta)
+             ASM=x.is_cuda and not interpreting(), WORDS=words, **meta)
     else:
         grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split)
         _run(_dequant_mm_kernel, grid, warmup, x, *operands, x.stride(0), *w_strides, BM=cfg.BM, GROUP_M=_GROUP_M,

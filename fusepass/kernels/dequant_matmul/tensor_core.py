@@ -12,6 +12,7 @@ from fusepass.kernels.dequant_matmul.tiles import (
     _int4_dequant,
     _int4_offset,
     _int8_to_f32,
+    _int8_word,
     _nibbles_to_f32,
     _word_128,
 )
@@ -135,7 +136,7 @@ def _dequant_mmt_kernel(
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-    ASM: tl.constexpr = False,
+    ASM: tl.constexpr = False, WORDS: tl.constexpr = False,
 ):
     # Small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
     # The dequantised weight tile is the dot's A operand, used from registers,
@@ -165,6 +166,10 @@ def _dequant_mmt_kernel(
     p_x = x + o_m.to(tl.int64)[None, :] * stride_xm
     dt = x.dtype.element_ty
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    if FMT == "int8" and WORDS:
+        o_wd = (tl.arange(0, BK // 16) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 16, 4] words
+        # column c = 16j + 8h + 2t + e of the tile holds K index 16j + 4t + 2h + e
+        o_pk = (o_k // 16) * 16 + ((o_k // 2) % 4) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
     if FMT == "int4":
         ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
         o_wd = (tl.arange(0, BK // 32) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 32, 4] words
@@ -191,6 +196,15 @@ def _dequant_mmt_kernel(
             b_e3 = tl.join(_int4_dequant(b_6, b_s, b_c, b_z, ZERO_F32).to(dt), _int4_dequant(b_7, b_s, b_c, b_z, ZERO_F32).to(dt))
             b_w = tl.join(tl.join(b_e0, b_e1), tl.join(b_e2, b_e3))  # [BN, BK / 32, 4 (t), 2 (e), 2 (u), 2 (h)]
             b_w = tl.reshape(tl.permute(b_w, (0, 1, 5, 4, 2, 3)), [BN, BK])
+            b_x = tl.load(p_x + (k0 + o_pk)[:, None], mask=m_m[None, :], other=0)  # [BK, BM], rows permuted
+        elif WORDS:
+            # int8, whole tiles: int32 words of four values, [BN, BK / 16, 4] per
+            # tile, word 4j + t holding K 16j + 4t + b; byte b = 2h + e goes to
+            # column 16j + 8h + 2t + e, the A fragment's place, as for int4.
+            b_wd = tl.load(p_w[:, :, None] + k0 // 4 + o_wd, mask=m_n[:, None, None], other=0)  # [BN, BK / 16, 4]
+            b_0, b_1, b_2, b_3 = _int8_word(b_wd, ASM)
+            b_w = tl.join(tl.join(b_0.to(dt), b_1.to(dt)), tl.join(b_2.to(dt), b_3.to(dt)))  # [.., 4 (t), 2 (e), 2 (h)]
+            b_w = tl.reshape(tl.permute(b_w, (0, 1, 4, 2, 3)), [BN, BK])
             b_x = tl.load(p_x + (k0 + o_pk)[:, None], mask=m_m[None, :], other=0)  # [BK, BM], rows permuted
         else:
             if EVEN_K:

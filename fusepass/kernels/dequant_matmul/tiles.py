@@ -104,6 +104,33 @@ def _word_128(b_w, ASM: tl.constexpr):
 
 
 @triton.jit
+def _int8_word(b_w, ASM: tl.constexpr):
+    """int32 words of four int8 values -> four fp32 tensors, byte order: each
+    byte + 128 (the sign bit flipped, once per word) placed in 2**23's low
+    mantissa bits by one PRMT, then one FADD of 2**23 + 128."""
+    if ASM:
+        b_0, b_1, b_2, b_3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, c;
+            mov.b32 c, 0x4B000000;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 $0, t, c, 0x7440;
+            prmt.b32 $1, t, c, 0x7441;
+            prmt.b32 $2, t, c, 0x7442;
+            prmt.b32 $3, t, c, 0x7443;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[b_w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        b_t = b_w ^ -2139062144  # 0x80808080
+        b_0 = ((b_t & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_1 = (((b_t >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_2 = (((b_t >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_3 = (((b_t >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return b_0 - 8388736.0, b_1 - 8388736.0, b_2 - 8388736.0, b_3 - 8388736.0
+
+
+@triton.jit
 def _int4_offset(b_z, b_s, ZERO_F32: tl.constexpr):
     """What _int4_dequant subtracts, per group: (128 + z) s (nothing yet for an
     fp32 zero point, which need not be a multiple of 2**-16)."""
