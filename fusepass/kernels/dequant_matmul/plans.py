@@ -24,28 +24,59 @@ def _auto_split(programs: int, K: int, BK: int, n_sm: int) -> int:
     return max(1, min(want, K // BK, 16))
 
 
+def int4_gemv_bk(K: int, G: int, warps: int, chunks: int = 1) -> int:
+    """The int4 GEMV's tile depth: each of the ``32 * warps`` threads holds
+    ``chunks`` chunks of 16 bytes (32 values; fewer for G < 32) of every row of
+    the block, so that no thread holds a copy of another's chunk."""
+    per_chunk = 32 if G >= 32 else G
+    return 32 * warps * chunks * per_chunk
+
+
+def _int4_gemv(M: int, N: int, K: int, G: int, n_sm: int) -> Config:
+    # Four warps, one 16-byte chunk per thread and row (4096 values per tile),
+    # fewer warps where K is shorter, or where the rows alone make too few
+    # programs and K must be split into more slices than whole tiles allow;
+    # eight rows (four at M = 2) per program: 128 registers, four programs per
+    # SM, 64 KB of loads in flight per SM (sm_90 compile,
+    # benchmarks/sass_dequant_matmul.py).
+    bn = 8 if M == 1 else 4
+    warps = 4
+    while warps > 1 and (4 * int4_gemv_bk(K, G, warps) > 5 * K  # at most a fifth of the tile past K
+                         or cdiv(N, bn) * max(1, K // int4_gemv_bk(K, G, warps)) < 2 * n_sm):
+        warps //= 2
+    bk = int4_gemv_bk(K, G, warps)
+    return Config("gemv", BN=bn, BK=bk, warps=warps, split=_auto_split(cdiv(N, bn), K, bk, n_sm))
+
+
 def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_sm: int) -> Config:
     """The plan when there is no measured one (no table entry, tuning off, CUDA-graph capture, the interpreter)."""
-    if M > (2 if fmt == "int4" else 1) and N >= 2048 and (fmt != "int4" or G % 32 == 0) and dtype != torch.float32:
-        # A few rows on a large weight: the transposed kernel (rows padded to 16)
-        # ran 0.67-0.90x the GEMV's time, cold, at int4 M = 4-8 and int8 / fp8
-        # M = 2-8 on Llama-3-8B's 4096- and 14336-row shapes (H100, 33abe0c and
-        # 0e2b217); the GEMV kept int4 M = 2 and the 1024-row shape.
+    if M > (2 if fmt == "int4" else 1) and N >= 2048 and (fmt != "int4" or G % 32 == 0) and dtype != torch.float32 \
+            and M <= 64:
+        # A few rows to 64 on a large weight: the transposed kernel (rows padded
+        # to 16) ran 0.67-0.90x the GEMV's time, cold, at int4 M = 4-8 and int8 /
+        # fp8 M = 2-8 on Llama-3-8B's 4096- and 14336-row shapes (H100, 33abe0c
+        # and 0e2b217), and won 26 of 27 keys of M = 16-64.  Tiles of 128 rows:
+        # fewer fixed instructions per value in the loop (sm_90: int4 4.6 per
+        # value against 5.4 at 64 rows); the split brings the grid to about
+        # two programs per SM.
         bk = min(128, G) if fmt == "int4" else 128
-        return Config("mmt", BM=16, BN=64, BK=bk, warps=4, stages=3, split=_auto_split(cdiv(N, 64), K, bk, n_sm))
+        bm = min(64, max(16, _pow2(M)))
+        bn = 128 if N >= 4096 else 64
+        return Config("mmt", BM=bm, BN=bn, BK=bk, warps=4, stages=3,
+                      split=max(1, _auto_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm) // 2))
     if M <= _GEMV_MAX_M:
-        bk = 1024 if fmt == "int4" else 512
-        bk = max(bk, G) if fmt == "int4" else bk
-        bn = 8 if fmt == "int4" or M == 1 else max(1, 8 // _pow2(M))
+        if fmt == "int4" and (G % 32 == 0 or G in (2, 4, 8, 16)):
+            return _int4_gemv(M, N, K, G, n_sm)
+        bk = 512
+        bn = 8 if M == 1 else max(1, 8 // _pow2(M))
         return Config("gemv", BN=bn, BK=bk, split=_auto_split(cdiv(N, bn), K, bk, n_sm), warps=4)
     if dtype == torch.float32 or M > 256:
         return CUBLAS
     bm = min(64 if M <= 64 else 128, max(16, _pow2(M)))
     if fmt != "int4" or G % 32 == 0:
-        # The transposed kernel won 26 of the 27 keys of int4, int8 and fp8 at
-        # M = 16-64 swept on the H100 on cold weights (Llama-3-8B shapes) and 16
-        # of 18 at M = 128-256, mostly with these tiles; the split is half the
-        # one that brings the grid to four programs per SM.
+        # The transposed kernel won 16 of 18 keys at M = 128-256 on the H100
+        # (cold weights, Llama-3-8B shapes), mostly with these tiles; the split is
+        # half the one that brings the grid to four programs per SM.
         bk = min(128, G) if fmt == "int4" else 128
         return Config("mmt", BM=bm, BN=64, BK=bk, warps=4, stages=3,
                       split=max(1, _auto_split(cdiv(N, 64) * cdiv(M, bm), K, bk, n_sm) // 2))

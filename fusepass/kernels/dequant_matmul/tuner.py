@@ -15,6 +15,7 @@ from fusepass.kernels.dequant_matmul.launch import _launch
 from fusepass.kernels.dequant_matmul.plans import (
     _auto_split,
     _from_entry,
+    int4_gemv_bk,
     _heuristic,
     _load_plans,
     _save_plan,
@@ -34,9 +35,8 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
             out.append(cfg)
 
     if M <= _GEMV_MAX_M:
-        # Weight bytes per row per tile: 512 (int8 / fp8) is one warp of
-        # 16-byte loads on one row; int4 the same bytes hold 1024 values.
-        per_byte = 2 if fmt == "int4" else 1
+        # int8 / fp8: weight bytes per row per tile; 512 is one warp of 16-byte
+        # loads on one row.
         bm = _pow2(M)
         shapes = ((8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (2, 1024, 4),
                   (2, 512, 4), (1, 1024, 4),
@@ -46,21 +46,26 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
                   # 4096x14336 22.9 against 24.0 (H100, cold, 3c79310).
                   (4, 2048, 8), (2, 2048, 4), (8, 2048, 8), (4, 4096, 8), (2, 4096, 4))
         if fmt == "int4":
-            # One 4-byte chunk per thread per row (128 bytes per warp): a tile
-            # of 128 * warps bytes keeps every thread on its own columns with
-            # all BN rows in its registers (the kernel's comment says why);
-            # two chunks per thread per row (256 * warps) for more bytes in flight.
-            shapes = tuple((bn, chunks * 128 * warps, warps) for bn, warps, chunks in
-                           ((8, 4, 1), (4, 4, 1), (16, 4, 1), (8, 8, 1), (4, 8, 1), (16, 8, 1), (8, 2, 1), (4, 2, 1),
-                            (2, 4, 1), (8, 4, 2), (4, 4, 2), (4, 8, 2), (8, 8, 2)))
-        for bn, kbytes, warps in shapes:
-            bk = max(kbytes * per_byte, G if fmt == "int4" else 1)
+            # A 16-byte chunk of each row per thread (one or two chunks per thread
+            # and row, 2-8 warps): the tile depth follows (int4_gemv_bk).
+            shapes = ()
+            if G % 32 == 0 or G in (2, 4, 8, 16):
+                for bn, warps, chunks in ((8, 4, 1), (4, 4, 1), (16, 4, 1), (8, 2, 1), (4, 2, 1), (8, 8, 1),
+                                          (4, 8, 1), (2, 4, 1), (4, 4, 2), (8, 4, 2), (4, 2, 2), (2, 4, 2)):
+                    if bm * bn > 32 or (M == 1 and bn < 4 and chunks == 1):
+                        continue
+                    bk = int4_gemv_bk(K, G, warps, chunks)
+                    if 4 * bk > 5 * K and warps > 1:  # mostly past K: fewer warps cover it
+                        continue
+                    auto = _auto_split(cdiv(N, bn), K, bk, n_sm)
+                    for split in sorted({1, auto}):
+                        add(Config("gemv", BN=bn, BK=bk, split=split, warps=warps))
+        for bn, kbytes, warps in (shapes if fmt != "int4" else ()):
+            bk = kbytes
             if K % bk and bk > 1024:  # a deep tile only where it divides K (a masked K breaks the 16-byte loads)
                 continue
             # int8 / fp8 keep a [BM, BN, BK] fp32 sum: at most 64 registers per thread.
-            if fmt != "int4" and bm * bn * bk > 64 * 32 * warps:
-                continue
-            if fmt == "int4" and bm * bn > 64:  # [BM, BN] sums per thread
+            if bm * bn * bk > 64 * 32 * warps:
                 continue
             if M == 1 and bn < 4 and kbytes < 2048:
                 continue
@@ -107,11 +112,11 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
                 add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))
     if M <= 64:
         # The product transposed (the weight tile as the dot's A operand).
-        for bn in (64, 128):
+        for bn, warps in ((64, 4), (128, 4), (128, 8)):
             for bk in ((64, 128) if fmt == "int4" else (128, 256)):
                 for split in (1, 2, 4, 8):
                     add(Config("mmt", BM=bm_small, BN=bn, BK=min(bk, G) if fmt == "int4" else bk, split=split,
-                               warps=4, stages=3))
+                               warps=warps, stages=3))
     elif M <= 256:
         # Row blocks of 128; the winners of the H100 sweep at M = 128-256 (int4
         # 1.2-2.4x faster than dequantise + cuBLAS, int8 1.1-1.3x than `mm`).
