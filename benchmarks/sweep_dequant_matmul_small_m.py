@@ -57,7 +57,7 @@ GROUP = 128
 MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 
-def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
+def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False) -> list[dm.Config]:
     if M <= 8:
         n_sm = 1 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
         cands = tuner._candidates(M, N, K, fmt, GROUP if fmt == "int4" else 0, torch.bfloat16, n_sm)
@@ -70,6 +70,9 @@ def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
         return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3)
                 for bn in (64, 128) for bk in bks for split in (1, 2, 4) for warps in (4, 8)]
     bks = (64, 128) if fmt == "int4" else (128, 256)
+    if quick:  # the tiles the heuristic chooses among
+        return [dm.Config("mmt", BM=bm, BN=bn, BK=128, split=split, warps=4, stages=3)
+                for bn in (64, 128) for split in (1, 2, 4, 8)]
     return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3)
             for bn, warps in ((64, 4), (128, 4), (128, 8)) for bk in bks for split in (1, 2, 4, 8, 16)]
 
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--plans", default=None, help="write the fastest config of each key on cold weights here, "
                    "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul_plans.json)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    p.add_argument("--quick", action="store_true", help="at M > 8, only the tiles the heuristic chooses among")
+    p.add_argument("--no-hot", action="store_true", help="time cold weights only")
     p.add_argument("--both-sums", action="store_true", help="also time each split-K config with its slices summed "
                    "by a second kernel (provider <kind>-2k) instead of by each tile's last program")
     args = p.parse_args(argv)
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
                             print(f"    {fmt} M{M} N{N} K{K} {provider} {label}: error {err:.1e}")
                             return
                         times = {}
-                        if not smoke:
+                        if not smoke and not args.no_hot:
                             times["hot"] = triton.testing.do_bench_cudagraph(lambda: call(0), rep=args.rep) * 1e3
                             if cold:
                                 def ring_call():
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
 
                 n_sm = 1 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
                 heur = dm_plans._heuristic(M, N, K, fmt, G, torch.bfloat16, n_sm)
-                cands = configs(fmt, M, N, K, smoke)
+                cands = configs(fmt, M, N, K, smoke, args.quick)
                 if heur.kind != "cublas" and heur not in cands:
                     cands = [heur, *cands]
                 if not smoke:

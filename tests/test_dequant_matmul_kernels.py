@@ -316,8 +316,9 @@ def test_plan_query_off_cuda():
                                             ("fp8", 0, False)])
 def test_gpu_real_sizes_every_path(fmt, group, asym):
     N, K = 4096, 4096
-    paths = [dm.Config("gemv", BN=8, BK=512 * (2 if fmt == "int4" else 1), split=1),
-             dm.Config("gemv", BN=16, BK=512 * (2 if fmt == "int4" else 1), split=4, warps=8),
+    # int4 GEMV tiles: 1024 values per warp (a 16-byte chunk per thread and row)
+    paths = [dm.Config("gemv", BN=8, BK=4096 if fmt == "int4" else 512, split=1),
+             dm.Config("gemv", BN=16, BK=1024 if fmt == "int4" else 512, split=4, warps=1 if fmt == "int4" else 8),
              dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=1, stages=3),
              dm.Config("mm", BM=64, BN=128, BK=min(64, group or 64), split=3, stages=3),
              dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=2, stages=3, perm=1),
