@@ -59,8 +59,7 @@ MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False) -> list[dm.Config]:
     if M <= 8:
-        n_sm = 1 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
-        cands = tuner._candidates(M, N, K, fmt, GROUP if fmt == "int4" else 0, torch.bfloat16, n_sm)
+        cands = tuner.candidates(dm.Problem.of(M, N, K, fmt, GROUP, torch.bfloat16, "cpu" if smoke else "cuda"))
         return [c for c in cands if c.kind == "gemv"][:2] if smoke else cands
     bm = min(128 if M > 64 else 64, max(16, triton.next_power_of_2(M)))
     if smoke:
@@ -87,7 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=1e9, help="seconds; later entries are skipped")
     p.add_argument("--json", default=None, help="write every timing here")
     p.add_argument("--plans", default=None, help="write the fastest config of each key on cold weights here, "
-                   "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul_plans.json)")
+                   "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul/plans/<gpu>.json)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     p.add_argument("--quick", action="store_true", help="at M > 8, only the tiles the heuristic chooses among")
     p.add_argument("--no-hot", action="store_true", help="time cold weights only")
@@ -163,8 +162,7 @@ def main(argv=None) -> int:
                         if provider not in best[mode] or us < best[mode][provider][0]:
                             best[mode][provider] = (us, label)
 
-                n_sm = 1 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
-                heur = dm_plans._heuristic(M, N, K, fmt, G, torch.bfloat16, n_sm)
+                heur = dm_plans.heuristic(dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, device))
                 cands = configs(fmt, M, N, K, smoke, args.quick)
                 if heur.kind != "cublas" and heur not in cands:
                     cands = [heur, *cands]
@@ -175,7 +173,7 @@ def main(argv=None) -> int:
                                       cands)
                     bench("cublas-bf16", "", lambda i: x @ ring_bf16[i].t(), n_b)
                     plan = dm.dequant_matmul_plan(M, N, K, fmt, GROUP, torch.bfloat16, x.device)
-                    cfg = tuner._plan(M, N, K, fmt, G, torch.bfloat16, x.device)
+                    cfg = dm.lookup(dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, x.device))
                     bench("fusepass-plan", f"{plan} {cfg.label()}",
                           lambda i: torch.ops.fusepass.dequant_matmul(x, *ring[i], None, fmt, GROUP), n_q, cfg)
                     if gem is not None:
@@ -195,7 +193,7 @@ def main(argv=None) -> int:
                         else:  # the split summed by a second kernel, as before the in-kernel sum
                             bench(cfg.kind + "-2k", cfg.label() + "-2k", run, n_q)
                 if win:
-                    key = dm.plan_key(M, N, K, fmt, G, torch.bfloat16, torch.device(device))
+                    key = dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, device).key
                     plans[key] = {**dataclasses.asdict(win[1]), "us": round(win[0], 2)}
                 if copy_gbps and best["cold"]:
                     nbytes = sum(t.numel() * t.element_size() for t in (q, s, z) if t is not None)

@@ -1,4 +1,11 @@
-"""Launchers: the chunked pipeline (three launches) and the recurrent kernel (one)."""
+"""Launches: the chunked pipeline (three launches) and the recurrent kernel (one).
+
+One builder per kernel returns a :class:`~fusepass.kernels._common.Launch`;
+``gdn_chunk_fwd`` / ``gdn_recurrent_fwd`` run them (the ops' CUDA bodies),
+``op.gdn_chunk_traced`` / ``op.gdn_recurrent_traced`` put the same launches
+into a graph (:func:`~fusepass.kernels._common.trace_all`).  Pointers a
+launch does not use are given ``g``: read by every launch, written by none.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,14 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv, interpreting, on_device, sm_count
+from fusepass.kernels._common import Launch, cdiv, interpreting, on_device, run_all, sm_count
 from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_state_kernel
 from fusepass.kernels.gdn.recurrent_kernel import _gdn_recurrent_kernel
+from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels.gdn.reference import CHUNK, L2NORM_EPS
+from fusepass.match import hint
 
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # Widest key head held in registers: the state pass keeps a [BK, BV] fp32
 # state slice and [64, BK] tiles of w, k (and q); 256 covers every GDN model.
@@ -65,24 +73,13 @@ def _empty(initial_state: Tensor | None, out: Tensor, final_state: Tensor) -> tu
     return out, final_state
 
 
-def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-                  use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
-                  final_state: Tensor | None = None, fuse_output: bool | None = None,
-                  block_v: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, output_tf32: bool | None = None,
-                  precompute_kd: bool | None = None) -> tuple[Tensor, Tensor]:
-    """The chunked pipeline: prep kernel, state pass, (output kernel).
+def _strides(name: str, t: Tensor) -> dict[str, int]:
+    """A [B, T, H, ...] operand's batch, token and head strides, as the kernels name them."""
+    return {f"s_{name}b": t.stride(0), f"s_{name}t": t.stride(1), f"s_{name}h": t.stride(2)}
 
-    ``out`` / ``final_state`` receive the results when given (tests poison
-    them); the keywords after them override the launch choices (tests, sweeps)."""
-    B, T, HK, DK = q.shape
-    HV, DV = v.shape[-2:]
-    out, final_state = _outputs(q, v, out, final_state)
-    if B == 0 or T == 0 or HV == 0:
-        return _empty(initial_state, out, final_state)
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    h0 = None if initial_state is None else initial_state.contiguous()
-    dt = q.dtype
+
+def _dots(dt: torch.dtype, output_tf32: bool | None = None) -> dict:
+    """The dots' operand dtype and precision (DT, PREC, EMU) and the output's (ODT, OPREC, OEMU)."""
     DT, PREC = _TL_DTYPES[dt], ("ieee" if dt == torch.float32 else "tf32")
     emu = dt == torch.bfloat16 and interpreting()
     # The output's dots in bf16/fp16 (default) or on fp32 operands in tf32
@@ -90,9 +87,22 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     # fp64 recurrence: 4.1e-3 in bf16 against 3.2e-3 in tf32 (FLA 0.6: 4.4e-3);
     # the tf32 dots cost 345 against 289 µs at B1 T4096 H16, 2153 against 1593
     # at B1 T16384 H32 (CUDA-graph time).
-    out_dots = dict(ODT=DT, OPREC=PREC, OEMU=emu)
     if output_tf32:
-        out_dots = dict(ODT=tl.float32, OPREC="tf32", OEMU=False)
+        return dict(DT=DT, PREC=PREC, EMU=emu, ODT=tl.float32, OPREC="tf32", OEMU=False)
+    return dict(DT=DT, PREC=PREC, EMU=emu, ODT=DT, OPREC=PREC, OEMU=emu)
+
+
+def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
+                   final_state: Tensor, use_qk_l2norm: bool, scale: float, *, fuse_output: bool | None = None,
+                   block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   output_tf32: bool | None = None, precompute_kd: bool | None = None) -> list[Launch]:
+    """The chunked pipeline's launches, in order (prep, state pass, output), with
+    their scratch allocated here; q, k, v with unit last stride, h0 contiguous,
+    B, T, H_v > 0.  The keywords override the launch choices (tests, sweeps)."""
+    B, T, HK, DK = q.shape
+    HV, DV = v.shape[-2:]
+    dt = q.dtype
+    dots = _dots(dt, output_tf32)
     BK = _pow2(DK)
     NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
@@ -101,7 +111,7 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     if block_v is None:
         block_v = _STATE_BV[-1]
         for bv in _STATE_BV:
-            if B * HV * cdiv(DV, bv) >= n_sm:
+            if hint(B) * HV * cdiv(DV, bv) >= n_sm:
                 block_v = bv
                 break
     BV = min(block_v, _pow2(DV))
@@ -120,33 +130,50 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
         precompute_kd = not fuse_output
     kd = torch.empty_like(w) if precompute_kd else w
     hs = final_state if fuse_output else torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
-    strides = (*q.stride()[:3], *k.stride()[:3], *g.stride())
+    sizes = dict(T=T, NT=NT, HV=HV, GROUP=HV // HK, DK=DK, DV=DV, BK=BK, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS)
+    qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
+    prep = Launch(_gdn_prep_kernel, (NT * B * HV,),
+                  dict(k=k, v=v, g=g, beta=beta, w=w, u=u, kd=kd, **_strides("k", k), **_strides("v", v),
+                       **_strides("g", g), **_strides("b", beta), **sizes, BV=min(64, _pow2(DV)),
+                       DT=dots["DT"], PREC=dots["PREC"], EMU=dots["EMU"], PRE_KD=precompute_kd),
+                  ("w", "u", "kd") if precompute_kd else ("w", "u"), 4)
+    # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
+    # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
+    # tf32 output dots); 3 stages 260 vs 259 at B1 T4096 H16, 368 vs 342 at
+    # B8 T512 H32.
+    state = Launch(_gdn_state_kernel, (NV * B * HV,),
+                   dict(q=q, k=k, w=w, u=u, kd=kd, g=g, h0=g if h0 is None else h0, o=out if fuse_output else g,
+                        hT=final_state, hs=hs, NV=NV, scale=scale, **qkg, **sizes, BV=BV, HAS_H0=h0 is not None,
+                        FUSE_OUT=fuse_output, PRE_KD=precompute_kd, **dots),
+                   ("o", "hT") if fuse_output else ("u", "hT", "hs"), num_warps or 4, num_stages or 2)
+    if fuse_output:
+        return [prep, state]
+    BVO = min(64, _pow2(DV))
+    NVO = cdiv(DV, BVO)
+    output = Launch(_gdn_output_kernel, (NVO * NT * B * HV,),
+                    dict(q=q, k=k, g=g, vn=u, hs=hs, o=out, NV=NVO, scale=scale, **qkg,
+                         **{n: sizes[n] for n in ("T", "NT", "HV", "GROUP", "DK", "DV", "BK", "L2NORM", "EPS")},
+                         BV=BVO, **dots),
+                    ("o",), 4)
+    return [prep, state, output]
+
+
+def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                  use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
+                  final_state: Tensor | None = None, **choices) -> tuple[Tensor, Tensor]:
+    """The chunked pipeline: prep kernel, state pass, (output kernel).
+
+    ``out`` / ``final_state`` receive the results when given (tests poison
+    them); ``choices`` are :func:`chunk_launches`' overrides (tests, sweeps)."""
+    B, T = q.shape[:2]
+    HV = v.shape[-2]
+    out, final_state = _outputs(q, v, out, final_state)
+    if B == 0 or T == 0 or HV == 0:
+        return _empty(initial_state, out, final_state)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    h0 = None if initial_state is None else initial_state.contiguous()
     with on_device(q):
-        _gdn_prep_kernel[(NT * B * HV,)](
-            k, v, g, beta, w, u, kd, T, NT, HV, HV // HK,
-            *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-            DK=DK, DV=DV, BK=BK, BV=min(64, _pow2(DV)), L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu,
-            PRE_KD=precompute_kd, EPS=L2NORM_EPS, num_warps=4,
-        )
-        # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
-        # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
-        # tf32 output dots); 3 stages 260 vs 259 at B1 T4096 H16, 368 vs 342 at
-        # B8 T512 H32.
-        _gdn_state_kernel[(NV * B * HV,)](
-            q, k, w, u, kd, g, final_state if h0 is None else h0, out, final_state, hs,
-            T, NT, HV, HV // HK, NV, scale, *strides,
-            DK=DK, DV=DV, BK=BK, BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None, FUSE_OUT=fuse_output,
-            PRE_KD=precompute_kd, DT=DT, PREC=PREC, EMU=emu, **out_dots, EPS=L2NORM_EPS,
-            num_warps=num_warps or 4, num_stages=num_stages or 2,
-        )
-        if not fuse_output:
-            BVO = min(64, _pow2(DV))
-            NVO = cdiv(DV, BVO)
-            _gdn_output_kernel[(NVO * NT * B * HV,)](
-                q, k, g, u, hs, out, T, NT, HV, HV // HK, NVO, scale, *strides,
-                DK=DK, DV=DV, BK=BK, BV=BVO, L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu, **out_dots,
-                EPS=L2NORM_EPS, num_warps=4,
-            )
+        run_all(chunk_launches(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale, **choices))
     return out, final_state
 
 
@@ -163,27 +190,34 @@ def _recurrent_block_v(B: int, HV: int, DV: int, n_sm: int) -> int:
     return bv
 
 
+def recurrent_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
+                     final_state: Tensor, use_qk_l2norm: bool, scale: float, block_v: int | None = None,
+                     num_warps: int | None = None) -> Launch:
+    """The token loop in one launch; operands as for :func:`chunk_launches`."""
+    B, T, HK, DK = q.shape
+    HV, DV = v.shape[-2:]
+    BV = min(block_v or _recurrent_block_v(hint(B), HV, DV, sm_count(q.device)), _pow2(DV))
+    NV = cdiv(DV, BV)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, h0=g if h0 is None else h0, o=out, hT=final_state,
+                T=T, HV=HV, GROUP=HV // HK, NV=NV, scale=scale, **_strides("q", q), **_strides("k", k),
+                **_strides("v", v), **_strides("g", g), **_strides("b", beta),
+                DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
+                EMU=q.dtype == torch.bfloat16 and interpreting(), EPS=L2NORM_EPS)
+    return Launch(_gdn_recurrent_kernel, (NV * B * HV,), args, ("o", "hT"), num_warps or 4)
+
+
 def gdn_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                       use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
                       final_state: Tensor | None = None, block_v: int | None = None,
                       num_warps: int | None = None) -> tuple[Tensor, Tensor]:
     """The token loop in one launch; arguments as :func:`gdn_chunk_fwd`."""
-    B, T, HK, DK = q.shape
-    HV, DV = v.shape[-2:]
+    B, T = q.shape[:2]
+    HV = v.shape[-2]
     out, final_state = _outputs(q, v, out, final_state)
     if B == 0 or T == 0 or HV == 0:
         return _empty(initial_state, out, final_state)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     h0 = None if initial_state is None else initial_state.contiguous()
-    BV = min(block_v or _recurrent_block_v(B, HV, DV, sm_count(q.device)), _pow2(DV))
-    NV = cdiv(DV, BV)
     with on_device(q):
-        _gdn_recurrent_kernel[(NV * B * HV,)](
-            q, k, v, g, beta, final_state if h0 is None else h0, out, final_state,
-            T, HV, HV // HK, NV, scale,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-            DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
-            EMU=q.dtype == torch.bfloat16 and interpreting(), EPS=L2NORM_EPS,
-            num_warps=num_warps or 4,
-        )
+        recurrent_launch(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale, block_v, num_warps).run()
     return out, final_state
