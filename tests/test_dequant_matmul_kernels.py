@@ -291,6 +291,27 @@ def test_every_candidate_and_default_is_runnable(fmt, group):
                 assert valid(plans.heuristic(p), p)
 
 
+def _int4_gemv_whole(cfg, p) -> bool:
+    """An int4 GEMV tile gives every thread chunks of its own: BK a multiple of the
+    values one chunk per thread covers (a shallower tile leaves threads loading
+    and converting copies of other threads' chunks: correct, and slower)."""
+    return cfg.kind != "gemv" or p.fmt != "int4" or cfg.BK % plans.int4_gemv_bk(p.K, p.group, cfg.warps) == 0
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_gemv_tiles_give_each_thread_its_own_chunks(group):
+    for M in (1, 2, 3, 8):
+        for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (18944, 3584), (3584, 18944),
+                     (512, 1024)):
+            p = _problem(M, N, K, "int4", group, torch.bfloat16)
+            for cfg in [plans.heuristic(p), *tuner.candidates(p)]:
+                assert _int4_gemv_whole(cfg, p), (cfg.label(), N, K)
+    # The heuristic splits K where the rows alone make few programs (the k/v projection at M = 1).
+    p = _problem(1, 1024, 4096, "int4", 128, torch.bfloat16, sms=132)
+    cfg = plans.heuristic(p)
+    assert cfg.kind == "gemv" and 1024 // cfg.BN * launch.splits(cfg, 4096) >= 2 * 132
+
+
 def test_shipped_plans_are_valid():
     files = sorted(plans.PLANS_DIR.glob("*.json"))
     assert files, "no shipped plans"
@@ -306,6 +327,7 @@ def test_shipped_plans_are_valid():
             p = Problem(int(m[1:]), int(n[1:]), int(k[1:]), fmt, group, dtype, gpu)
             assert p.key == key
             assert valid(plans.from_entry(entry), p), key
+            assert _int4_gemv_whole(plans.from_entry(entry), p), key
 
 
 @pytest.fixture
