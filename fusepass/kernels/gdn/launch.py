@@ -7,7 +7,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import cdiv, interpreting, on_device, sm_count
-from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_state_kernel
+from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_scan_kernel, _gdn_state_kernel
 from fusepass.kernels.gdn.recurrent_kernel import _gdn_recurrent_kernel
 from fusepass.kernels.gdn.reference import CHUNK, L2NORM_EPS
 
@@ -69,9 +69,11 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
                   final_state: Tensor | None = None, fuse_output: bool | None = None,
                   block_v: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, output_tf32: bool | None = None,
-                  precompute_kd: bool | None = None) -> tuple[Tensor, Tensor]:
-    """The chunked pipeline: prep kernel, state pass, (output kernel).
+                  num_stages: int | None = None, precompute_kd: bool | None = None,
+                  prefetch: bool | None = None, inverse: str | None = None, wu_low: bool | None = None,
+                  prep_warps: int | None = None, output_block_v: int | None = None) -> tuple[Tensor, Tensor]:
+    """The chunked pipeline: the prep kernel, then the fused scan (default) or
+    the state pass and the output kernel.
 
     ``out`` / ``final_state`` receive the results when given (tests poison
     them); the keywords after them override the launch choices (tests, sweeps)."""
@@ -85,19 +87,11 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     dt = q.dtype
     DT, PREC = _TL_DTYPES[dt], ("ieee" if dt == torch.float32 else "tf32")
     emu = dt == torch.bfloat16 and interpreting()
-    # The output's dots in bf16/fp16 (default) or on fp32 operands in tf32
-    # (output_tf32).  H100, real sizes, bf16, relative error norm against the
-    # fp64 recurrence: 4.1e-3 in bf16 against 3.2e-3 in tf32 (FLA 0.6: 4.4e-3);
-    # the tf32 dots cost 345 against 289 µs at B1 T4096 H16, 2153 against 1593
-    # at B1 T16384 H32 (CUDA-graph time).
-    out_dots = dict(ODT=DT, OPREC=PREC, OEMU=emu)
-    if output_tf32:
-        out_dots = dict(ODT=tl.float32, OPREC="tf32", OEMU=False)
     BK = _pow2(DK)
     NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
-    w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
-    u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
+    if fuse_output is None:
+        fuse_output = True
     if block_v is None:
         block_v = _STATE_BV[-1]
         for bv in _STATE_BV:
@@ -106,47 +100,49 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                 break
     BV = min(block_v, _pow2(DV))
     NV = cdiv(DV, BV)
-    if fuse_output is None:
-        # The output in the state pass (one launch and the per-chunk states
-        # fewer) lengthens the sequential loop: it lost at every shape of
-        # issue 8 on an H100, 428 vs 289 µs at B1 T4096 H16, 368 vs 354 at
-        # B8 T512 H32, 1947 vs 1593 at B1 T16384 H32 (CUDA-graph time).
-        fuse_output = False
     if precompute_kd is None:
-        # exp(Gamma_last - Gamma) k~ formed in the prep kernel and read by the
-        # state pass, rather than normalised and decayed inside its loop:
-        # 259 vs 278 µs at B1 T4096 H16, 1562 vs 1580 at B1 T16384 H32, 342
-        # vs 333 at B8 T512 H32 (H100, CUDA-graph time).
         precompute_kd = not fuse_output
+    if prefetch is None:
+        prefetch = False
+    w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
+    u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
     kd = torch.empty_like(w) if precompute_kd else w
-    hs = final_state if fuse_output else torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
-    strides = (*q.stride()[:3], *k.stride()[:3], *g.stride())
+    aq = torch.empty((B, HV, NT, CHUNK, CHUNK), dtype=dt, device=q.device) if fuse_output else w
+    h_in = final_state if h0 is None else h0
     with on_device(q):
         _gdn_prep_kernel[(NT * B * HV,)](
-            k, v, g, beta, w, u, kd, T, NT, HV, HV // HK,
-            *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
+            q, k, v, g, beta, w, u, kd, aq, T, NT, HV, HV // HK, scale,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
             DK=DK, DV=DV, BK=BK, BV=min(64, _pow2(DV)), L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu,
-            PRE_KD=precompute_kd, EPS=L2NORM_EPS, num_warps=4,
+            PRE_KD=precompute_kd, AQK=fuse_output, INV=1 if inverse == "product" else 0, WU_LOW=bool(wu_low),
+            EPS=L2NORM_EPS, num_warps=prep_warps or 4,
         )
+        if fuse_output:
+            _gdn_scan_kernel[(NV * B * HV,)](
+                q, k, w, u, kd, aq, g, h_in, out, final_state,
+                T, NT, HV, HV // HK, NV, scale, *q.stride()[:3], *k.stride()[:3], *g.stride(),
+                DK=DK, DV=DV, BK=BK, BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None, PRE_KD=precompute_kd,
+                PREFETCH=prefetch, DT=DT, PREC=PREC, EMU=emu, EPS=L2NORM_EPS,
+                num_warps=num_warps or 4, num_stages=num_stages or 2,
+            )
+            return out, final_state
         # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
         # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
         # tf32 output dots); 3 stages 260 vs 259 at B1 T4096 H16, 368 vs 342 at
         # B8 T512 H32.
+        hs = torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
         _gdn_state_kernel[(NV * B * HV,)](
-            q, k, w, u, kd, g, final_state if h0 is None else h0, out, final_state, hs,
-            T, NT, HV, HV // HK, NV, scale, *strides,
-            DK=DK, DV=DV, BK=BK, BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None, FUSE_OUT=fuse_output,
-            PRE_KD=precompute_kd, DT=DT, PREC=PREC, EMU=emu, **out_dots, EPS=L2NORM_EPS,
-            num_warps=num_warps or 4, num_stages=num_stages or 2,
+            k, w, u, kd, g, h_in, final_state, hs, T, NT, HV, HV // HK, NV, *k.stride()[:3], *g.stride(),
+            DK=DK, DV=DV, BK=BK, BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None, PRE_KD=precompute_kd,
+            DT=DT, PREC=PREC, EMU=emu, EPS=L2NORM_EPS, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
-        if not fuse_output:
-            BVO = min(64, _pow2(DV))
-            NVO = cdiv(DV, BVO)
-            _gdn_output_kernel[(NVO * NT * B * HV,)](
-                q, k, g, u, hs, out, T, NT, HV, HV // HK, NVO, scale, *strides,
-                DK=DK, DV=DV, BK=BK, BV=BVO, L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu, **out_dots,
-                EPS=L2NORM_EPS, num_warps=4,
-            )
+        BVO = min(output_block_v or 64, _pow2(DV))
+        NVO = cdiv(DV, BVO)
+        _gdn_output_kernel[(NVO * NT * B * HV,)](
+            q, k, g, u, hs, out, T, NT, HV, HV // HK, NVO, scale, *q.stride()[:3], *k.stride()[:3], *g.stride(),
+            DK=DK, DV=DV, BK=BK, BV=BVO, L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu,
+            EPS=L2NORM_EPS, num_warps=4,
+        )
     return out, final_state
 
 

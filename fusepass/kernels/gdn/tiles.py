@@ -62,6 +62,31 @@ def _inv16x4(b_A0, b_A1, b_A2, b_A3):
 
 
 @triton.jit
+def _inv16_product(b_A):
+    """(I + N)^-1 of a strictly lower [16, 16] N as (I - N)(I + N^2)(I + N^4)(I + N^8)
+    (N^16 = 0): six 16x16x16 ieee dots instead of fourteen dependent row steps."""
+    o_c = tl.arange(0, 16)
+    b_I = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    b_N2 = _dot_ieee(b_A, b_A)
+    b_N4 = _dot_ieee(b_N2, b_N2)
+    b_N8 = _dot_ieee(b_N4, b_N4)
+    b_X = _dot_ieee(b_I - b_A, b_I + b_N2)
+    b_X = b_X + _dot_ieee(b_X, b_N4)
+    return b_X + _dot_ieee(b_X, b_N8)
+
+
+@triton.jit
+def _qk_block(b_qi, b_kj, b_Gi, b_Gj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """[16, 16] block of the output's causal matrix: q~_i.k~_j exp(Gamma_i - Gamma_j), j <= i."""
+    b_a = _dot(b_qi, tl.trans(b_kj), DT, PREC, EMU)
+    b_d = b_Gi[:, None] - b_Gj[None, :]
+    if DIAG:
+        o_c = tl.arange(0, 16)
+        b_d = tl.where(o_c[:, None] >= o_c[None, :], b_d, float("-inf"))
+    return b_a * tl.exp(b_d)
+
+
+@triton.jit
 def _rne_bf16(x):
     """x rounded to the nearest bf16 (ties to even), as fp32."""
     b = x.to(tl.uint32, bitcast=True)
@@ -75,6 +100,16 @@ def _to(x, DT: tl.constexpr, EMU: tl.constexpr):
     conversion truncates (Triton 3.9: twice the error of the GPU's rounding)."""
     if EMU:
         return _rne_bf16(x).to(DT)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr, EMU: tl.constexpr):
+    """x rounded to DT for a dot operand: DT itself on the GPU, the rounded
+    fp32 value under the interpreter (see _dot)."""
+    if EMU:
+        return _rne_bf16(x.to(tl.float32))
     else:
         return x.to(DT)
 
