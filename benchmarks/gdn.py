@@ -209,20 +209,11 @@ ISSUE_SHAPES = [
 LAYOUTS = ("strided-l2", "contig-norm")
 # Launch choices of gdn_chunk_fwd: each named set against the default.
 VARIANTS = {
-    "split": dict(fuse_output=False, precompute_kd=True),
+    "split": dict(fuse_output=False),
     "fused": dict(fuse_output=True),
-    "fused-prefetch": dict(fuse_output=True, prefetch=True, num_stages=1),
-    "fused-prefetch-w8": dict(fuse_output=True, prefetch=True, num_stages=1, num_warps=8),
+    "split-s1": dict(fuse_output=False, num_stages=1),
     "fused-kd": dict(fuse_output=True, precompute_kd=True),
-    "fused-w8": dict(fuse_output=True, num_warps=8),
-    "fused-s3": dict(fuse_output=True, num_stages=3),
-    "fused-s1": dict(fuse_output=True, num_stages=1),
     "fused-bv16": dict(fuse_output=True, block_v=16),
-    "fused-bv64": dict(fuse_output=True, block_v=64),
-    "fused-inv": dict(fuse_output=True, inverse="product"),
-    "fused-wulow": dict(fuse_output=True, wu_low=True),
-    "fused-prep8": dict(fuse_output=True, prep_warps=8),
-    "fused-inv-wulow": dict(fuse_output=True, inverse="product", wu_low=True),
 }
 
 
@@ -247,10 +238,10 @@ def variants_main(args) -> int:
         else [s for s in ISSUE_SHAPES if args.shapes == "all" or s[0] in args.shapes.split(",")]
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     sweep_at = set(args.sweep_shapes.split(",")) if args.sweep_shapes else {s[0] for s in specs}
-    _, fla_rec = _fla()
     fla_chunk = _fla()[0]
     sha = os.environ.get("FUSEPASS_COMMIT") or "?"
-    env = f"{torch.cuda.get_device_name() if not cpu else 'cpu'}  torch {torch.__version__}  triton {triton.__version__}  commit {sha}"
+    gpu = torch.cuda.get_device_name() if not cpu else "cpu"
+    env = f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  commit {sha}"
     print(f"# {env}", flush=True)
     rows, records = [], []
 
@@ -273,7 +264,8 @@ def variants_main(args) -> int:
                 contenders["fla"] = lambda q, k, v, g, b, s0: fla_chunk(
                     q, k, v, g=g, beta=b, scale=scale, initial_state=s0, output_final_state=True,
                     use_qk_l2norm_in_kernel=l2)
-            contenders["fusepass"] = lambda q, k, v, g, b, s0: torch.ops.fusepass.gdn_chunk(q, k, v, g, b, s0, l2, scale)
+            contenders["fusepass"] = lambda q, k, v, g, b, s0: torch.ops.fusepass.gdn_chunk(
+                q, k, v, g, b, s0, l2, scale)
             if name in sweep_at and (layout == "strided-l2" or args.sweep_all_layouts):
                 for vname in names:
                     contenders[vname] = lambda q, k, v, g, b, s0, c=VARIANTS[vname]: gdn.gdn_chunk_fwd(
@@ -296,7 +288,7 @@ def variants_main(args) -> int:
                 rows.append([name, layout, cname, f"{ms:.1f}", f"{ratio:.3f}", f"{err:.2e}"])
                 records.append(dict(shape=name, layout=layout, provider=cname, us=ms, vs_fla=ratio, rel_err=err))
             if args.breakdown_at and not cpu and name in args.breakdown_at.split(","):
-                for cname in ("fla", "fusepass", "split", "fused", "fused-prefetch"):
+                for cname in ("fla", "fusepass", "split", "fused"):
                     if cname in contenders:
                         print(f"    {cname} kernels (µs): {_breakdown(contenders[cname], inputs)}", flush=True)
             del inputs, ref

@@ -135,10 +135,8 @@ def _gdn_launch(**options):
 
 
 # Every launch path of the chunked op (the op itself runs the default one).
-GDN_PATHS = {"split": dict(fuse_output=False), "split-kd": dict(fuse_output=False, precompute_kd=True),
-             "fused-prefetch": dict(fuse_output=True, prefetch=True, num_stages=1),
-             "fused-kd-bv16": dict(fuse_output=True, precompute_kd=True, block_v=16),
-             "fused-inv-wulow": dict(fuse_output=True, inverse="product", wu_low=True)}
+GDN_PATHS = {"split": dict(fuse_output=False), "split-kd-in-loop": dict(fuse_output=False, precompute_kd=False),
+             "fused": dict(fuse_output=True), "fused-kd-bv16": dict(fuse_output=True, precompute_kd=True, block_v=16)}
 
 
 def gdn_cases(quick: bool):

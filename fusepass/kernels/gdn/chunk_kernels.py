@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from fusepass.kernels.gdn.tiles import (_dot, _dot_ieee, _inv16_product, _inv16x4, _kkt_block, _load_rows, _load_vec,
-                                        _qk_block, _round, _store_lower_product, _to)
+                                        _qk_block, _store_lower_product, _to)
 
 
 # ------------------------------------------------------------------- kernels ----
@@ -49,7 +49,7 @@ def _gdn_prep_kernel(
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, PRE_KD: tl.constexpr,
-    AQK: tl.constexpr, INV: tl.constexpr, WU_LOW: tl.constexpr, EPS: tl.constexpr,
+    AQK: tl.constexpr, INV_PRODUCT: tl.constexpr, EPS: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_t, i_bh = i_c % NT, i_c // NT
@@ -119,8 +119,12 @@ def _gdn_prep_kernel(
     b_A32 = _kkt_block(b_k3, b_k2, b_b3, b_G3, b_G2, False, DT, PREC, EMU)
 
     # T = (I + A)^-1: diagonal blocks, then T_ij = -T_ii sum_{j <= m < i} A_im T_mj
-    # (fp32 ieee: 16x16x16 products, a few hundred FMAs per thread in all)
-    if INV == 1:
+    # (fp32 ieee: 16x16x16 products, a few hundred FMAs per thread in all).
+    # INV_PRODUCT (half-precision inputs): the diagonal blocks as products of
+    # powers rather than by forward substitution (14 dependent row steps,
+    # each two cross-thread sums): the prep 14-34 µs faster at B1 T16384 H32
+    # and B16 T1024 H32 (H100, bf16, the same output error).
+    if INV_PRODUCT:
         b_T00, b_T11 = _inv16_product(b_A00), _inv16_product(b_A11)
         b_T22, b_T33 = _inv16_product(b_A22), _inv16_product(b_A33)
     else:
@@ -132,19 +136,13 @@ def _gdn_prep_kernel(
     b_T31 = -_dot_ieee(b_T33, _dot_ieee(b_A31, b_T11) + _dot_ieee(b_A32, b_T21))
     b_T30 = -_dot_ieee(b_T33, _dot_ieee(b_A30, b_T00) + _dot_ieee(b_A31, b_T10) + _dot_ieee(b_A32, b_T20))
 
-    # w = T (beta exp(Gamma) k~), u = T (beta v): tf32 on fp32 operands, or
-    # (WU_LOW) T and the right side rounded to q's dtype for half-rate dots
+    # w = T (beta exp(Gamma) k~), u = T (beta v): tf32 on fp32 operands.  T and
+    # the right side rounded to bf16 instead: 15-20 µs faster at B1 T16384 H32
+    # (H100), relative error 4.39e-3 against 4.08e-3: not taken.
     b_x0 = b_k0 * (b_b0 * tl.exp(b_G0))[:, None]
     b_x1 = b_k1 * (b_b1 * tl.exp(b_G1))[:, None]
     b_x2 = b_k2 * (b_b2 * tl.exp(b_G2))[:, None]
     b_x3 = b_k3 * (b_b3 * tl.exp(b_G3))[:, None]
-    if WU_LOW:
-        b_T00, b_T10, b_T11 = _round(b_T00, DT, EMU), _round(b_T10, DT, EMU), _round(b_T11, DT, EMU)
-        b_T20, b_T21, b_T22 = _round(b_T20, DT, EMU), _round(b_T21, DT, EMU), _round(b_T22, DT, EMU)
-        b_T30, b_T31 = _round(b_T30, DT, EMU), _round(b_T31, DT, EMU)
-        b_T32, b_T33 = _round(b_T32, DT, EMU), _round(b_T33, DT, EMU)
-        b_x0, b_x1 = _round(b_x0, DT, EMU), _round(b_x1, DT, EMU)
-        b_x2, b_x3 = _round(b_x2, DT, EMU), _round(b_x3, DT, EMU)
     w_base = i_bh.to(tl.int64) * T * DK
     m_k = (o_k < DK)[None, :]
     _store_lower_product(w + w_base, DK, o_k, m_k, o_t0, o_t1, o_t2, o_t3, T,
@@ -171,9 +169,6 @@ def _gdn_prep_kernel(
         b_y1 = _load_rows(v, v_base, o_t1, T, s_vt, o_v, DV, False, EPS) * b_b1[:, None]
         b_y2 = _load_rows(v, v_base, o_t2, T, s_vt, o_v, DV, False, EPS) * b_b2[:, None]
         b_y3 = _load_rows(v, v_base, o_t3, T, s_vt, o_v, DV, False, EPS) * b_b3[:, None]
-        if WU_LOW:
-            b_y0, b_y1 = _round(b_y0, DT, EMU), _round(b_y1, DT, EMU)
-            b_y2, b_y3 = _round(b_y2, DT, EMU), _round(b_y3, DT, EMU)
         _store_lower_product(u + u_base, DV, o_v, m_v, o_t0, o_t1, o_t2, o_t3, T,
                              b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33,
                              b_y0, b_y1, b_y2, b_y3, DT, PREC, EMU)
@@ -225,7 +220,7 @@ def _gdn_scan_kernel(
     T, NT, HV, GROUP, NV, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_gb, s_gt, s_gh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, PRE_KD: tl.constexpr, PREFETCH: tl.constexpr,
+    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, PRE_KD: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, EPS: tl.constexpr,
 ):
     i_p = tl.program_id(0)
@@ -246,19 +241,9 @@ def _gdn_scan_kernel(
         b_S = tl.load(h0 + i_bh64 * DK * DV + p_S, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if PREFETCH:
-        n_g, n_q, n_k, n_w, n_u, n_a = _scan_loads(q, k, kd, w, u, aq, g, q_base, k_base, g_base, w_base, u_base,
-                                                   a_base, 0, T, s_qt, s_kt, s_gt, o_k, o_v, DK, DV, PRE_KD)
     for i_t in range(0, NT):
-        if PREFETCH:
-            # the next chunk's loads in flight during this chunk's dots (the
-            # last one's are masked off entirely)
-            b_g, b_q, b_k, b_w, b_u, b_a = n_g, n_q, n_k, n_w, n_u, n_a
-            n_g, n_q, n_k, n_w, n_u, n_a = _scan_loads(q, k, kd, w, u, aq, g, q_base, k_base, g_base, w_base, u_base,
-                                                       a_base, i_t + 1, T, s_qt, s_kt, s_gt, o_k, o_v, DK, DV, PRE_KD)
-        else:
-            b_g, b_q, b_k, b_w, b_u, b_a = _scan_loads(q, k, kd, w, u, aq, g, q_base, k_base, g_base, w_base, u_base,
-                                                       a_base, i_t, T, s_qt, s_kt, s_gt, o_k, o_v, DK, DV, PRE_KD)
+        b_g, b_q, b_k, b_w, b_u, b_a = _scan_loads(q, k, kd, w, u, aq, g, q_base, k_base, g_base, w_base, u_base,
+                                                   a_base, i_t, T, s_qt, s_kt, s_gt, o_k, o_v, DK, DV, PRE_KD)
         b_G = tl.cumsum(b_g, 0)
         b_Gl = tl.sum(b_g, 0)
         # [64, BV]: the chunk's new values, then its output

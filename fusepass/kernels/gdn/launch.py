@@ -23,6 +23,8 @@ _MAX_DK = 256
 # B1 T4096 H16 (64 vs 32 programs) 371 µs at 64, 345 at 32; B4 T4096 Hv32
 # 1704 at 64, 1823 at 32; B8 T512 H32 465 at 64, 491 at 32.
 _STATE_BV = (64, 32)
+# Programs per SM from which the fused scan is the default (see gdn_chunk_fwd).
+_FUSE_MIN_WAVES = 2
 # Tokens the chunked op hands to the recurrent kernel instead (decode, short
 # speculative runs): one launch, no scratch.
 RECURRENT_MAX_T = 16
@@ -70,10 +72,10 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   final_state: Tensor | None = None, fuse_output: bool | None = None,
                   block_v: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, precompute_kd: bool | None = None,
-                  prefetch: bool | None = None, inverse: str | None = None, wu_low: bool | None = None,
-                  prep_warps: int | None = None, output_block_v: int | None = None) -> tuple[Tensor, Tensor]:
-    """The chunked pipeline: the prep kernel, then the fused scan (default) or
-    the state pass and the output kernel.
+                  output_block_v: int | None = None) -> tuple[Tensor, Tensor]:
+    """The chunked pipeline: the prep kernel, then the fused scan or the state
+    pass and the output kernel (``fuse_output``; by default the scan where
+    its grid fills the GPU twice over).
 
     ``out`` / ``final_state`` receive the results when given (tests poison
     them); the keywords after them override the launch choices (tests, sweeps)."""
@@ -90,8 +92,6 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     BK = _pow2(DK)
     NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
-    if fuse_output is None:
-        fuse_output = True
     if block_v is None:
         block_v = _STATE_BV[-1]
         for bv in _STATE_BV:
@@ -100,10 +100,17 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                 break
     BV = min(block_v, _pow2(DV))
     NV = cdiv(DV, BV)
+    if fuse_output is None:
+        # The fused scan writes o alone where the split pass writes and the
+        # output kernel reads every chunk's state and new values, but its
+        # loop is longer: it wins where programs queue for the SMs and loses
+        # where each has an SM of its own.  H100, CUDA-graph time of the op:
+        # B16 T1024 H32 (1024 programs) 1101 µs fused against 1295 split; B8
+        # T512 H32 (512) 314 (two stages) against 340 (an earlier run); B1 T16384
+        # H32 (128) 1592 against 1554.
+        fuse_output = B * HV * NV >= _FUSE_MIN_WAVES * n_sm
     if precompute_kd is None:
         precompute_kd = not fuse_output
-    if prefetch is None:
-        prefetch = False
     w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
     u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
     kd = torch.empty_like(w) if precompute_kd else w
@@ -114,16 +121,19 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
             q, k, v, g, beta, w, u, kd, aq, T, NT, HV, HV // HK, scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
             DK=DK, DV=DV, BK=BK, BV=min(64, _pow2(DV)), L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu,
-            PRE_KD=precompute_kd, AQK=fuse_output, INV=1 if inverse == "product" else 0, WU_LOW=bool(wu_low),
-            EPS=L2NORM_EPS, num_warps=prep_warps or 4,
+            PRE_KD=precompute_kd, AQK=fuse_output, INV_PRODUCT=dt != torch.float32, EPS=L2NORM_EPS,
+            num_warps=4,
         )
         if fuse_output:
+            # One pipeline stage: 1101 µs at B16 T1024 H32 against 1141 with
+            # two and 1409 with three; 8 warps 1411 (H100, CUDA-graph time).
+            # The next chunk's loads issued by hand a chunk early spilled at 4
+            # warps (4686 µs) and lost at 8 (1502).
             _gdn_scan_kernel[(NV * B * HV,)](
                 q, k, w, u, kd, aq, g, h_in, out, final_state,
                 T, NT, HV, HV // HK, NV, scale, *q.stride()[:3], *k.stride()[:3], *g.stride(),
                 DK=DK, DV=DV, BK=BK, BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None, PRE_KD=precompute_kd,
-                PREFETCH=prefetch, DT=DT, PREC=PREC, EMU=emu, EPS=L2NORM_EPS,
-                num_warps=num_warps or 4, num_stages=num_stages or 2,
+                DT=DT, PREC=PREC, EMU=emu, EPS=L2NORM_EPS, num_warps=num_warps or 4, num_stages=num_stages or 1,
             )
             return out, final_state
         # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
