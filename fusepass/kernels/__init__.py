@@ -5,7 +5,8 @@ implementations. Importing a module registers its ops."""
 import importlib
 
 OP_MODULES = ("fusepass.kernels.rms_norm", "fusepass.kernels.rms_norm_gated", "fusepass.kernels.gated_act",
-              "fusepass.kernels.gdn", "fusepass.kernels.dequant_matmul")
+              "fusepass.kernels.gdn", "fusepass.kernels.causal_conv1d",
+              "fusepass.kernels.dequant_matmul")
 
 
 def _load() -> None:
