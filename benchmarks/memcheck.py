@@ -165,6 +165,26 @@ def gdn_cases(quick: bool):
         yield f"gdn_recurrent B{B} T{T} Hk{Hk} Hv{Hv} dk{dk} dv{dv}", ops.gdn_recurrent, (*a, True, dk ** -0.5), 2e-2
 
 
+def conv_cases(quick: bool):
+    """The GDN layer's short convolution: prefill and the in-place state update."""
+    prefill = [(1, 8192, 2048), (2, 4097, 33), (3, 130, 1)] if not quick else [(2, 4097, 33), (3, 130, 1)]
+    for B, C, T in prefill:
+        x = _randn(B, T, C).transpose(1, 2)  # the model's layout: the transpose of [B, T, C]
+        w, b = _randn(C, 4), _randn(C)
+        yield f"causal_conv1d B{B} C{C} T{T}", ops.causal_conv1d, (x, w, b, "silu"), 2e-2
+    for B, C, L, S in [(32, 8192, 1, 4), (3, 130, 3, 3)] if not quick else [(3, 130, 3, 3)]:
+        x = _randn(B, L, C).transpose(1, 2)
+        w, state = _randn(C, 4), _randn(B, C, S)
+        yield (f"causal_conv1d_update B{B} C{C} L{L} S{S}", _update_with_state,
+               (x, state, w, None, "silu"), 2e-2)
+
+
+def _update_with_state(x, state, w, b, act):
+    """The update's output and the state it shifted (on a copy: CUDA and CPU runs start alike)."""
+    s = state.clone()
+    return ops.causal_conv1d_update(x, s, w, b, act), s
+
+
 def peer_sequence() -> list[tuple[str, str, float]]:
     """fusepass's recurrent kernel, FLA's, then transformers' fp64 loop on the same decode inputs."""
     out = []
@@ -195,7 +215,7 @@ def peer_sequence() -> list[tuple[str, str, float]]:
     return out
 
 
-GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "gdn": gdn_cases}
+GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "gdn": gdn_cases, "conv": conv_cases}
 
 
 def main(argv=None) -> int:
