@@ -54,15 +54,15 @@ def _prefill_case(B, T, device) -> Case:
 
 
 def _own_state(fn):
-    """``fn`` on a copy of the state, made at the first call: the update shifts
-    the state it is given, and every provider must start from the case's.
-    Later calls shift the copy again (the same work per call)."""
-    own = {}
+    """``fn`` on its own copy of the state, made at the first call: transformers'
+    update shifts the state it is given, and every provider must start from
+    the case's.  Later calls shift the copy again (the same work per call)."""
+    box = []
 
     def call(x, state, w):
-        if "s" not in own:
-            own["s"] = state.clone()
-        return fn(x, own["s"], w)
+        if not box:
+            box.append(state.clone())
+        return fn(x, box[0], w)
     return call
 
 
@@ -75,19 +75,18 @@ def _decode_case(B, device) -> Case:
         w = (torch.randn(C, K, device=device) * 0.5).to(DTYPE)
         return x, state, w
 
-    hf_call = _own_state(lambda x, state, w: hf_update(x, state, w, None, "silu"))
+    def hf_call(x, state, w):
+        return hf_update(x, state, w, None, "silu")
 
     def reference(x, state, w):
-        return cc.causal_conv1d_update_reference(x.float(), state.float().clone(), w.float(), None, "silu")
+        return cc.causal_conv1d_update_reference(x.float(), state.float(), w.float(), None, "silu")[0]
 
     meta_x = torch.empty(B, C, 1, dtype=DTYPE, device="meta")
     meta_s = torch.empty(B, C, K, dtype=DTYPE, device="meta")
     return Case(
         op="causal_conv1d", shape=f"decode-B{B}-C{C}-K{K}", dtype=DTYPE, make_inputs=make, reference=reference,
-        providers={"eager": hf_call,
-                   "inductor": _own_state(compiled(lambda x, state, w: hf_update(x, state, w, None, "silu"))),
-                   "fusepass": _own_state(lambda x, s, w: torch.ops.fusepass.causal_conv1d_update(
-                       x, s, w, None, "silu"))},
+        providers={"eager": _own_state(hf_call), "inductor": _own_state(compiled(hf_call)),
+                   "fusepass": lambda x, s, w: torch.ops.fusepass.causal_conv1d_update(x, s, w, None, "silu")[0]},
         bytes_moved=2 * nbytes(meta_x) + 2 * nbytes(meta_s),
     )
 

@@ -54,8 +54,7 @@ MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
     if M <= 8:
-        return [] if smoke else tuner._candidates(M, N, K, fmt, GROUP if fmt == "int4" else 0, torch.bfloat16,
-                                               torch.cuda.get_device_properties(0).multi_processor_count)
+        return [] if smoke else tuner.candidates(dm.Problem.of(M, N, K, fmt, GROUP, torch.bfloat16, "cuda"))
     bm = min(128 if M > 64 else 64, max(16, triton.next_power_of_2(M)))
     if smoke:
         return [dm.Config("mmt", BM=bm, BN=64, BK=64, split=split, stages=2) for split in (1, 2)]
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=1e9, help="seconds; later entries are skipped")
     p.add_argument("--json", default=None, help="write every timing here")
     p.add_argument("--plans", default=None, help="write the fastest config of each key on cold weights here, "
-                   "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul_plans.json)")
+                   "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul/plans/<gpu>.json)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     p.add_argument("--both-sums", action="store_true", help="also time each split-K config with its slices summed "
                    "by a second kernel (provider <kind>-2k) instead of by each tile's last program")
@@ -149,7 +148,7 @@ def main(argv=None) -> int:
                 if not smoke:
                     bench("cublas-bf16", "", lambda i: x @ ring_bf16[i].t(), n_b)
                     plan = dm.dequant_matmul_plan(M, N, K, fmt, GROUP, torch.bfloat16, x.device)
-                    cfg = tuner._plan(M, N, K, fmt, G, torch.bfloat16, x.device)
+                    cfg = dm.lookup(dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, x.device))
                     bench("fusepass-plan", f"{plan} {cfg.label()}",
                           lambda i: torch.ops.fusepass.dequant_matmul(x, *ring[i], None, fmt, GROUP), n_q, cfg)
                     if gem is not None:
@@ -167,7 +166,7 @@ def main(argv=None) -> int:
                         else:  # the split summed by a second kernel, as before the in-kernel sum
                             bench(cfg.kind + "-2k", cfg.label() + "-2k", run, n_q)
                 if win:
-                    key = dm.plan_key(M, N, K, fmt, G, torch.bfloat16, torch.device(device))
+                    key = dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, device).key
                     plans[key] = {**dataclasses.asdict(win[1]), "us": round(win[0], 2)}
                 if smoke:
                     checked = sum(r["fmt"] == fmt and r["M"] == M and r["N"] == N for r in rows)

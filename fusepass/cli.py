@@ -2,6 +2,7 @@
 
     fusepass demo [--model llama] [--dtype float32] [--device cpu|cuda] [--quantize int8|int4|fp8] [--json report.json]
     fusepass rules
+    fusepass tune --model qwen3_5 --quantize int4 | --shapes 4096x4096 --fmt int8   (plans, on a GPU)
     fusepass bench [--ops rms_norm,swiglu] [--quick] [--out DIR]     per-op benchmarks (from a checkout)
     fusepass bench e2e [--model llama3-8b] [--layers 4] [--phases prefill,decode,replay,startup] [--out DIR]
 
@@ -180,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=demo)
     r = sub.add_parser("rules", help="list the registered rules")
     r.set_defaults(func=list_rules)
+    from fusepass import tune
+
+    tune.add_arguments(sub.add_parser("tune", help="measure the quantized linears' kernel plans on this GPU",
+                                      description=tune.__doc__.split("\n\n")[0]))
     bench_parser(sub)
     args = parser.parse_args(argv)
     args.command_line = "fusepass " + shlex.join(argv)

@@ -223,8 +223,9 @@ def _check_conv(fn: Callable[..., Any], op: Any) -> str | None:
             state = torch.randn(B, C, K, generator=gen)
             try:
                 if update:
-                    s1, s2 = state.clone(), state.clone()
-                    pairs = [(fn(x, s1, w, b, activation), op(x, s2, w, b, activation)), (s1, s2)]
+                    s1 = state.clone()
+                    out, new_state = op(x, state, w, b, activation)
+                    pairs = [(fn(x, s1, w, b, activation), out), (s1, new_state)]
                 else:
                     pairs = [(fn(x, w, b, activation=activation), op(x, w, b, activation))]
             except Exception as exc:  # noqa: BLE001
@@ -297,7 +298,9 @@ def _substitute_conv(fn: types.FunctionType, op_name: str) -> Callable[..., Any]
             state = bound.get("conv_state")
             if not isinstance(state, torch.Tensor) or state.shape[-1] < weight.shape[-1] - 1:
                 return original(*args, **kwargs)
-            return op(x, state, weight, bias, activation)
+            out, new_state = op(x, state, weight, bias, activation)
+            state.copy_(new_state)  # the cache's state, shifted in place as transformers' function does
+            return out
         return op(x, weight, bias, activation)
 
     substitute.__name__ = f"fusepass_{fn.__name__}"

@@ -62,8 +62,8 @@ def test_cpu_bodies_are_transformers_functions_fp64(model, bias):
     state = torch.randn(2, 40, 4, generator=gen, dtype=torch.float64)
     s_hf = state.clone()
     xt = _x(2, 40, 1, torch.float64, "projection", gen)
-    o = torch.ops.fusepass.causal_conv1d_update(xt, state, w, b, "silu")
-    assert torch.equal(o, hf_update(xt, s_hf, w, b, "silu")) and torch.equal(state, s_hf)
+    o, new_state = torch.ops.fusepass.causal_conv1d_update(xt, state, w, b, "silu")
+    assert torch.equal(o, hf_update(xt, s_hf, w, b, "silu")) and torch.equal(new_state, s_hf)
 
 
 CONV_CASES = [  # (id, B, C, T, K, dtype, layout, bias, activation)
@@ -103,7 +103,7 @@ UPDATE_CASES = [  # (id, B, C, L, S, K, dtype, bias)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("case", UPDATE_CASES, ids=[c[0] for c in UPDATE_CASES])
 def test_update_kernel_matches_transformers(case, model):
-    """Output and the in-place shifted state against transformers' update, which mutates its own copy."""
+    """Output and the shifted state against transformers' update (which shifts its state in place)."""
     _, B, C, L, S, K, dt, bias = case
     dtype = DTYPES[dt]
     _, hf_update = _hf(model)
@@ -113,11 +113,14 @@ def test_update_kernel_matches_transformers(case, model):
     state = torch.randn(B, C, S, generator=gen).to(dtype)
     s_hf = state.clone()
     out = torch.full((B, C, L), float("nan"), dtype=dtype)
-    cc.causal_conv1d_update_fwd(x, state, w, b, "silu", out=out)
+    new_state = torch.full((B, C, S), float("nan"), dtype=dtype)
+    before = state.clone()
+    cc.causal_conv1d_update_fwd(x, state, w, b, "silu", out=out, new_state=new_state)
     want = hf_update(x, s_hf, w, b, "silu")
     assert not out.isnan().any()
     _close(out, want, dtype)
-    assert torch.equal(state, s_hf), "the conv state shifted differently"
+    assert torch.equal(new_state, s_hf), "the conv state shifted differently"
+    assert torch.equal(state, before), "the kernel wrote its input state"
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the CUDA implementations through the dispatcher")
@@ -129,12 +132,11 @@ def test_ops_run_kernels():
     clear_kernel_fallbacks()
     with differential.triton_on_cpu(["causal_conv1d", "causal_conv1d_update"]):
         out = torch.ops.fusepass.causal_conv1d(x, w, b, "silu")
-        s2 = state.clone()
-        o2 = torch.ops.fusepass.causal_conv1d_update(x[:, :, :1], s2, w, b, "silu")
+        o2, s2 = torch.ops.fusepass.causal_conv1d_update(x[:, :, :1], state, w, b, "silu")
     assert not kernel_fallbacks(), kernel_fallbacks()
     _close(out, cc.causal_conv1d_reference(x, w, b, "silu"), torch.bfloat16)
-    s3 = state.clone()
-    _close(o2, cc.causal_conv1d_update_reference(x[:, :, :1], s3, w, b, "silu"), torch.bfloat16)
+    o3, s3 = cc.causal_conv1d_update_reference(x[:, :, :1], state, w, b, "silu")
+    _close(o2, o3, torch.bfloat16)
     assert torch.equal(s2, s3)
 
 

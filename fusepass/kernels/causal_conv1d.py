@@ -19,8 +19,11 @@ projection: unit stride along C), the weight ``[C, K]``, an optional bias
   the head dim.
 - ``causal_conv1d_update(x, conv_state, weight, bias, activation)``: decode
   (x ``[B, C, L]``, L new tokens, usually 1) against the cached last inputs
-  ``conv_state [B, C, S]`` (S >= K - 1), which it shifts in place:
-  ``conv_state <- cat(conv_state, x)[..., -S:]``.
+  ``conv_state [B, C, S]`` (S >= K - 1): returns the output and the shifted
+  state ``cat(conv_state, x)[..., -S:]``, which transformers' function
+  writes into the cache in place (the pre-trace substitute ``copy_``s it
+  back: a functional op inlines into Inductor's graph like every other, and
+  the copy is 2 S bytes per channel).
 
 Numerics: transformers casts x to the weight's dtype, convolves there and
 applies the activation there (bf16 in, bf16 out: two roundings).  The
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv, on_device, run_kernel
+from fusepass.kernels._common import Launch, cdiv, inline_enabled, on_device, register_inline, run_kernel
 
 _ACTIVATIONS = (None, "silu", "swish")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -89,13 +92,13 @@ def _window(state, x, idx, S, p_s, s_ss, p_x, s_xt, m_c):
 
 @triton.jit
 def _causal_conv1d_update_kernel(
-    x, state, w, bias, out, L, S, C,
-    s_xb, s_xc, s_xt, s_sb, s_sc, s_ss, s_wc, s_wk, s_ob, s_oc, s_ot,
+    x, state, w, bias, out, new_state, L, S, C,
+    s_xb, s_xc, s_xt, s_sb, s_sc, s_ss, s_wc, s_wk,
     K: tl.constexpr, BL: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr, WDT: tl.constexpr,
 ):
-    # One program per (BC channels, batch row); every load before the barrier,
-    # every store after it: the state is read and shifted in place.
+    # One program per (BC channels, batch row): the window of cat(state, x)
+    # each output reads, and the shifted state, written to new_state [B, C, S].
     i_c, i_b = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -118,13 +121,13 @@ def _causal_conv1d_update_kernel(
         b_acc += b_v * b_w[:, None]
     if SILU:
         b_acc = b_acc * tl.sigmoid(b_acc)
-    tl.debug_barrier()
-    tl.store(p_s + o_s[None, :] * s_ss, b_new.to(state.dtype.element_ty), mask=m_c[:, None] & (o_s[None, :] < S))
-    p_o = out + i_b.to(tl.int64) * s_ob + o_c[:, None].to(tl.int64) * s_oc + o_l[None, :] * s_ot
+    p_n = new_state + (i_b.to(tl.int64) * C + o_c[:, None]) * S + o_s[None, :]
+    tl.store(p_n, b_new.to(new_state.dtype.element_ty), mask=m_c[:, None] & (o_s[None, :] < S))
+    p_o = out + (i_b.to(tl.int64) * C + o_c[:, None]) * L + o_l[None, :]
     tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=m_c[:, None] & (o_l[None, :] < L))
 
 
-# ------------------------------------------------------------------ launchers ----
+# ------------------------------------------------------------------ launches ----
 
 
 def _pow2(n: int) -> int:
@@ -141,42 +144,57 @@ def _prefill_out(x: Tensor) -> Tensor:
     return x.new_empty((B, T, C)).transpose(1, 2)
 
 
-def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, *,
-                      out: Tensor | None = None) -> Tensor:
-    """The prefill kernel; ``out`` ([B, C, T], the transpose of a contiguous [B, T, C]) when given."""
+def _update_outs(x: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:
+    return (x.new_empty(x.shape), conv_state.new_empty(conv_state.shape))
+
+
+def conv_launch(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, out: Tensor) -> Launch:
+    """The prefill kernel into ``out`` ([B, C, T], the transpose of a contiguous [B, T, C])."""
     B, C, T = x.shape
-    out = _prefill_out(x) if out is None else out
-    if out.numel() == 0:
-        return out
-    K = weight.shape[-1]
     # 32 tokens x 128 channels per program: 8 KiB of bf16 out, K loads of it in.
     BT, BC = 32, min(128, _pow2(C))
-    with on_device(x):
-        _causal_conv1d_kernel[(cdiv(T, BT), cdiv(C, BC), B)](
-            x, weight, weight if bias is None else bias, out, T, C, *x.stride(), *weight.stride(),
-            K=K, BT=BT, BC=BC, HAS_BIAS=bias is not None, SILU=activation is not None, WDT=_TL[weight.dtype],
-            num_warps=4,
-        )
+    args = dict(x=x, w=weight, bias=weight if bias is None else bias, out=out, T=T, C=C,
+                s_xb=x.stride(0), s_xc=x.stride(1), s_xt=x.stride(2), s_wc=weight.stride(0), s_wk=weight.stride(1),
+                K=weight.shape[-1], BT=BT, BC=BC, HAS_BIAS=bias is not None, SILU=activation is not None,
+                WDT=_TL[weight.dtype])
+    return Launch(_causal_conv1d_kernel, (cdiv(T, BT), cdiv(C, BC), B), args, ("out",), 4)
+
+
+def update_launch(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None,
+                  out: Tensor, new_state: Tensor) -> Launch:
+    """The decode kernel: ``out`` [B, C, L] and ``new_state`` [B, C, S], both contiguous."""
+    B, C, L = x.shape
+    S = conv_state.shape[-1]
+    BC = min(128, _pow2(C))
+    args = dict(x=x, state=conv_state, w=weight, bias=weight if bias is None else bias, out=out, new_state=new_state,
+                L=L, S=S, C=C, s_xb=x.stride(0), s_xc=x.stride(1), s_xt=x.stride(2), s_sb=conv_state.stride(0),
+                s_sc=conv_state.stride(1), s_ss=conv_state.stride(2), s_wc=weight.stride(0), s_wk=weight.stride(1),
+                K=weight.shape[-1], BL=_pow2(L), BS=_pow2(S), BC=BC, HAS_BIAS=bias is not None,
+                SILU=activation is not None, WDT=_TL[weight.dtype])
+    return Launch(_causal_conv1d_update_kernel, (cdiv(C, BC), B), args, ("out", "new_state"), 4)
+
+
+def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, *,
+                      out: Tensor | None = None) -> Tensor:
+    """The prefill kernel; ``out`` when given (tests poison it)."""
+    out = _prefill_out(x) if out is None else out
+    if out.numel():
+        with on_device(x):
+            conv_launch(x, weight, bias, activation, out).run()
     return out
 
 
 def causal_conv1d_update_fwd(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None,
-                             activation: str | None, *, out: Tensor | None = None) -> Tensor:
-    """The decode kernel: returns act(conv) of the L new tokens, shifts ``conv_state`` in place."""
-    B, C, L = x.shape
-    S = conv_state.shape[-1]
-    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
-    if B == 0 or C == 0 or (L == 0 and S == 0):
-        return out
-    BC = min(128, _pow2(C))
-    with on_device(x):
-        _causal_conv1d_update_kernel[(cdiv(C, BC), B)](
-            x, conv_state, weight, weight if bias is None else bias, out, L, S, C,
-            *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
-            K=weight.shape[-1], BL=_pow2(L), BS=_pow2(S), BC=BC, HAS_BIAS=bias is not None,
-            SILU=activation is not None, WDT=_TL[weight.dtype], num_warps=4,
-        )
-    return out
+                             activation: str | None, *, out: Tensor | None = None,
+                             new_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The decode kernel: (act(conv) of the L new tokens, the shifted state)."""
+    o, n = _update_outs(x, conv_state)
+    out = o if out is None else out
+    new_state = n if new_state is None else new_state
+    if out.numel() or new_state.numel():
+        with on_device(x):
+            update_launch(x, conv_state, weight, bias, activation, out, new_state).run()
+    return out, new_state
 
 
 # ---------------------------------------------------------- plain torch bodies ----
@@ -194,14 +212,14 @@ def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Tensor | None, acti
 
 
 def causal_conv1d_update_reference(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None,
-                                   activation: str | None) -> Tensor:
-    """transformers' ``causal_conv1d_update``: shifts ``conv_state`` in place."""
+                                   activation: str | None) -> tuple[Tensor, Tensor]:
+    """transformers' ``causal_conv1d_update``, functional: (output, the shifted state)."""
     C, L = x.shape[1], x.shape[2]
     S = conv_state.shape[-1]
     new = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
-    conv_state.copy_(new[:, :, new.shape[-1] - S:])
     y = F.conv1d(new, weight.unsqueeze(1), bias, padding=0, groups=C)
-    return _act(y[:, :, y.shape[-1] - L:], activation).to(x.dtype)
+    out = _act(y[:, :, y.shape[-1] - L:], activation).to(x.dtype).contiguous()
+    return out, new[:, :, new.shape[-1] - S:].to(conv_state.dtype).contiguous()
 
 
 # ----------------------------------------------------------------------- ops ----
@@ -237,29 +255,55 @@ def _causal_conv1d_cuda(x, weight, bias, activation):
     return run_kernel("causal_conv1d", lambda: causal_conv1d_fwd(x, weight, bias, activation), reference)
 
 
-@torch.library.custom_op("fusepass::causal_conv1d_update", mutates_args=("conv_state",))
+@torch.library.custom_op("fusepass::causal_conv1d_update", mutates_args=())
 def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None,
-                         activation: str | None) -> Tensor:
-    """One decode step (L new tokens of x [B, C, L]) against conv_state [B, C, S], shifted in place."""
+                         activation: str | None) -> tuple[Tensor, Tensor]:
+    """One decode step (L new tokens of x [B, C, L]) against conv_state [B, C, S]: (output, shifted state)."""
     _check(x, weight, bias, activation)
-    return causal_conv1d_update_reference(x, conv_state, weight, bias, activation).contiguous()
+    return causal_conv1d_update_reference(x, conv_state, weight, bias, activation)
 
 
 @causal_conv1d_update.register_fake
 def _causal_conv1d_update_fake(x, conv_state, weight, bias, activation):
     _check(x, weight, bias, activation)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _update_outs(x, conv_state)
+
+
+def _update_supported(x, conv_state, weight, bias, activation) -> bool:
+    return (_kernel_ok(x, weight, bias, activation) and conv_state.dtype in _KERNEL_DTYPES
+            and conv_state.dim() == 3 and conv_state.shape[:2] == x.shape[:2]
+            and conv_state.shape[-1] >= weight.shape[-1] - 1)
 
 
 @causal_conv1d_update.register_kernel("cuda")
 def _causal_conv1d_update_cuda(x, conv_state, weight, bias, activation):
     _check(x, weight, bias, activation)
-    reference = lambda: causal_conv1d_update_reference(  # noqa: E731
-        x, conv_state, weight, bias, activation).contiguous()
-    if not (_kernel_ok(x, weight, bias, activation) and conv_state.dtype in _KERNEL_DTYPES
-            and conv_state.shape[-1] >= weight.shape[-1] - 1):
+    reference = lambda: causal_conv1d_update_reference(x, conv_state, weight, bias, activation)  # noqa: E731
+    if not _update_supported(x, conv_state, weight, bias, activation):
         return reference()
-    # A kernel that fails before its stores leaves the state untouched, so the
-    # fallback shifts it once.
     return run_kernel("causal_conv1d_update",
                       lambda: causal_conv1d_update_fwd(x, conv_state, weight, bias, activation), reference)
+
+
+# ------------------------------------------------------- calls in graphs ----
+
+
+def _inline_ok(x, weight, bias, activation) -> bool:
+    return (inline_enabled(x) and x.dim() == 3 and _kernel_ok(x, weight, bias, activation)
+            and all(isinstance(s, int) for s in (*x.stride(), *weight.shape)))
+
+
+def _conv_traced(x, weight, bias, activation):
+    return conv_launch(x, weight, bias, activation, _prefill_out(x)).traced()["out"]
+
+
+def _update_traced(x, conv_state, weight, bias, activation):
+    out, new_state = _update_outs(x, conv_state)
+    res = update_launch(x, conv_state, weight, bias, activation, out, new_state).traced()
+    return res["out"], res["new_state"]
+
+
+register_inline(torch.ops.fusepass.causal_conv1d.default, _inline_ok, _conv_traced)
+register_inline(torch.ops.fusepass.causal_conv1d_update.default,
+                lambda x, s, w, b, a: _inline_ok(x, w, b, a) and _update_supported(x, s, w, b, a)
+                and all(isinstance(d, int) for d in s.shape), _update_traced)
