@@ -33,7 +33,7 @@ Ops: ``rms_norm`` (rms_norm, add_rms_norm), ``rms_norm_gated``, ``gated_act``
 import importlib
 
 OP_MODULES = ("fusepass.kernels.rms_norm", "fusepass.kernels.rms_norm_gated", "fusepass.kernels.gated_act",
-              "fusepass.kernels.gdn", "fusepass.kernels.dequant_matmul")
+              "fusepass.kernels.gdn", "fusepass.kernels.dequant_matmul", "fusepass.kernels.moe")
 
 
 def _load() -> None:
