@@ -32,8 +32,8 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
-    """uint8 [N, K // 2] -> [N, K]: low nibble the even column, high nibble the odd."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    """uint8 [..., N, K // 2] -> [..., N, K]: low nibble the even column, high nibble the odd."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def dequantize_int4(packed: Tensor, scale: Tensor, zero: Tensor | None, dtype: torch.dtype) -> Tensor:

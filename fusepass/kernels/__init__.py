@@ -27,13 +27,15 @@ looked up when compiling, never measured there: ``fusepass tune`` measures.
 Importing a module registers its ops.
 
 Ops: ``rms_norm`` (rms_norm, add_rms_norm), ``rms_norm_gated``, ``gated_act``
-(swiglu, geglu), ``gdn/`` (gdn_chunk, gdn_recurrent), ``dequant_matmul/``.
+(swiglu, geglu), ``gdn/`` (gdn_chunk, gdn_recurrent), ``causal_conv1d``
+(causal_conv1d, causal_conv1d_update), ``dequant_matmul/``, ``moe/``.
 """
 
 import importlib
 
 OP_MODULES = ("fusepass.kernels.rms_norm", "fusepass.kernels.rms_norm_gated", "fusepass.kernels.gated_act",
-              "fusepass.kernels.gdn", "fusepass.kernels.dequant_matmul")
+              "fusepass.kernels.gdn", "fusepass.kernels.causal_conv1d", "fusepass.kernels.dequant_matmul",
+              "fusepass.kernels.moe")
 
 
 def _load() -> None:

@@ -70,7 +70,7 @@ def _call(x, weight, scale, bias=None):
     # Per channel: one group spanning the row.  Small operands are made
     # contiguous here (a no-op when they are); the weight must be (see check).
     return _op()(x, weight, scale.reshape(-1).contiguous(), None,
-                 None if bias is None else bias.contiguous(), CHANNEL_FORMATS[weight.dtype], weight.shape[-1])
+                 None if bias is None else bias.reshape(-1).contiguous(), CHANNEL_FORMATS[weight.dtype], weight.shape[-1])
 
 
 def replace_before(x, weight, scale):

@@ -47,7 +47,7 @@ def _forms():
     def call(x, packed, scale, zero=None, bias=None):
         group = 2 * packed.shape[1] // scale.shape[1]
         return dm._op()(x, packed, scale.contiguous(), None if zero is None else zero.contiguous(),
-                        None if bias is None else bias.contiguous(), "int4", group)
+                        None if bias is None else bias.reshape(-1).contiguous(), "int4", group)
 
     return [
         Form("asymmetric", asym, lambda x, packed, scale, zero: call(x, packed, scale, zero)),

@@ -1,4 +1,4 @@
-"""Launches: the chunked pipeline (three launches) and the recurrent kernel (one).
+"""Launches: the chunked pipeline (two or three launches) and the recurrent kernel (one).
 
 One builder per kernel returns a :class:`~fusepass.kernels._common.Launch`;
 ``gdn_chunk_fwd`` / ``gdn_recurrent_fwd`` run them (the ops' CUDA bodies),
@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import Launch, cdiv, interpreting, on_device, run_all, sm_count
-from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_state_kernel
+from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_scan_kernel, _gdn_state_kernel
 from fusepass.kernels.gdn.recurrent_kernel import _gdn_recurrent_kernel
 from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels.gdn.reference import CHUNK, L2NORM_EPS
@@ -31,6 +31,8 @@ _MAX_DK = 256
 # B1 T4096 H16 (64 vs 32 programs) 371 µs at 64, 345 at 32; B4 T4096 Hv32
 # 1704 at 64, 1823 at 32; B8 T512 H32 465 at 64, 491 at 32.
 _STATE_BV = (64, 32)
+# Programs per SM from which the fused scan is the default (see chunk_launches).
+_FUSE_MIN_WAVES = 2
 # Tokens the chunked op hands to the recurrent kernel instead (decode, short
 # speculative runs): one launch, no scratch.
 RECURRENT_MAX_T = 16
@@ -78,36 +80,28 @@ def _strides(name: str, t: Tensor) -> dict[str, int]:
     return {f"s_{name}b": t.stride(0), f"s_{name}t": t.stride(1), f"s_{name}h": t.stride(2)}
 
 
-def _dots(dt: torch.dtype, output_tf32: bool | None = None) -> dict:
-    """The dots' operand dtype and precision (DT, PREC, EMU) and the output's (ODT, OPREC, OEMU)."""
+def _dots(dt: torch.dtype) -> dict:
+    """The dots' operand dtype and precision: bf16/fp16 operands with fp32
+    accumulation for half-precision inputs, ieee fp32 for fp32."""
     DT, PREC = _TL_DTYPES[dt], ("ieee" if dt == torch.float32 else "tf32")
-    emu = dt == torch.bfloat16 and interpreting()
-    # The output's dots in bf16/fp16 (default) or on fp32 operands in tf32
-    # (output_tf32).  H100, real sizes, bf16, relative error norm against the
-    # fp64 recurrence: 4.1e-3 in bf16 against 3.2e-3 in tf32 (FLA 0.6: 4.4e-3);
-    # the tf32 dots cost 345 against 289 µs at B1 T4096 H16, 2153 against 1593
-    # at B1 T16384 H32 (CUDA-graph time).
-    if output_tf32:
-        return dict(DT=DT, PREC=PREC, EMU=emu, ODT=tl.float32, OPREC="tf32", OEMU=False)
-    return dict(DT=DT, PREC=PREC, EMU=emu, ODT=DT, OPREC=PREC, OEMU=emu)
+    return dict(DT=DT, PREC=PREC, EMU=dt == torch.bfloat16 and interpreting())
 
 
 def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
                    final_state: Tensor, use_qk_l2norm: bool, scale: float, *, fuse_output: bool | None = None,
                    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   output_tf32: bool | None = None, precompute_kd: bool | None = None) -> list[Launch]:
-    """The chunked pipeline's launches, in order (prep, state pass, output), with
-    their scratch allocated here; q, k, v with unit last stride, h0 contiguous,
-    B, T, H_v > 0.  The keywords override the launch choices (tests, sweeps)."""
+                   precompute_kd: bool | None = None, output_block_v: int | None = None) -> list[Launch]:
+    """The chunked pipeline's launches, in order (prep, then the fused scan or
+    the state pass and the output kernel), with their scratch allocated here;
+    q, k, v with unit last stride, h0 contiguous, B, T, H_v > 0.  The
+    keywords override the launch choices (tests, sweeps)."""
     B, T, HK, DK = q.shape
     HV, DV = v.shape[-2:]
     dt = q.dtype
-    dots = _dots(dt, output_tf32)
+    dots = _dots(dt)
     BK = _pow2(DK)
     NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
-    w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
-    u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
     if block_v is None:
         block_v = _STATE_BV[-1]
         for bv in _STATE_BV:
@@ -117,38 +111,50 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     BV = min(block_v, _pow2(DV))
     NV = cdiv(DV, BV)
     if fuse_output is None:
-        # The output in the state pass (one launch and the per-chunk states
-        # fewer) lengthens the sequential loop: it lost at every shape of
-        # issue 8 on an H100, 428 vs 289 µs at B1 T4096 H16, 368 vs 354 at
-        # B8 T512 H32, 1947 vs 1593 at B1 T16384 H32 (CUDA-graph time).
-        fuse_output = False
+        # The fused scan writes o alone where the split pass writes and the
+        # output kernel reads every chunk's state and new values, but its
+        # loop is longer: it wins where programs queue for the SMs and loses
+        # where each has an SM of its own.  H100, CUDA-graph time of the op:
+        # B16 T1024 H32 (1024 programs) 1101 µs fused against 1295 split; B8
+        # T512 H32 (512) 314 (two stages) against 340 (an earlier run); B1
+        # T16384 H32 (128) 1592 against 1554.
+        fuse_output = hint(B) * HV * NV >= _FUSE_MIN_WAVES * n_sm
     if precompute_kd is None:
-        # exp(Gamma_last - Gamma) k~ formed in the prep kernel and read by the
-        # state pass, rather than normalised and decayed inside its loop:
-        # 259 vs 278 µs at B1 T4096 H16, 1562 vs 1580 at B1 T16384 H32, 342
-        # vs 333 at B8 T512 H32 (H100, CUDA-graph time).
         precompute_kd = not fuse_output
-    kd = torch.empty_like(w) if precompute_kd else w
-    hs = final_state if fuse_output else torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
+    w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
+    u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
+    kd = torch.empty_like(w) if precompute_kd else g
+    aq = torch.empty((B, HV, NT, CHUNK, CHUNK), dtype=dt, device=q.device) if fuse_output else g
+    h_in = g if h0 is None else h0
     sizes = dict(T=T, NT=NT, HV=HV, GROUP=HV // HK, DK=DK, DV=DV, BK=BK, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS)
-    qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
     prep = Launch(_gdn_prep_kernel, (NT * B * HV,),
-                  dict(k=k, v=v, g=g, beta=beta, w=w, u=u, kd=kd, **_strides("k", k), **_strides("v", v),
-                       **_strides("g", g), **_strides("b", beta), **sizes, BV=min(64, _pow2(DV)),
-                       DT=dots["DT"], PREC=dots["PREC"], EMU=dots["EMU"], PRE_KD=precompute_kd),
-                  ("w", "u", "kd") if precompute_kd else ("w", "u"), 4)
+                  dict(q=q, k=k, v=v, g=g, beta=beta, w=w, u=u, kd=kd, aq=aq, scale=scale, **_strides("q", q),
+                       **_strides("k", k), **_strides("v", v), **_strides("g", g), **_strides("b", beta), **sizes,
+                       BV=min(64, _pow2(DV)), **dots, PRE_KD=precompute_kd, AQK=fuse_output,
+                       INV_PRODUCT=dt != torch.float32),
+                  ("w", "u") + (("kd",) if precompute_kd else ()) + (("aq",) if fuse_output else ()), 4)
+    qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
+    if fuse_output:
+        # One pipeline stage: 1101 µs at B16 T1024 H32 against 1141 with
+        # two and 1409 with three; 8 warps 1411 (H100, CUDA-graph time).
+        # The next chunk's loads issued by hand a chunk early spilled at 4
+        # warps (4686 µs) and lost at 8 (1502).
+        scan = Launch(_gdn_scan_kernel, (NV * B * HV,),
+                      dict(q=q, k=k, w=w, u=u, kd=kd, aq=aq, g=g, h0=h_in, o=out, hT=final_state, NV=NV,
+                           scale=scale, **qkg, **sizes, BV=BV, HAS_H0=h0 is not None, PRE_KD=precompute_kd, **dots),
+                      ("o", "hT"), num_warps or 4, num_stages or 1)
+        return [prep, scan]
     # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
     # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
     # tf32 output dots); 3 stages 260 vs 259 at B1 T4096 H16, 368 vs 342 at
     # B8 T512 H32.
+    hs = torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
     state = Launch(_gdn_state_kernel, (NV * B * HV,),
-                   dict(q=q, k=k, w=w, u=u, kd=kd, g=g, h0=g if h0 is None else h0, o=out if fuse_output else g,
-                        hT=final_state, hs=hs, NV=NV, scale=scale, **qkg, **sizes, BV=BV, HAS_H0=h0 is not None,
-                        FUSE_OUT=fuse_output, PRE_KD=precompute_kd, **dots),
-                   ("o", "hT") if fuse_output else ("u", "hT", "hs"), num_warps or 4, num_stages or 2)
-    if fuse_output:
-        return [prep, state]
-    BVO = min(64, _pow2(DV))
+                   dict(k=k, w=w, u=u, kd=kd, g=g, h0=h_in, hT=final_state, hs=hs, NV=NV,
+                        **_strides("k", k), **_strides("g", g), **sizes, BV=BV, HAS_H0=h0 is not None,
+                        PRE_KD=precompute_kd, **dots),
+                   ("u", "hT", "hs"), num_warps or 4, num_stages or 2)
+    BVO = min(output_block_v or 64, _pow2(DV))
     NVO = cdiv(DV, BVO)
     output = Launch(_gdn_output_kernel, (NVO * NT * B * HV,),
                     dict(q=q, k=k, g=g, vn=u, hs=hs, o=out, NV=NVO, scale=scale, **qkg,
@@ -161,7 +167,9 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
 def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                   use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
                   final_state: Tensor | None = None, **choices) -> tuple[Tensor, Tensor]:
-    """The chunked pipeline: prep kernel, state pass, (output kernel).
+    """The chunked pipeline: the prep kernel, then the fused scan or the state
+    pass and the output kernel (by default the scan where its grid fills the
+    GPU twice over).
 
     ``out`` / ``final_state`` receive the results when given (tests poison
     them); ``choices`` are :func:`chunk_launches`' overrides (tests, sweeps)."""
