@@ -20,6 +20,7 @@ Exit status: 0 when every case ran and matched; 1 otherwise (memcheck's own
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 import traceback
@@ -123,6 +124,21 @@ def _gdn_inputs(B, T, Hk, Hv, dk, dv, state=True, strided=True):
     return q, k, v, g, beta, s0
 
 
+def _gdn_launch(**options):
+    """gdn_chunk_fwd with launch ``options`` on CUDA tensors, the op's CPU body on CPU copies."""
+    def run(q, k, v, g, beta, s0, l2, scale):
+        if q.is_cuda:
+            from fusepass.kernels.gdn import gdn_chunk_fwd
+            return gdn_chunk_fwd(q, k, v, g, beta, s0, l2, scale, **options)
+        return ops.gdn_chunk(q, k, v, g, beta, s0, l2, scale)
+    return run
+
+
+# Every launch path of the chunked op (the op itself runs the default one).
+GDN_PATHS = {"split": dict(fuse_output=False), "split-kd-in-loop": dict(fuse_output=False, precompute_kd=False),
+             "fused": dict(fuse_output=True), "fused-kd-bv16": dict(fuse_output=True, precompute_kd=True, block_v=16)}
+
+
 def gdn_cases(quick: bool):
     chunk = [  # (B, T, Hk, Hv, dk, dv)
         (1, 8192, 32, 32, 128, 128), (2, 3000, 16, 32, 128, 128), (1, 65, 4, 4, 64, 64),
@@ -139,9 +155,28 @@ def gdn_cases(quick: bool):
                 q, k = F.normalize(q.float(), dim=-1).to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype)
             a = (q, k, v, g, beta, s0)
             yield f"gdn_chunk B{B} T{T} Hk{Hk} Hv{Hv} dk{dk} dv{dv} l2={l2}", ops.gdn_chunk, (*a, l2, dk ** -0.5), 2e-2
+    edge = [(1, 65, 4, 4, 64, 64), (2, 17, 1, 2, 96, 192), (3, 200, 2, 4, 128, 128)]
+    for (B, T, Hk, Hv, dk, dv), (path, options) in itertools.product(edge[:1] if quick else edge, GDN_PATHS.items()):
+        a = _gdn_inputs(B, T, Hk, Hv, dk, dv, state=B != 2)
+        yield (f"gdn_chunk[{path}] B{B} T{T} Hk{Hk} Hv{Hv} dk{dk} dv{dv}", _gdn_launch(**options),
+               (*a, True, dk ** -0.5), 2e-2)
     for B, T, Hk, Hv, dk, dv in rec:
         a = _gdn_inputs(B, T, Hk, Hv, dk, dv)
         yield f"gdn_recurrent B{B} T{T} Hk{Hk} Hv{Hv} dk{dk} dv{dv}", ops.gdn_recurrent, (*a, True, dk ** -0.5), 2e-2
+
+
+def conv_cases(quick: bool):
+    """The GDN layer's short convolution: prefill and the in-place state update."""
+    prefill = [(1, 8192, 2048), (2, 4097, 33), (3, 130, 1)] if not quick else [(2, 4097, 33), (3, 130, 1)]
+    for B, C, T in prefill:
+        x = _randn(B, T, C).transpose(1, 2)  # the model's layout: the transpose of [B, T, C]
+        w, b = _randn(C, 4), _randn(C)
+        yield f"causal_conv1d B{B} C{C} T{T}", ops.causal_conv1d, (x, w, b, "silu"), 2e-2
+    for B, C, L, S in [(32, 8192, 1, 4), (3, 130, 3, 3)] if not quick else [(3, 130, 3, 3)]:
+        x = _randn(B, L, C).transpose(1, 2)
+        w, state = _randn(C, 4), _randn(B, C, S)
+        yield (f"causal_conv1d_update B{B} C{C} L{L} S{S}", ops.causal_conv1d_update,
+               (x, state, w, None, "silu"), 2e-2)
 
 
 def peer_sequence() -> list[tuple[str, str, float]]:
@@ -174,7 +209,7 @@ def peer_sequence() -> list[tuple[str, str, float]]:
     return out
 
 
-GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "gdn": gdn_cases}
+GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "gdn": gdn_cases, "conv": conv_cases}
 
 
 def main(argv=None) -> int:

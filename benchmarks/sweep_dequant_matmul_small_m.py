@@ -20,10 +20,15 @@ time is per call.
 
     python benchmarks/sweep_dequant_matmul_small_m.py [--formats int4,int8,fp8] [--ms 1,16,64] [--rep 10]
         [--shapes 4096x4096,14336x4096] [--no-cold] [--json out.json] [--plans plans.json] [--both-sums]
+        [--budget SECONDS]
     TRITON_INTERPRET=1 python benchmarks/sweep_dequant_matmul_small_m.py --cpu-smoke
 
 Prints one line per (format, M, shape): each provider's best hot and cold
-time with its config, and the ratio to gemlite where gemlite is importable.
+time with its config, and the ratio to gemlite where gemlite is importable;
+then a table of the cold times against the floor (every byte of the
+quantized weight, scales and zero points read once at the copy bandwidth
+measured at the start): the fastest config, the op's plan and the heuristic
+(the plan of a shape outside the plan table), each as % of the floor.
 ``--plans`` writes each key's fastest config on cold weights in the op's
 plan-file format; the shipped plans of M = 1-256 on the Llama-3-8B shapes
 came from this (runs at 1cf3eea, 1f50f70 and a2e7909; BENCHMARKS.md).
@@ -45,17 +50,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusepass.bench.registry.dequant_matmul import _gemlite, quantize  # noqa: E402
 from fusepass.kernels import dequant_matmul as dm  # noqa: E402
-from fusepass.kernels.dequant_matmul import launch, tuner  # noqa: E402
+from fusepass.kernels.dequant_matmul import launch, plans as dm_plans, tuner  # noqa: E402
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K)
 GROUP = 128
 MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 
-def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
+def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False) -> list[dm.Config]:
     if M <= 8:
-        return [] if smoke else tuner._candidates(M, N, K, fmt, GROUP if fmt == "int4" else 0, torch.bfloat16,
-                                               torch.cuda.get_device_properties(0).multi_processor_count)
+        cands = tuner.candidates(dm.Problem.of(M, N, K, fmt, GROUP, torch.bfloat16, "cpu" if smoke else "cuda"))
+        return [c for c in cands if c.kind == "gemv"][:2] if smoke else cands
     bm = min(128 if M > 64 else 64, max(16, triton.next_power_of_2(M)))
     if smoke:
         return [dm.Config("mmt", BM=bm, BN=64, BK=64, split=split, stages=2) for split in (1, 2)]
@@ -64,8 +69,11 @@ def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
         return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3)
                 for bn in (64, 128) for bk in bks for split in (1, 2, 4) for warps in (4, 8)]
     bks = (64, 128) if fmt == "int4" else (128, 256)
-    return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=4, stages=3)
-            for bn in (64, 128) for bk in bks for split in (1, 2, 4, 8)]
+    if quick:  # the tiles the heuristic chooses among
+        return [dm.Config("mmt", BM=bm, BN=bn, BK=128, split=split, warps=4, stages=3)
+                for bn in (64, 128) for split in (1, 2, 4, 8)]
+    return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3)
+            for bn, warps in ((64, 4), (128, 4), (128, 8)) for bk in bks for split in (1, 2, 4, 8, 16)]
 
 
 def main(argv=None) -> int:
@@ -78,8 +86,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=1e9, help="seconds; later entries are skipped")
     p.add_argument("--json", default=None, help="write every timing here")
     p.add_argument("--plans", default=None, help="write the fastest config of each key on cold weights here, "
-                   "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul_plans.json)")
+                   "in the op's plan-file format (to merge into fusepass/kernels/dequant_matmul/plans/<gpu>.json)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    p.add_argument("--quick", action="store_true", help="at M > 8, only the tiles the heuristic chooses among")
+    p.add_argument("--no-hot", action="store_true", help="time cold weights only")
     p.add_argument("--both-sums", action="store_true", help="also time each split-K config with its slices summed "
                    "by a second kernel (provider <kind>-2k) instead of by each tile's last program")
     args = p.parse_args(argv)
@@ -91,10 +101,16 @@ def main(argv=None) -> int:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     else:
         shapes = SHAPES
-    ms = (16, 13) if smoke else tuple(int(v) for v in args.ms.split(","))
+    ms = (1, 16, 13) if smoke else tuple(int(v) for v in args.ms.split(","))
     cold = not (args.no_cold or smoke)
+    copy_gbps = None
     if not smoke:
-        print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+        from fusepass.bench.timing import copy_bandwidth
+
+        copy_gbps = copy_bandwidth("cuda")
+        print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+              f"copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    floor_rows = []
     t0 = time.time()
     lines, rows = [], []
     plans: dict[str, dict] = {}
@@ -128,7 +144,7 @@ def main(argv=None) -> int:
                             print(f"    {fmt} M{M} N{N} K{K} {provider} {label}: error {err:.1e}")
                             return
                         times = {}
-                        if not smoke:
+                        if not smoke and not args.no_hot:
                             times["hot"] = triton.testing.do_bench_cudagraph(lambda: call(0), rep=args.rep) * 1e3
                             if cold:
                                 def ring_call():
@@ -146,15 +162,23 @@ def main(argv=None) -> int:
                         if provider not in best[mode] or us < best[mode][provider][0]:
                             best[mode][provider] = (us, label)
 
+                heur = dm_plans.heuristic(dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, device))
+                cands = configs(fmt, M, N, K, smoke, args.quick)
+                if heur.kind != "cublas" and heur not in cands:
+                    cands = [heur, *cands]
                 if not smoke:
+                    # compile every candidate on a thread pool first (Triton's C++ passes and ptxas in parallel)
+                    out0 = torch.empty((M, N), device=device, dtype=torch.bfloat16)
+                    tuner._precompile(lambda cfg: launch._launch(x, q, s, z, None, out0, fmt, G, cfg, warmup=True),
+                                      cands)
                     bench("cublas-bf16", "", lambda i: x @ ring_bf16[i].t(), n_b)
                     plan = dm.dequant_matmul_plan(M, N, K, fmt, GROUP, torch.bfloat16, x.device)
-                    cfg = tuner._plan(M, N, K, fmt, G, torch.bfloat16, x.device)
+                    cfg = dm.lookup(dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, x.device))
                     bench("fusepass-plan", f"{plan} {cfg.label()}",
                           lambda i: torch.ops.fusepass.dequant_matmul(x, *ring[i], None, fmt, GROUP), n_q, cfg)
                     if gem is not None:
                         bench(f"gemlite-{fmt}", "", lambda i: gems[i](x), len(gems))
-                for cfg in configs(fmt, M, N, K, smoke):
+                for cfg in cands:
                     outs = [torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16) for _ in range(2)]
                     for sum_here in (True, False) if args.both_sums and cfg.split > 1 else (True,):
                         def run(i, cfg=cfg, outs=outs, sum_here=sum_here):
@@ -164,11 +188,23 @@ def main(argv=None) -> int:
 
                         if sum_here:
                             bench(cfg.kind, cfg.label(), run, n_q, cfg)
+                            if cfg == heur:
+                                bench("heuristic", cfg.label(), run, n_q)
                         else:  # the split summed by a second kernel, as before the in-kernel sum
                             bench(cfg.kind + "-2k", cfg.label() + "-2k", run, n_q)
                 if win:
-                    key = dm.plan_key(M, N, K, fmt, G, torch.bfloat16, torch.device(device))
+                    key = dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, device).key
                     plans[key] = {**dataclasses.asdict(win[1]), "us": round(win[0], 2)}
+                if copy_gbps and best["cold"]:
+                    nbytes = sum(t.numel() * t.element_size() for t in (q, s, z) if t is not None)
+                    floor_us = nbytes / copy_gbps / 1e3
+                    cold = best["cold"]
+                    fast = min((v for k, v in cold.items() if k in ("gemv", "mmt", "mm")), default=(None, ""))
+                    row = dict(fmt=fmt, M=M, shape=f"{N}x{K}", floor=floor_us, best=fast[0], best_cfg=fast[1],
+                               plan=cold.get("fusepass-plan", (None,))[0], heuristic=cold.get("heuristic", (None,))[0],
+                               heuristic_cfg=heur.label(), gemlite=cold.get(f"gemlite-{fmt}", (None,))[0],
+                               cublas=cold.get("cublas-bf16", (None,))[0])
+                    floor_rows.append(row)
                 if smoke:
                     checked = sum(r["fmt"] == fmt and r["M"] == M and r["N"] == N for r in rows)
                     print(f"{fmt} M{M} N{N} K{K}: {checked} configs match the reference", flush=True)
@@ -186,8 +222,20 @@ def main(argv=None) -> int:
             if not smoke:
                 torch.cuda.empty_cache()
     print("\n".join(lines))
+    if floor_rows:
+        def pct(us, floor):
+            return f"{100 * floor / us:.0f}%" if us else "-"
+
+        print(f"\n# cold µs and % of the floor (copy {copy_gbps:.0f} GB/s); best = fastest config swept")
+        print("| fmt | M | N x K | floor | best | % | plan | % | heuristic | % | gemlite | cuBLAS bf16 | best config |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in floor_rows:
+            f = r["floor"]
+            print(f"| {r['fmt']} | {r['M']} | {r['shape']} | {f:.1f} | {r['best'] or 0:.1f} | {pct(r['best'], f)} | "
+                  f"{r['plan'] or 0:.1f} | {pct(r['plan'], f)} | {r['heuristic'] or 0:.1f} | {pct(r['heuristic'], f)} | "
+                  f"{'%.1f' % r['gemlite'] if r['gemlite'] else '-'} | {r['cublas'] or 0:.1f} | {r['best_cfg']} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=0))
+        Path(args.json).write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows, "floor": floor_rows}, indent=0))
     if args.plans:
         Path(args.plans).write_text(json.dumps({"plans": dict(sorted(plans.items()))}, indent=0))
     return 0

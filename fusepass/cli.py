@@ -3,6 +3,7 @@
     fusepass demo [--model qwen3_5] [--quantize int8]   compile a small model, print the rewrite report,
                                                          check it against eager
     fusepass rules                                       list the rewrite rules
+    fusepass tune --model qwen3_5 --quantize int4        measure the quantized linears' kernel plans on this GPU
     fusepass bench [--ops rms_norm,swiglu] [--quick]     check and time each op against eager, Inductor, peers
     fusepass bench e2e [--model llama3-8b] [--phases ...] whole models: prefill, decode, start-up
 
@@ -174,6 +175,15 @@ def _rules_parser(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=list_rules)
 
 
+# -- fusepass tune -----------------------------------------------------------------
+
+def _tune_parser(sub: argparse._SubParsersAction) -> None:
+    from fusepass import tune
+
+    tune.add_arguments(sub.add_parser("tune", help="measure the quantized linears' kernel plans on this GPU",
+                                      description=tune.__doc__.split("\n\n")[0]))
+
+
 # -- fusepass bench ----------------------------------------------------------------
 
 def bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -239,7 +249,7 @@ def _bench_ops(args: argparse.Namespace) -> int:
 
 # -- the command ---------------------------------------------------------------------
 
-SUBCOMMANDS = (_demo_parser, _rules_parser, bench_parser)
+SUBCOMMANDS = (_demo_parser, _rules_parser, _tune_parser, bench_parser)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -42,7 +42,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import (
     MULTIPLE,
     Match,
-    MatchContext,
     MultiOutputPattern,
     PatternExpr,
     _TargetExpr,
@@ -53,10 +52,12 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.utils import _pytree as pytree
 
+from .kernels import fingerprint as kernel_data_fingerprint
 from .kernels._common import inline_kernels
 from .match import MatchInfo, concrete, hint, scalar_input
 from .matvec import decompose_kept_matvecs
 from .options import Options
+from .regions import inline_op_nodes, region_match
 from .report import GraphReport, Hit, Refusal
 from .rule import Form, Region, Rule, rules
 
@@ -544,22 +545,6 @@ def _anchor_of(rule: Rule, m: Match) -> torch.fx.Node:
     return m.output_node()
 
 
-class _RegionOutput(PatternExpr):
-    """Stands for one output of a found region in the Match the engine builds for it."""
-
-    def _match(self, node: Any, ctx: Any) -> Any:  # never matched: the region is given
-        raise NotImplementedError
-
-
-def region_match(graph: torch.fx.Graph, region: Region) -> Match:
-    """The region as an Inductor Match, so replacement goes the way a pattern's does."""
-    keys = [_RegionOutput() for _ in region.outputs]
-    ctx = MatchContext(keys, dict(zip(keys, region.outputs)), graph=graph)
-    m = Match(ctx, keys[0])
-    m.nodes = list(region.nodes)
-    return m
-
-
 def _run_finder(rule: Rule, gm: torch.fx.GraphModule, options: Options, report: GraphReport,
                 refused: dict[tuple[str, torch.fx.Node], Refusal]) -> None:
     try:
@@ -718,11 +703,12 @@ _source_hashes: dict[tuple[Any, ...], tuple[list[Rule], str]] = {}
 
 
 def _source_hash(options: Options) -> str:
-    # Once per process for given options and rule objects: Inductor asks for
-    # the pass's uuid several times per graph (30 ms each on 2 cores).  The
-    # rules are kept with the hash so that their ids are never reused.
+    # Once per process for given options, rule objects and kernel data:
+    # Inductor asks for the pass's uuid several times per graph (30 ms each on
+    # 2 cores).  The rules are kept with the hash so that their ids are never
+    # reused; the plans may change in a process (``fusepass tune``).
     current = rules()
-    memo = (options.cache_key(), tuple(id(r) for r in current))
+    memo = (options.cache_key(), tuple(id(r) for r in current), kernel_data_fingerprint())
     if memo not in _source_hashes:
         _source_hashes[memo] = (current, _hash_sources(options))
     return _source_hashes[memo][1]
@@ -738,6 +724,7 @@ def _hash_sources(options: Options) -> str:
         if options.enabled(rule.name):
             h.update(rule.sources().encode())
     h.update(repr(options.cache_key()).encode())
+    h.update(kernel_data_fingerprint().encode())  # the plans a compile chose kernels by
     h.update(torch.__version__.encode())
     return h.hexdigest()
 
@@ -763,6 +750,9 @@ class FusePass(CustomGraphPass):
             user_pass(graph)
         gm = graph.owning_module
         report = run_rules(gm, self.options, self.graph_id)
+        with inline_kernels(self.options.inline_kernels):
+            _, failed = inline_op_nodes(gm)  # op nodes the rules did not put there (the pre-trace path's)
+        report.notes += [f"an op call stayed through the dispatcher: inlining it failed: {f}" for f in failed]
         try:
             n = decompose_kept_matvecs(gm)
         except Exception as exc:  # noqa: BLE001 - the kept mm is correct, only not Inductor's fused form

@@ -21,7 +21,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .kernels.dequant_matmul import WEIGHT_DTYPES
+from .formats import WEIGHT_DTYPES
+from .regions import region_match
+from .rule import Region
 
 aten = torch.ops.aten
 _STORED_DTYPES = tuple(WEIGHT_DTYPES.values())  # the op's stored weights: int8, int4 packed in uint8, fp8
@@ -100,9 +102,6 @@ def quantized_matvec_stays_mm() -> Iterator[None]:
 def decompose_kept_matvecs(gm: torch.fx.GraphModule) -> int:
     """After the rules: the mms quantized_matvec_stays_mm kept and no rule took, decomposed
     as Inductor would have.  Returns how many."""
-    from .engine import region_match
-    from .rule import Region
-
     inductor_mm = _inductor_mm()
     if inductor_mm is None or not torch._inductor.config.coordinate_descent_tuning:
         return 0

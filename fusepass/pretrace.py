@@ -1,4 +1,4 @@
-"""The pre-trace path: known GDN functions routed to the ops before Dynamo traces them.
+"""The pre-trace path: known GDN-layer functions routed to the ops before Dynamo traces them.
 
 ``transformers`` keeps its own copy of ``torch_chunk_gated_delta_rule`` and
 ``torch_recurrent_gated_delta_rule`` in every hybrid model file (qwen3_next,
@@ -59,8 +59,15 @@ log = logging.getLogger("fusepass")
 KNOWN = {
     "torch_chunk_gated_delta_rule": "gdn_chunk",
     "torch_recurrent_gated_delta_rule": "gdn_recurrent",
+    "causal_conv1d_fn": "causal_conv1d",
+    "causal_conv1d_update": "causal_conv1d_update",
+    "torch_causal_conv1d_update": "causal_conv1d_update",
 }
-_REQUIRED = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
+_GDN_REQUIRED = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state",
+                 "use_qk_l2norm_in_kernel")
+_REQUIRED = {"gdn_chunk": _GDN_REQUIRED, "gdn_recurrent": _GDN_REQUIRED,
+             "causal_conv1d": ("hidden_states", "weight", "bias", "activation"),
+             "causal_conv1d_update": ("hidden_states", "conv_state", "weight", "bias", "activation")}
 # Relative error norm a copy may differ from the op by (fp32, T = 70, 8-dim
 # heads: the chunked copies measure 2e-7..1e-6).
 _TOL = 1e-4
@@ -158,18 +165,20 @@ def _register(fn: Any, op: str, where: str) -> None:
         return
     _done.add(id(fn))
     params = inspect.signature(fn).parameters
-    if not all(p in params for p in _REQUIRED):
+    if not all(p in params for p in _REQUIRED[op]):
         notes.append(f"{where}: not substituted (parameters {list(params)})")
         return
     key = _code_key(fn.__code__) + op
     if key not in _verdicts:
-        _verdicts[key] = _check(fn, getattr(torch.ops.fusepass, op))
+        check = _check_conv if op.startswith("causal_conv1d") else _check
+        _verdicts[key] = check(fn, getattr(torch.ops.fusepass, op))
     if _verdicts[key] is not None:
         notes.append(f"{where}: not substituted ({_verdicts[key]})")
         log.info("fusepass: %s not substituted: %s", where, _verdicts[key])
         return
     try:
-        torch._dynamo.substitute_in_graph(fn, skip_signature_check=True)(_substitute(fn, op))
+        build = _substitute_conv if op.startswith("causal_conv1d") else _substitute
+        torch._dynamo.substitute_in_graph(fn, skip_signature_check=True)(build(fn, op))
     except ValueError as exc:  # already registered by someone else
         notes.append(f"{where}: not substituted ({exc})")
 
@@ -197,6 +206,34 @@ def _check(fn: Callable[..., Any], op: Any) -> str | None:
                     if a is None or a.shape != e.shape:
                         return f"returns {None if a is None else tuple(a.shape)}, the op {tuple(e.shape)}"
                     worst = max(worst, ((a.double() - e.double()).norm() / e.double().norm()).item())
+    return None if worst <= _TOL else f"differs from fusepass::{op.__name__.split('.')[0]} by {worst:.3g} relative"
+
+
+def _check_conv(fn: Callable[..., Any], op: Any) -> str | None:
+    """None if ``fn`` computes the conv op (output, and the state it shifts) on random inputs."""
+    gen = torch.Generator().manual_seed(0)
+    update = "update" in op.__name__
+    B, C, K = 2, 12, 4
+    worst = 0.0
+    with torch.no_grad():
+        for bias, activation in ((False, "silu"), (True, "silu"), (True, None)):
+            x = torch.randn(B, (1 if update else 9), C, generator=gen).transpose(1, 2)
+            w = torch.randn(C, K, generator=gen)
+            b = torch.randn(C, generator=gen) if bias else None
+            state = torch.randn(B, C, K, generator=gen)
+            try:
+                if update:
+                    s1 = state.clone()
+                    out, new_state = op(x, state, w, b, activation)
+                    pairs = [(fn(x, s1, w, b, activation), out), (s1, new_state)]
+                else:
+                    pairs = [(fn(x, w, b, activation=activation), op(x, w, b, activation))]
+            except Exception as exc:  # noqa: BLE001
+                return f"running it failed: {type(exc).__name__}: {exc}"
+            for a, e in pairs:
+                if not isinstance(a, torch.Tensor) or a.shape != e.shape:
+                    return f"returns {getattr(a, 'shape', a)}, the op {tuple(e.shape)}"
+                worst = max(worst, ((a.double() - e.double()).norm() / e.double().norm()).item())
     return None if worst <= _TOL else f"differs from fusepass::{op.__name__.split('.')[0]} by {worst:.3g} relative"
 
 
@@ -231,6 +268,40 @@ def _substitute(fn: types.FunctionType, op_name: str) -> Callable[..., Any]:
         o, state = op(q, bound["key"], bound["value"], bound["g"], bound["beta"], bound["initial_state"],
                       bool(bound["use_qk_l2norm_in_kernel"]), q.shape[-1] ** -0.5)
         return o, (state if bound["output_final_state"] else None)
+
+    substitute.__name__ = f"fusepass_{fn.__name__}"
+    return substitute
+
+
+def _substitute_conv(fn: types.FunctionType, op_name: str) -> Callable[..., Any]:
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = tuple(p.name for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    original = _copy(fn)
+    op = getattr(torch.ops.fusepass, op_name)
+    update = op_name == "causal_conv1d_update"
+
+    def substitute(*args: Any, **kwargs: Any) -> Any:
+        if not enabled():
+            return original(*args, **kwargs)
+        bound = dict(defaults)
+        bound.update(zip(names, args))
+        bound.update((k, v) for k, v in kwargs.items() if k in names)
+        x, weight, bias, activation = (bound.get(n) for n in ("hidden_states", "weight", "bias", "activation"))
+        tensors = [t for t in (x, weight, bias) if isinstance(t, torch.Tensor)]
+        if (activation not in (None, "silu", "swish") or not isinstance(x, torch.Tensor) or x.dim() != 3
+                or not isinstance(weight, torch.Tensor) or weight.dim() != 2
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+            return original(*args, **kwargs)  # not the op's (or gradients: the op has no backward)
+        if update:
+            state = bound.get("conv_state")
+            if not isinstance(state, torch.Tensor) or state.shape[-1] < weight.shape[-1] - 1:
+                return original(*args, **kwargs)
+            out, new_state = op(x, state, weight, bias, activation)
+            state.copy_(new_state)  # the cache's state, shifted in place as transformers' function does
+            return out
+        return op(x, weight, bias, activation)
 
     substitute.__name__ = f"fusepass_{fn.__name__}"
     return substitute

@@ -32,11 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .patterns.dequant_matmul_int4 import GROUP_SIZES as INT4_GROUP_SIZES
-from .patterns.dequant_matmul_int4 import dequantize as _dequantize_int4
-
-FORMATS = ("int8", "int4", "fp8")
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+from .formats import FORMATS, FP8_MAX
+from .formats import GROUP_SIZES as INT4_GROUP_SIZES
+from .formats import dequantize_int4 as _dequantize_int4
 
 
 class _QuantLinear(nn.Module):

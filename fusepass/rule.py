@@ -167,6 +167,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.dequant_matmul_torchao",
     "fusepass.patterns.gdn_chunk",
     "fusepass.patterns.gdn_recurrent",
+    "fusepass.patterns.causal_conv1d",
 )
 
 _lock = threading.Lock()

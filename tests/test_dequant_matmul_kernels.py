@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from fusepass.kernels import dequant_matmul as dm
-from fusepass.kernels.dequant_matmul import config, counters, launch, op, plans, tuner
+from fusepass.kernels.dequant_matmul import counters, launch, op, plans, tuner
+from fusepass.kernels.dequant_matmul.config import Problem, m_bucket, valid
 from fusepass.kernels._common import TOLERANCES
 from fusepass.testing import differential
 
@@ -44,6 +45,14 @@ PATHS = {
     "mmt-bm128": dm.Config("mmt", BM=128, BN=16, BK=32, split=2, warps=8),
     "cublas": dm.CUBLAS,
 }
+
+
+def _problem(M, N, K, fmt, group, dtype, gpu="test", sms=132):
+    return Problem(m_bucket(max(1, M)), N, K, fmt, group if fmt == "int4" else 0, dtype, gpu, sms)
+
+
+def _valid(cfg, M, K, fmt, group, dtype):
+    return valid(cfg, _problem(M, 1, K, fmt, group, dtype))
 
 
 def _inputs(M, N, K, fmt, group, asym, dtype, bias=True, seed=0, lead=()):
@@ -148,7 +157,7 @@ def test_k_not_a_multiple_of_the_tile(fmt):
     group = 32 if fmt == "int4" else 0
     for cfg in (dm.Config("gemv", BN=8, BK=64, split=1), dm.Config("gemv", BN=8, BK=64, split=2),
                 dm.Config("mm", BM=16, BN=16, BK=32, split=2), dm.Config("mmt", BM=16, BN=16, BK=64, split=2)):
-        if not config._valid(cfg, 5, 96, fmt, group, torch.bfloat16):
+        if not _valid(cfg, 5, 96, fmt, group, torch.bfloat16):
             assert cfg.kind == "mmt" and fmt == "int4"  # BK 64 spans two groups of 32
             continue
         x, w, s, z, b = _inputs(5, 24, 96, fmt, group, True, torch.bfloat16)
@@ -164,9 +173,9 @@ def launched(monkeypatch):
     kernels = []
     real_run = launch._run
 
-    def run(kernel, *a, **k):
-        kernels.append(kernel)
-        return real_run(kernel, *a, **k)
+    def run(built, warmup):
+        kernels.append(built.kernel)
+        return real_run(built, warmup)
 
     monkeypatch.setattr(launch, "_run", run)
     return kernels
@@ -263,10 +272,12 @@ def test_op_runs_the_kernel_not_the_fallback():
 
 def test_buckets_and_keys():
     assert [dm.m_bucket(m) for m in (1, 2, 3, 8, 9, 1024, 1025, 4096)] == [1, 2, 4, 8, 16, 1024, 1025, 4096]
-    k1 = dm.plan_key(3, 4096, 4096, "int4", 128, torch.bfloat16, torch.device("cpu"))
-    k2 = dm.plan_key(4, 4096, 4096, "int4", 128, torch.float16, torch.device("cpu"))
-    k3 = dm.plan_key(4, 4096, 4096, "int4", 128, torch.float32, torch.device("cpu"))
+    k1 = Problem.of(3, 4096, 4096, "int4", 128, torch.bfloat16, "cpu").key
+    k2 = Problem.of(4, 4096, 4096, "int4", 128, torch.float16, "cpu").key
+    k3 = Problem.of(4, 4096, 4096, "int4", 128, torch.float32, "cpu").key
     assert k1 == k2 != k3
+    assert k1 == "cpu|int4-g128|16bit|M4|N4096|K4096"
+    assert Problem.of(5, 8, 64, "int8", 64, torch.bfloat16, "cpu").key == "cpu|int8-gc|16bit|M8|N8|K64"
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", 0), ("int4", 32), ("int4", 128), ("fp8", 0)])
@@ -274,33 +285,103 @@ def test_every_candidate_and_default_is_runnable(fmt, group):
     for M in (1, 2, 3, 8, 9, 64, 300, 5000):
         for dtype in DTYPES.values():
             for K in (4096, 14336):
-                cands = tuner._candidates(M, 4096, K, fmt, group, dtype, 132)
-                assert cands and all(config._valid(c, M, K, fmt, group, dtype) for c in cands)
-                assert config._valid(plans._heuristic(M, 4096, K, fmt, group, dtype, 132), M, K, fmt, group, dtype)
+                p = _problem(M, 4096, K, fmt, group, dtype)
+                cands = tuner.candidates(p)
+                assert cands and all(valid(c, p) for c in cands)
+                assert valid(plans.heuristic(p), p)
+
+
+def _int4_gemv_whole(cfg, p) -> bool:
+    """An int4 GEMV tile gives every thread chunks of its own: BK a multiple of the
+    values one chunk per thread covers (a shallower tile leaves threads loading
+    and converting copies of other threads' chunks: correct, and slower)."""
+    return cfg.kind != "gemv" or p.fmt != "int4" or cfg.BK % plans.int4_gemv_bk(p.K, p.group, cfg.warps) == 0
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_gemv_tiles_give_each_thread_its_own_chunks(group):
+    for M in (1, 2, 3, 8):
+        for N, K in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (18944, 3584), (3584, 18944),
+                     (512, 1024)):
+            p = _problem(M, N, K, "int4", group, torch.bfloat16)
+            for cfg in [plans.heuristic(p), *tuner.candidates(p)]:
+                assert _int4_gemv_whole(cfg, p), (cfg.label(), N, K)
+    # The heuristic splits K where the rows alone make few programs (the k/v projection at M = 1).
+    p = _problem(1, 1024, 4096, "int4", 128, torch.bfloat16, sms=132)
+    cfg = plans.heuristic(p)
+    assert cfg.kind == "gemv" and 1024 // cfg.BN * launch.splits(cfg, 4096) >= 2 * 132
 
 
 def test_shipped_plans_are_valid():
-    shipped = plans._read(plans._SHIPPED)
-    for key, entry in shipped.items():
-        gpu, fmt_g, prec, m, n, k = key.split("|")
-        fmt, g = fmt_g.split("-")
-        group = int(g[1:]) if fmt == "int4" else 0
-        dtype = torch.float32 if prec == "fp32" else torch.bfloat16
-        cfg = plans._from_entry(entry)
-        assert config._valid(cfg, int(m[1:]), int(k[1:]), fmt, group, dtype), key
+    files = sorted(plans.PLANS_DIR.glob("*.json"))
+    assert files, "no shipped plans"
+    for path in files:
+        shipped = plans.read(path)
+        assert shipped, path
+        for key, entry in shipped.items():
+            gpu, fmt_g, prec, m, n, k = key.split("|")
+            assert plans.shipped_path(gpu) == path, (key, path)  # each GPU's plans in its own file
+            fmt, g = fmt_g.split("-")
+            group = int(g[1:]) if fmt == "int4" else 0
+            dtype = torch.float32 if prec == "fp32" else torch.bfloat16
+            p = Problem(int(m[1:]), int(n[1:]), int(k[1:]), fmt, group, dtype, gpu)
+            assert p.key == key
+            assert valid(plans.from_entry(entry), p), key
+            assert _int4_gemv_whole(plans.from_entry(entry), p), key
 
 
-def test_plan_file_round_trip(tmp_path, monkeypatch):
+@pytest.fixture
+def plan_files(tmp_path, monkeypatch):
+    """An empty user cache in tmp_path, and a GPU named "NVIDIA H100 80GB HBM3"
+    (132 SMs) for CUDA problems; the plan store read afresh before and after."""
     path = tmp_path / "plans.json"
     monkeypatch.setenv("FUSEPASS_DEQUANT_MATMUL_CACHE", str(path))
-    monkeypatch.setattr(plans, "_plans", None)
-    plans._load_plans()
+    from fusepass.kernels.dequant_matmul import config
+
+    monkeypatch.setattr(config, "gpu_name", lambda d: "NVIDIA H100 80GB HBM3" if d.type == "cuda" else d.type)
+    monkeypatch.setattr(config, "sm_count", lambda d: 132 if d.type == "cuda" else 1)
+    plans.reset()
+    yield path
+    plans.reset()
+
+
+def test_plan_file_round_trip(plan_files):
     cfg = dm.Config("mm", BM=16, BN=64, BK=64, split=4, stages=3, perm=1)
-    plans._save_plan("GPU|int4-g128|16bit|M16|N8|K64", cfg, 12.5)
-    saved = json.loads(path.read_text())["plans"]["GPU|int4-g128|16bit|M16|N8|K64"]
-    assert plans._from_entry(saved) == cfg and saved["us"] == 12.5
-    monkeypatch.setattr(plans, "_plans", None)
-    assert plans._from_entry(plans._load_plans()["GPU|int4-g128|16bit|M16|N8|K64"]) == cfg
+    p = Problem(16, 8, 64, "int4", 128, torch.bfloat16, "GPU")
+    plans.save(p, cfg, 12.5)
+    saved = json.loads(plan_files.read_text())["plans"]["GPU|int4-g128|16bit|M16|N8|K64"]
+    assert plans.from_entry(saved) == cfg and saved["us"] == 12.5
+    plans.reset()
+    assert plans.lookup(p) == cfg
+
+
+def test_plans_are_looked_up_never_tuned(plan_files, monkeypatch):
+    """A plan comes from the user cache, else the GPU's shipped file, else the
+    heuristic; nothing is compiled or timed (the tuner runs only when asked:
+    ``fusepass tune``), and the compile cache's key follows the plans."""
+    def no_tuning(*a, **k):
+        raise AssertionError("tuned during a lookup")
+
+    monkeypatch.setattr(tuner, "tune", no_tuning)
+    monkeypatch.setattr(tuner, "_time_us", no_tuning)
+    # The H100 file has fp8 at M = 1024 on this shape as dequantise + cuBLAS.
+    shipped = Problem.of(1000, 14336, 4096, "fp8", 0, torch.bfloat16, "cuda")
+    assert shipped.M == 1024 and shipped.gpu == "NVIDIA H100 80GB HBM3" and shipped.sms == 132
+    assert plans.measured(shipped) is not None
+    assert dm.dequant_matmul_plan(1000, 14336, 4096, "fp8", 0, torch.bfloat16, "cuda") == "dequant+cublas"
+    # A GPU without a shipped file: the heuristic, with that GPU's SM count.
+    other = Problem(1024, 14336, 4096, "fp8", 0, torch.bfloat16, "Some GPU", 100)
+    assert plans.measured(other) is None and plans.lookup(other) == plans.heuristic(other)
+    # A plan measured here wins over the shipped one, and changes the fingerprint.
+    before = plans.fingerprint()
+    mine = dm.Config("mmt", BM=128, BN=64, BK=128, split=2, stages=3)
+    plans.save(shipped, mine, 99.0)
+    assert plans.lookup(shipped) == mine
+    assert dm.dequant_matmul_plan(1000, 14336, 4096, "fp8", 0, torch.bfloat16, "cuda") == "tensor-core"
+    assert plans.fingerprint() != before
+    # An entry a kernel cannot run (a GEMV at M = 1024) is not used.
+    plans.save(shipped, dm.Config("gemv", BN=8, BK=512), 1.0)
+    assert plans.lookup(shipped) == plans.heuristic(shipped)
 
 
 def test_plan_query_off_cuda():
@@ -316,8 +397,9 @@ def test_plan_query_off_cuda():
                                             ("fp8", 0, False)])
 def test_gpu_real_sizes_every_path(fmt, group, asym):
     N, K = 4096, 4096
-    paths = [dm.Config("gemv", BN=8, BK=512 * (2 if fmt == "int4" else 1), split=1),
-             dm.Config("gemv", BN=16, BK=512 * (2 if fmt == "int4" else 1), split=4, warps=8),
+    # int4 GEMV tiles: 1024 values per warp (a 16-byte chunk per thread and row)
+    paths = [dm.Config("gemv", BN=8, BK=4096 if fmt == "int4" else 512, split=1),
+             dm.Config("gemv", BN=16, BK=1024 if fmt == "int4" else 512, split=4, warps=1 if fmt == "int4" else 8),
              dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=1, stages=3),
              dm.Config("mm", BM=64, BN=128, BK=min(64, group or 64), split=3, stages=3),
              dm.Config("mm", BM=16, BN=64, BK=min(64, group or 64), split=2, stages=3, perm=1),
@@ -327,7 +409,7 @@ def test_gpu_real_sizes_every_path(fmt, group, asym):
              dm.CUBLAS]
     for cfg in paths:
         for M, dtype in ((1, torch.bfloat16), (5, torch.float16), (77, torch.bfloat16), (3, torch.float32)):
-            if not config._valid(cfg, M, K, fmt, group, dtype):
+            if not _valid(cfg, M, K, fmt, group, dtype):
                 continue
             x, w, s, z, b = (t.cuda() if t is not None else None
                              for t in _inputs(M, N, K, fmt, group, asym, dtype))
@@ -518,3 +600,25 @@ def test_tuner_times_a_ring_of_weight_copies_larger_than_the_l2(monkeypatch, l2_
         assert torch.equal(wc, w) and wc.data_ptr() != w.data_ptr()
         assert torch.equal(sc, s) and torch.equal(zc, z) and zc.data_ptr() != z.data_ptr()
     assert tuner._cold_ring(w, s, None)[-1][2] is None
+
+
+def test_tune_command_lists_a_models_problems_and_needs_a_gpu_to_time(plan_files, capsys):
+    """``fusepass tune``: the problems of a quantized model (the prefill's M and
+    the decode batch, every converted layer's N x K) with the plan each gets
+    now; timing them needs a GPU."""
+    from fusepass.cli import main
+
+    assert main(["tune", "--model", "llama", "--size", "tiny", "--quantize", "int8", "--batch", "2", "--seq", "4",
+                 "--list"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("int8")]
+    assert rows and {int(r[1]) for r in rows} == {2, 8}  # M buckets of 2 (decode) and 2 x 4 (prefill)
+    assert all("(heuristic)" in line for line in out.splitlines() if line.startswith("int8"))
+    assert main(["tune", "--shapes", "64x32,48x32", "--fmt", "int4", "--group-size", "32", "--m", "1,3",
+                 "--list"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("int4-g32")]
+    assert sorted((int(r[1]), int(r[2]), int(r[3])) for r in rows) == [(1, 48, 32), (1, 64, 32), (4, 48, 32),
+                                                                        (4, 64, 32)]
+    if not torch.cuda.is_available():
+        assert main(["tune", "--shapes", "64x32"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().out

@@ -396,3 +396,23 @@ def test_verify_still_refuses_a_wrong_kernel():
     assert report.count("dequant_matmul") == 0, str(report)
     reasons = report.reasons("dequant_matmul")
     assert len(reasons) == 1 and "against the search in fp64" in reasons[0], reasons
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_bias_broadcast_along_rows_is_fused_as_a_vector(fmt):
+    """A bias of shape (1, N) broadcasts like (N,): the rule takes it, and the op gets it as (N,)
+    (it once reached the op as (1, N), which the op refuses)."""
+    layer = _quantized(fmt, torch.float32, group_size=32)(_linear(64, 24)).eval()
+    bias = torch.randn(1, 24)
+
+    def fn(x):  # the layer's own forward, with the bias shaped (1, N)
+        if fmt == "int8":
+            w = layer.weight.to(x.dtype) * layer.scale[:, None]
+        else:
+            w = fusepass.formats.dequantize_int4(layer.weight, layer.scale, layer.zero, x.dtype)
+        return F.linear(x, w, bias)
+
+    x = torch.randn(5, 64)
+    out, report = compile_and_run(fn, [x], rules=list(RULES))
+    assert len(report.hits) == 1, str(report)
+    assert_close(out, fn(x), fmt)

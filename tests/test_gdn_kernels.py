@@ -9,6 +9,7 @@ an element a kernel never writes shows up.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -122,11 +123,11 @@ def test_chunk_kernel(case, fuse):
 @pytest.mark.parametrize("options", [
     dict(fuse_output=True, block_v=16), dict(fuse_output=False, block_v=16),
     dict(fuse_output=False, precompute_kd=False), dict(fuse_output=True, precompute_kd=True),
-    dict(output_tf32=True),
-], ids=["fused-bv16", "output-kernel-bv16", "kd-in-state-pass", "fused-kd-precomputed", "output-tf32"])
+    dict(fuse_output=False, output_block_v=16, num_stages=1),
+], ids=["fused-bv16", "output-kernel-bv16", "kd-in-state-pass", "fused-kd-precomputed", "output-bv16"])
 def test_chunk_kernel_launch_options(options):
     """Every launch choice computes the same function: d_v split over several
-    state-pass programs, the decayed keys formed in either kernel, tf32 output dots."""
+    state-pass or output programs, the decayed keys formed in either kernel."""
     inputs, l2norm, scale = _case_inputs(1, 40, 1, 1, 16, 40, "bf16", {})
     out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, **options, **poisoned(inputs))
     check(out, state, inputs, l2norm, scale, str(options))
@@ -236,3 +237,56 @@ def test_recurrent_kernel_gpu_cuda_graph(T):
     out.fill_(float("nan"))
     graph.replay()
     check(out, state, inputs, True, 128 ** -0.5, f"decode T{T} graph replay")
+
+
+def _guarded(shape, dtype, guard=4096):
+    """A NaN-poisoned tensor of ``shape`` in the middle of a buffer whose
+    ``guard`` elements either side hold a sentinel: a kernel writing past
+    either end changes them.  With the caching allocator on, a stray write
+    lands in a neighbour silently; this sees it without compute-sanitizer."""
+    n = math.prod(shape)
+    buf = torch.full((n + 2 * guard,), 12345.0, dtype=dtype, device="cuda")
+    buf[guard:guard + n] = float("nan")
+    return buf, buf[guard:guard + n].view(shape)
+
+
+def _guards_intact(buf, n, guard=4096):
+    return bool((buf[:guard] == 12345.0).all() and (buf[guard + n:] == 12345.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    ("chunk-fused-B2-T3000-Hk16-Hv32", 2, 3000, 16, 32, 128, 128, dict(fuse_output=True)),
+    ("chunk-split-B1-T130-dk96-dv192", 1, 130, 2, 2, 96, 192, dict(fuse_output=False)),
+    ("chunk-fused-B3-T65-D256", 3, 65, 2, 4, 256, 256, dict(fuse_output=True)),
+    ("recurrent-B128-H32-D128", 128, 1, 32, 32, 128, 128, None),
+    ("recurrent-B5-T3-dk96-dv192", 5, 3, 2, 2, 96, 192, None),
+], ids=lambda c: c[0])
+def test_kernels_write_inside_their_outputs_gpu(case):
+    """Outputs inside guarded buffers: every element written, nothing past either end.
+    Then the decode sequence once seen to fault (fusepass's recurrent kernel,
+    FLA's where installed, transformers' fp64 loop) and a synchronisation."""
+    name, B, T, Hk, Hv, dk, dv, options = case
+    inputs = make_inputs(B, T, Hk, Hv, dk, dv, torch.bfloat16, layout="fused", device="cuda")
+    obuf, out = _guarded((B, T, Hv, dv), torch.bfloat16)
+    sbuf, state = _guarded((B, Hv, dk, dv), torch.float32)
+    if options is None:
+        gdn.gdn_recurrent_fwd(*inputs, True, dk ** -0.5, out=out, final_state=state)
+    else:
+        gdn.gdn_chunk_fwd(*inputs, True, dk ** -0.5, out=out, final_state=state, **options)
+    torch.cuda.synchronize()
+    assert _guards_intact(obuf, out.numel()) and _guards_intact(sbuf, state.numel()), "write past an output"
+    check(out, state, inputs, True, dk ** -0.5, name)
+    if options is None and B >= 128:
+        try:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        except ImportError:
+            fused_recurrent_gated_delta_rule = None
+        q, k, v, g, beta, s0 = inputs
+        if fused_recurrent_gated_delta_rule is not None:
+            fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=dk ** -0.5, initial_state=s0,
+                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+        hf_recurrent = _transformers_functions()[1]
+        hf_recurrent(*(x.double() for x in inputs[:5]), initial_state=s0.double(), output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
+        torch.cuda.synchronize()  # a fault anywhere above raises here

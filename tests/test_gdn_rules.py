@@ -17,6 +17,8 @@ prefills, and its pre-traced prefill is ``tests/test_models.py``'s compile.
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,13 +44,20 @@ STEPS = {("qwen3_5", True): ("prefill40", "prefill100", "decode"),
 
 
 @functools.cache
+def dumps(name: str, pretrace: bool) -> Path:
+    """The folder where ``runs`` dumps every graph it compiles (before the rewrite)."""
+    return Path(tempfile.mkdtemp(prefix=f"gdn-{name}-{pretrace}-"))
+
+
+@functools.cache
 def runs(name: str, pretrace: bool) -> dict[str, tuple[float, fusepass.RewriteReport]]:
     """step -> (logits' relative error against eager, the report of the graphs compiled for it)."""
     model = models.build(name, **NAMES[name])
     torch._dynamo.reset()
     # Scalar C++ kernels: 12% less C++ build time on CPU (see differential.INDUCTOR_CONFIG).
     compiled = torch.compile(model, backend="fusepass", dynamic=True,
-                             options={"pretrace": pretrace, "cpp.simdlen": 1})
+                             options={"pretrace": pretrace, "cpp.simdlen": 1,
+                                      "dump_graphs": str(dumps(name, pretrace))})
     out: dict[str, tuple[float, fusepass.RewriteReport]] = {}
     with torch.no_grad():
         for T in LENGTHS:
@@ -88,6 +97,24 @@ def test_one_op_per_gdn_layer_in_prefill_and_decode(name, pretrace):
         assert (forms == {"pretrace"}) == pretrace, f"{step}: {forms}"
         assert not [r for r in report.refusals if r.rule.startswith("gdn")], f"{step}: {report}"
         assert all("linear_attn" in h.where for h in hits)
+
+
+@pytest.mark.parametrize("name,pretrace", CASES)
+def test_pretrace_routes_the_short_convolution(name, pretrace):
+    # The GDN layer's causal conv1d + SiLU (transformers' causal_conv1d_fn /
+    # causal_conv1d_update without the causal_conv1d package) reaches the graph
+    # as fusepass's ops when pre-traced, and as F.conv1d otherwise.
+    runs(name, pretrace)
+    texts = [p.read_text() for p in sorted(dumps(name, pretrace).glob("*.before.txt"))]
+    prefill = [t for t in texts if "fusepass.gdn_chunk" in t or "solve_triangular" in t or "cumsum" in t]
+    decode = [t for t in texts if "gdn_recurrent" in t]
+    assert prefill, "no prefill graph dumped"
+    n = gdn_layers(name)
+    for text in prefill:
+        assert text.count("fusepass.causal_conv1d.default") == (n if pretrace else 0), text[:2000]
+        assert (text.count("aten.convolution.default") == 0) == pretrace
+    for text in decode:
+        assert text.count("fusepass.causal_conv1d_update.default") == (n if pretrace else 0)
 
 
 def test_pretrace_compiles_one_graph_for_every_length():

@@ -124,6 +124,19 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("B1-T3-H2-D16-fp32", lambda: _gdn_inputs(1, 3, 2, 2, 16, 16, torch.float32, False)),
         ("B1-T2-H1-D8-state-fp64", lambda: _gdn_inputs(1, 2, 1, 1, 8, 8, torch.float64, True)),
     ],
+    "causal_conv1d": [  # x [B, C, T] as the models pass it: the transpose of [B, T, C]
+        ("B2-C40-T9-K4-bf16-silu", lambda: (_t(2, 9, 40, dtype=torch.bfloat16).transpose(1, 2),
+                                            _t(40, 4, dtype=torch.bfloat16), None, "silu")),
+        ("B1-C24-T5-K3-fp32-bias-noact", lambda: (_t(1, 24, 5), _t(24, 3), _t(24), None)),
+        ("B1-C8-T4-K4-fp64", lambda: (_t(1, 4, 8, dtype=torch.float64).transpose(1, 2),
+                                      _t(8, 4, dtype=torch.float64), None, "silu")),
+    ],
+    "causal_conv1d_update": [
+        ("B2-C40-L1-S4-bf16", lambda: (_t(2, 1, 40, dtype=torch.bfloat16).transpose(1, 2),
+                                       _t(2, 40, 4, dtype=torch.bfloat16), _t(40, 4, dtype=torch.bfloat16), None,
+                                       "silu")),
+        ("B1-C24-L2-S3-fp32-bias", lambda: (_t(1, 24, 2), _t(1, 24, 3), _t(24, 4), _t(24), "silu")),
+    ],
     "moe_router": [
         ("T5-E8-softmax-renorm-bf16", lambda: (_t(5, 32, dtype=torch.bfloat16), _t(8, 32, dtype=torch.bfloat16), None,
                                                None, "softmax", 2, True, 1, 1, 1.0, torch.bfloat16, torch.bfloat16)),
@@ -453,55 +466,262 @@ def test_triton_on_cpu_leaves_no_stale_dispatch_entry():
 
 
 # -- kernels put into graphs ----------------------------------------------------------
+#
+# On CUDA the ops' launches go into Inductor's graph (``Launch.traced``): a
+# rule's replacement calls the inlined form, the engine replaces op nodes
+# already in the graph.  Without a GPU: the graph is traced with fake CUDA
+# tensors (every launch must name every kernel argument, or Inductor's
+# launcher fails on the GPU), and the same launches run here under the
+# interpreter, through the graph node's own implementation, against the op.
 
 
-def _traced_sites():
-    from fusepass.kernels import gated_act, rms_norm, rms_norm_gated
-
-    def t(*shape):
-        return torch.randn(*shape)
-
-    # Shapes that reach each launch variant (rows in registers, tiles, looped rows).
-    yield "rms_norm row/tile", rms_norm, lambda: rms_norm._traced(t(8, 64), None, t(64), 1e-6, 0.0, False, torch.float32)
-    yield "rms_norm looped", rms_norm, lambda: rms_norm._traced(t(2, 32768), None, t(32768), 1e-6, 0.0, False,
-                                                                torch.float32)
-    yield "add_rms_norm tile", rms_norm, lambda: rms_norm._traced(t(8, 64), t(8, 64), t(64), 1e-6, 0.0, True,
-                                                                  torch.float32)
-    yield "add_rms_norm looped", rms_norm, lambda: rms_norm._traced(t(8, 4096), t(8, 4096), t(4096), 1e-6, 0.0,
-                                                                    False, torch.float32)
-    yield "rms_norm_gated", rms_norm_gated, lambda: rms_norm_gated._traced(t(8, 64), t(8, 64), t(64), 1e-6, True,
-                                                                           "silu")
-    yield "rms_norm_gated looped", rms_norm_gated, lambda: rms_norm_gated._traced(t(2, 32768), t(2, 32768),
-                                                                                  t(32768), 1e-6, True, "silu")
-    yield "swiglu", gated_act, lambda: gated_act._traced(t(8, 64), t(8, 64), "silu")
+class _Props:
+    multi_processor_count = 132
+    L2_cache_size = 50 << 20
 
 
-@pytest.mark.parametrize("site", list(_traced_sites()), ids=lambda s: s[0])
-def test_kernels_put_in_graphs_pass_every_argument(site, monkeypatch):
-    """Inductor launches an inlined kernel with exactly the arguments in its
-    graph node: one left to a default fails when the model runs
-    (``launcher() missing 1 required positional argument``), on the GPU only,
-    so every call site is checked here on the CPU."""
-    from fusepass.kernels._common import missing_args
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A FakeTensorMode and a function making fake CUDA twins of CPU tensors
+    (shape, strides, dtype), with an H100's name and SM count."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    _, module, call = site
-    launched = []
+    from fusepass.kernels import _common
+    from fusepass.kernels.dequant_matmul import config, plans
 
-    def launch(kernel, grid, outputs, *args, **kwargs):
-        assert missing_args(kernel, args, kwargs) == [], kernel.__name__
-        assert not set(kwargs) - set(kernel.arg_names) - {"num_warps", "num_stages"}
-        launched.append(kernel.__name__)
-        return {name: args[kernel.arg_names.index(name)] for name in outputs}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Props())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    _common.sm_count.cache_clear()
+    config.gpu_name.cache_clear()
+    plans.reset()
+    mode = FakeTensorMode()
 
-    monkeypatch.setattr(module, "launch_traced", launch)
-    call()
-    assert len(launched) == 1
+    def twin(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        with mode:
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
+
+    yield mode, twin
+    _common.sm_count.cache_clear()
+    config.gpu_name.cache_clear()
+    plans.reset()
 
 
-def test_launch_traced_refuses_a_missing_argument():
-    from fusepass.kernels._common import launch_traced
+# Ops still called through the dispatcher on CUDA: each should register an
+# inlined form (fusepass.kernels._common.register_inline) or show, measured,
+# that its launch is no slower through the op.
+NOT_INLINED = {"moe_experts", "moe_router"}
+
+
+def inline_cases():
+    params = []
+    for op in OPS:
+        if op in NOT_INLINED:
+            continue
+        cases = [(f"{op}/{case}", make) for case, make in TABLE.get(op, [])]
+        cases += [(f"{op}/{case}", args) for case, args, kwargs, _ in rule_cases().get(op, [])[:2] if not kwargs]
+        params += [pytest.param(op, make, id=case) for case, make in cases]
+    return params
+
+
+def _args(make):
+    torch.manual_seed(0)
+    return make() if callable(make) else _clone(make)
+
+
+def _functional_launches(gm):
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+
+    return [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
+
+
+def _assert_every_argument(node):
+    """The node names every argument of its kernel (graph values and side-table constants)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    kernel = getattr(kernel, "fn", kernel) if not hasattr(kernel, "arg_names") else kernel
+    named = set(node.kwargs["kwargs"]) | set(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
+    assert named == set(kernel.arg_names), (kernel.arg_names, named)
+    assert len(node.kwargs["grid"][0]) == 3
+
+
+def test_every_op_has_an_inlined_form():
+    from fusepass.kernels._common import inline_forms
+
+    forms = inline_forms()
+    assert sorted(op for op in OPS if getattr(torch.ops.fusepass, op).default not in forms) == sorted(NOT_INLINED)
+
+
+@pytest.mark.parametrize("op,make", inline_cases())
+def test_inlined_graph_names_every_kernel_argument(op, make, fake_cuda):
+    """Traced for a CUDA graph with inlining on, a rule's call of the op becomes
+    launches naming every kernel argument, no op call left -- or, where the
+    inlined form refuses the arguments (fp64, a run-time eps, no rows, ...),
+    the op call alone."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusepass.kernels._common import call, inline_forms, inline_kernels
+
+    mode, twin = fake_cuda
+    packet = getattr(torch.ops.fusepass, op).default
+
+    def trace(args):
+        with mode, inline_kernels(True):
+            return inline_forms()[packet].ok(*args), make_fx(lambda *a: call(packet, *a))(*args)
+
+    try:
+        inlined, gm = trace([twin(a) for a in _args(make)])
+    except RuntimeError as exc:  # a CPU-only torch cannot copy a strided fake CUDA tensor: contiguous twins
+        if "not linked with support for cuda" not in str(exc):
+            raise
+        inlined, gm = trace([twin(a.contiguous() if isinstance(a, torch.Tensor) else a) for a in _args(make)])
+    ops = [n for n in gm.graph.nodes if n.target is packet]
+    launches = _functional_launches(gm)
+    if inlined:
+        assert not ops and launches, gm.graph
+        for node in launches:
+            _assert_every_argument(node)
+    else:
+        assert len(ops) == 1 and not launches, gm.graph
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty fills floating tensors with NaN: a launch that leaves part of
+    its output unwritten shows."""
+    real = torch.empty
+
+    def empty(*a, **k):
+        t = real(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")
+@pytest.mark.parametrize("op,make", inline_cases())
+def test_inlined_launches_compute_the_op(op, make, fake_cuda, poisoned_empty):
+    """The inlined form, run on CPU tensors (the graph node's own implementation
+    launching each kernel under the interpreter), agrees with the op."""
+    from fusepass.kernels._common import inline_forms, inline_kernels
+
+    _, twin = fake_cuda
+    packet = getattr(torch.ops.fusepass, op).default
+    form = inline_forms()[packet]
+    args = _args(make)
+    with inline_kernels(True):
+        if not form.ok(*[twin(a) for a in args]):
+            pytest.skip("the op stays an op call for these arguments (the other test checks that)")
+    expected = packet(*_clone(args))
+    actual = form.traced(*_clone(args))
+    assert_close(actual, expected, op, dtype=loosest(a.dtype for a in args if isinstance(a, torch.Tensor)))
+
+
+@pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")
+@pytest.mark.parametrize("path", ["gemv", "gemv-splitk", "mm-splitk", "mmt", "mmt-splitk", "cublas"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empty):
+    """Each of dequant_matmul's paths put into a graph computes the op: a split
+    K with its slices and zeroed counters allocated in the graph, summed by
+    each tile's last program; the cuBLAS path as the dequantising pass and the
+    graph's own mm."""
+    from fusepass.kernels.dequant_matmul import Config, op as dm_op
+
+    cfg = {"gemv": Config("gemv", BN=8, BK=64), "gemv-splitk": Config("gemv", BN=8, BK=32, split=3),
+           "mm-splitk": Config("mm", BM=16, BN=16, BK=32, split=2), "mmt": Config("mmt", BM=16, BN=16, BK=32),
+           "mmt-splitk": Config("mmt", BM=16, BN=16, BK=32, split=2), "cublas": Config("cublas")}[path]
+    monkeypatch.setattr(dm_op, "_plan", lambda *a: cfg)
+    torch.manual_seed(0)
+    M = 3 if cfg.kind == "gemv" else 17
+    x = torch.randn(M, 96, dtype=torch.bfloat16)
+    if fmt == "int4":
+        w, s = torch.randint(0, 256, (24, 48), dtype=torch.uint8), torch.rand(24, 3, dtype=torch.bfloat16) / 30
+        z, g = torch.rand(24, 3, dtype=torch.bfloat16) * 15, 32
+    else:
+        w, s, z, g = torch.randint(-128, 128, (24, 96), dtype=torch.int8), torch.rand(24, dtype=torch.bfloat16) / 300, None, 0
+    b = torch.randn(24, dtype=torch.bfloat16)
+    expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, b, fmt, g)
+    actual = dm_op.dequant_matmul_traced(x, w, s, z, b, fmt, g)
+    assert_close(actual, expected, f"dequant_matmul {path}")
+
+
+@pytest.mark.parametrize("op,args", [
+    ("gdn_chunk", lambda: _gdn_inputs(1, 70, 2, 2, 16, 16, torch.bfloat16, True)),  # the chunked pipeline
+    ("gdn_chunk", lambda: _gdn_inputs(2, 5, 1, 2, 8, 8, torch.bfloat16, False)),  # short: the recurrent kernel
+    ("gdn_recurrent", lambda: _gdn_inputs(2, 1, 2, 4, 8, 12, torch.float32, True)),
+    ("dequant_matmul", TABLE["dequant_matmul"][0][1]),
+], ids=["gdn_chunk-T70", "gdn_chunk-T5", "gdn_recurrent-T1", "dequant_matmul"])
+def test_engine_inlines_op_nodes_in_the_graph(op, args, fake_cuda):
+    """Op nodes already in a CUDA graph (the pre-trace path's GDN calls) become
+    their launches: the engine's generic step, for any op with an inlined form."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusepass.kernels._common import inline_kernels
+    from fusepass.regions import inline_op_nodes
+
+    mode, twin = fake_cuda
+    packet = getattr(torch.ops.fusepass, op).default
+    inputs = [twin(a) for a in _args(args)]
+    with mode:
+        gm = make_fx(lambda *a: packet(*a))(*inputs)
+        with inline_kernels(False):
+            assert inline_op_nodes(gm) == (0, [])  # inlining off: the op call stays
+        with inline_kernels(True):
+            done, failed = inline_op_nodes(gm)
+    assert (done, failed) == (1, [])
+    assert not [n for n in gm.graph.nodes if n.target is packet]
+    launches = _functional_launches(gm)
+    assert len(launches) == {"gdn_chunk-T70": 3}.get(op + f"-T{inputs[0].shape[1]}", 1)
+    for node in launches:
+        _assert_every_argument(node)
+    outputs = torch.utils._pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    assert len(outputs) == (2 if op.startswith("gdn") else 1)  # (o, final state) / y, each from a launch
+
+
+def test_a_launch_names_exactly_the_kernels_arguments():
+    from fusepass.kernels._common import Launch
     from fusepass.kernels.gated_act import _gated_act_fwd_kernel
 
     g = torch.randn(4, 8)
+    args = dict(gate=g, up=g, out=torch.empty_like(g), N=8, NB=1, stride_g=8, stride_u=8, stride_o=8, ACT="silu",
+                BN=8)
+    Launch(_gated_act_fwd_kernel, (4,), args, ("out",))
     with pytest.raises(TypeError, match=r"missing \['BN'\]"):
-        launch_traced(_gated_act_fwd_kernel, (4, 1, 1), ["out"], g, g, torch.empty_like(g), 8, 1, 8, 8, 8, ACT=0)
+        Launch(_gated_act_fwd_kernel, (4,), {k: v for k, v in args.items() if k != "BN"}, ("out",))
+    with pytest.raises(TypeError, match=r"unknown \['BM'\]"):
+        Launch(_gated_act_fwd_kernel, (4,), {**args, "BM": 1}, ("out",))
+    with pytest.raises(TypeError, match="also passed as another argument"):
+        Launch(_gated_act_fwd_kernel, (4,), {**args, "up": args["out"]}, ("out",)).traced()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,quant", [("qwen3_5", "int8"), ("qwen3_5", "int4"), ("llama", "int4")])
+def test_gpu_demo_models_run_every_op_from_inductors_code(model, quant):
+    """On the GPU with the defaults, a demo model compiles with no fusepass op
+    left to the dispatcher (quantized linears, GDN from the pre-trace path,
+    norms, activations all launched from Inductor's code), for a prefill and
+    a one-token step, and its logits agree with eager as Inductor's do."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fusepass import models
+
+    m = models.build(model, dtype=torch.bfloat16, device="cuda", size="small").eval()
+    fusepass.quantize(m, quant, group_size=32)
+    for seq in (16, 1):
+        ids = models.input_ids(m, batch=2, seq=seq).cuda()
+        torch._dynamo.reset()
+        fusepass.reset_reports()
+        with torch.no_grad():
+            expected = m(ids, use_cache=False).logits.float()
+            out, codes = run_and_get_code(torch.compile(m, backend="fusepass", dynamic=False), ids, use_cache=False)
+            torch._dynamo.reset()
+            inductor = torch.compile(m, dynamic=False)(ids, use_cache=False).logits.float()
+        code = "\n".join(codes)
+        report = fusepass.last_report()
+        assert report.count("dequant_matmul" if quant == "int8" else "dequant_matmul_int4") > 0, str(report)
+        assert "torch.ops.fusepass" not in code, [line for line in code.splitlines() if "torch.ops.fusepass" in line]
+        assert not [n for g in report.graphs for n in g.notes if "inline" in n or "dispatcher" in n], str(report)
+        err = (out.logits.float() - expected).abs().max().item()
+        assert err <= 2 * (inductor - expected).abs().max().item() + 1e-2, err

@@ -56,8 +56,9 @@ def find_registry(path: str | None = None) -> Path:
 
 
 def entry_names(registry: Path = PACKAGE_REGISTRY) -> list[str]:
-    return sorted(p.stem for p in registry.glob("*.py")
-                  if p.stem not in _NOT_ENTRIES and not p.stem.startswith(("_", "sweep")))
+    return sorted(p.stem for p in registry.glob("*.py")  # a script without cases() (a GPU check) is no entry
+                  if p.stem not in _NOT_ENTRIES and not p.stem.startswith(("_", "sweep"))
+                  and "\ndef cases(" in p.read_text())
 
 
 def load_entry(registry: Path, name: str) -> Any:

@@ -15,11 +15,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
+import torch.fx
 import triton
 import triton.language as tl
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 log = logging.getLogger("fusepass")
 T = TypeVar("T")
@@ -87,8 +90,9 @@ def row_view(t: torch.Tensor, n: int) -> torch.Tensor | None:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for launch grids.  triton.cdiv and next_power_of_2 are
     ConstexprFunctions in Triton 3.9: ~17 µs per call from Python (measured on
-    the CPU machine), several calls per launch."""
-    return -(-a // b)
+    the CPU machine), several calls per launch.  Written so that a symbolic
+    size (a launch traced into a graph) gives a plain expression."""
+    return (a + b - 1) // b
 
 
 def rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -202,16 +206,141 @@ def clear_kernel_fallbacks() -> None:
         _fallbacks.clear()
 
 
-# -- kernels launched by Inductor's own generated code -------------------------
+# -- launches: one builder per kernel, two ways to run it -----------------------
 #
-# A rewrite that calls a custom op costs a trip through the dispatcher and a
-# Python launcher on every call: about 40 µs per op on an H200 host, measured
-# (fusepass-compiled RMSNorm 4096x4096: 61 µs against the kernel's 21 µs).
-# When the graph runs on CUDA the rules instead put the Triton kernel itself
-# into the graph, as ``triton_kernel_wrapper_functional`` -- what AOTAutograd
-# makes of ``torch.library.triton_op`` -- and Inductor emits the launch in its
-# generated code like one of its own kernels.  ``inline_kernels`` turns this
-# off (the custom op is then called, as on CPU).
+# Every kernel launch is built once, by one builder function per kernel, as a
+# ``Launch`` naming every argument of the kernel.  The op's CUDA body runs it
+# (``Launch.run``); for a CUDA graph the same launch goes into the graph
+# (``Launch.traced``), as ``triton_kernel_wrapper_functional`` -- what
+# AOTAutograd makes of ``torch.library.triton_op`` -- and Inductor emits it in
+# its generated code like one of its own kernels.  That saves the trip through
+# the dispatcher and the op's Python launcher on every call: about 40 µs per
+# op on an H200 host, measured (fusepass-compiled RMSNorm 4096x4096: 61 µs
+# against the kernel's 21 µs).  Two argument lists for one kernel once
+# disagreed on the GPU (the graph's launch missed an argument the direct one
+# passed): here there is one, checked against the kernel's signature when it
+# is built.  ``inline_kernels`` (an option) turns the graph path off.
+
+_arg_names: dict[int, frozenset] = {}
+_configured: dict[tuple, object] = {}  # (kernel, num_warps, num_stages) -> its one-config autotuner
+
+
+def kernel_arg_names(kernel) -> frozenset:
+    names = _arg_names.get(id(kernel))
+    if names is None:
+        names = _arg_names[id(kernel)] = frozenset(kernel.arg_names)
+    return names
+
+
+@dataclass(eq=False)
+class Launch:
+    """One launch of a Triton kernel: the grid, every argument by name (tensors,
+    scalars and constexprs, defaults included), the arguments it writes, and
+    the launch configuration.
+
+    Inductor sizes its launcher from the arguments in the graph node, so one
+    left to its default fails at run time (``launcher() missing ...``): a
+    Launch that does not name exactly the kernel's arguments is refused here,
+    on the CPU, in both paths."""
+
+    kernel: Any
+    grid: tuple
+    args: dict[str, Any]
+    outputs: tuple[str, ...] = ()
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        names = kernel_arg_names(self.kernel)
+        if self.args.keys() != names:
+            missing = [n for n in self.kernel.arg_names if n not in self.args]
+            unknown = sorted(set(self.args) - names)
+            raise TypeError(f"{getattr(self.kernel, '__name__', self.kernel)}: a launch names every argument "
+                            f"of the kernel (defaults too); missing {missing}, unknown {unknown}")
+        if not set(self.outputs) <= names:
+            raise TypeError(f"outputs {self.outputs} are not arguments of the kernel")
+
+    def _meta(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps} if self.num_stages is None else \
+            {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def run(self) -> None:
+        """Launch now (the op's CUDA body, the tuner, tests under the interpreter)."""
+        self.kernel[self.grid](**self.args, **self._meta())
+
+    def warmup(self) -> None:
+        """Compile without running (the tuner compiles its candidates in parallel first)."""
+        self.kernel.warmup(**self.args, grid=self.grid, **self._meta())
+
+    def traced(self) -> dict[str, Tensor]:
+        """The launch as a functional graph node; returns fresh tensors for the
+        ``outputs`` (Inductor's reinplacing turns that back into writes into
+        the buffers when nothing else reads them).  Shapes may be symbolic:
+        the grid and the non-constexpr scalars stay expressions.
+
+        Builds the node as ``torch.library.wrap_triton`` does (Triton's launch
+        configuration as a one-config autotuner, a 3-D grid, arguments that
+        are not graph values in the kernel side table), but for interpreted
+        kernels too, so that the CPU tests run the node as the GPU does."""
+        from torch._higher_order_ops.triton_kernel_wrap import (
+            kernel_side_table,
+            triton_kernel_wrapper_functional,
+        )
+
+        for name in self.outputs:  # a functional node returns a copy of each output: never one aliased
+            t = self.args[name]
+            if any(v is t for k, v in self.args.items() if k != name):
+                raise TypeError(f"{getattr(self.kernel, '__name__', self.kernel)}: output {name!r} is also "
+                                "passed as another argument")
+        graphable = {k: v for k, v in self.args.items() if isinstance(v, torch.fx.node.base_types)}
+        constants = {k: v for k, v in self.args.items() if k not in graphable}
+        grid = tuple(self.grid) + (1,) * (3 - len(self.grid))
+        return triton_kernel_wrapper_functional(
+            kernel_idx=kernel_side_table.add_kernel(self._configured_kernel()),
+            constant_args_idx=kernel_side_table.add_constant_args(constants),
+            grid=[grid],
+            tma_descriptor_metadata={},
+            kwargs=graphable,
+            tensors_to_clone=list(self.outputs),
+        )
+
+    def _configured_kernel(self):
+        if interpreting():  # the interpreter has no launch configuration
+            return self.kernel
+        key = (self.kernel, self.num_warps, self.num_stages)
+        kernel = _configured.get(key)
+        if kernel is None:
+            config = triton.Config({}, **self._meta())
+            kernel = _configured[key] = triton.autotune(configs=[config], key=[])(self.kernel)
+        return kernel
+
+
+def run_all(launches: list[Launch]) -> None:
+    for launch in launches:
+        launch.run()
+
+
+def trace_all(launches: list[Launch]) -> dict[int, Tensor]:
+    """Trace ``launches`` in order, each reading what the earlier ones wrote:
+    an argument that an earlier launch wrote is given that launch's traced
+    output.  Returns {id(tensor as built): its last traced value}."""
+    latest: dict[int, Tensor] = {}
+    for launch in launches:
+        args = {k: latest.get(id(v), v) if isinstance(v, Tensor) else v for k, v in launch.args.items()}
+        out = Launch(launch.kernel, launch.grid, args, launch.outputs, launch.num_warps, launch.num_stages).traced()
+        for name in launch.outputs:
+            latest[id(launch.args[name])] = out[name]
+    return latest
+
+
+# -- inlined forms of the ops ---------------------------------------------------
+#
+# An op's inlined form takes the op's arguments and puts the op's launches
+# into the graph being traced (``Launch.traced``), or says it cannot
+# (``ok``): a shape its launch choice needs as a number, a run-time eps, an
+# input the kernels do not take.  Rules put it in place of the op when they
+# replace a match (:func:`call`); the engine replaces op nodes already in the
+# graph (the pre-trace path's) the same way.
 
 _inline = contextvars.ContextVar("fusepass_inline_kernels", default=False)
 
@@ -230,46 +359,34 @@ def inline_enabled(t: torch.Tensor) -> bool:
     on, for a non-empty ``t`` whose last dim (which picks a kernel's block) is a
     plain int."""
     return (_inline.get() and t.device.type == "cuda" and t.dim() > 0 and isinstance(t.shape[-1], int)
-            and t.numel() != 0)
+            and statically_known_true(t.numel() != 0))
 
 
-def missing_args(kernel, args: tuple, kwargs: dict) -> list[str]:
-    """The kernel's parameters that neither ``args`` nor ``kwargs`` give."""
-    return [name for name in kernel.arg_names[len(args):] if name not in kwargs]
+@dataclass(frozen=True)
+class InlineForm:
+    """``ok(*op_args)``: whether ``traced(*op_args)`` can stand for the op here."""
+
+    ok: Callable[..., bool]
+    traced: Callable[..., Any]
 
 
-def launch_traced(kernel, grid: tuple, outputs: list[str], *args, **kwargs) -> dict[str, torch.Tensor]:
-    """Trace ``kernel[grid](*args, **kwargs)`` as a functional graph node.
+_inline_forms: dict[Any, InlineForm] = {}
 
-    ``outputs`` names the kernel arguments it writes; the node returns fresh
-    tensors for them (Inductor's reinplacing pass turns that back into a
-    write into the buffer when nothing else reads it).
 
-    Every argument of the kernel must be given, constexprs with defaults
-    included: Inductor sizes its launcher from the arguments in the node, and
-    one left to its default fails at run time (``launcher() missing ...``).
-    """
-    missing = missing_args(kernel, args, kwargs)
-    if missing:
-        raise TypeError(f"{kernel.__name__}: a launch in a graph passes every argument (defaults too); "
-                        f"missing {missing}")
-    from torch._higher_order_ops.triton_kernel_wrap import (
-        TraceableTritonKernelWrapper,
-        TracingTritonHOPifier,
-        triton_kernel_wrapper_functional,
-    )
+def register_inline(op, ok: Callable[..., bool], traced: Callable[..., Any]) -> None:
+    """Make ``traced`` the inlined form of ``op`` (an OpOverload) where ``ok``."""
+    _inline_forms[op] = InlineForm(ok, traced)
 
-    class Functional(TracingTritonHOPifier):
-        def call_HOP(self, variable, grids, combined_args, tx):  # noqa: N802 - torch's name
-            graphable, constant_args_idx = self.store_non_graphable_args(combined_args)
-            return triton_kernel_wrapper_functional(
-                kernel_idx=variable.kernel_idx,
-                constant_args_idx=constant_args_idx,
-                grid=grids,
-                tma_descriptor_metadata={},
-                kwargs=graphable,
-                tensors_to_clone=list(outputs),
-            )
 
-    wrapper = TraceableTritonKernelWrapper(kernel, None, grid)
-    return Functional().call_triton_kernel(wrapper, args, kwargs, None)
+def inline_forms() -> dict[Any, InlineForm]:
+    return dict(_inline_forms)
+
+
+def call(op, *args):
+    """What a rule puts in a graph for ``op(*args)``: the op's inlined launches
+    when the engine inlines kernels for a CUDA graph and the inlined form takes
+    these arguments, else the op."""
+    form = _inline_forms.get(op)
+    if form is not None and _inline.get() and form.ok(*args):
+        return form.traced(*args)
+    return op(*args)

@@ -31,11 +31,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels._common import (
+    Launch,
+    call,
     cdiv,
     inline_enabled,
-    launch_traced,
     on_device,
+    register_inline,
     row_view,
     rows,
     run_kernel,
@@ -94,7 +97,6 @@ def _gated_act_fwd_kernel(
 # ---------------------------------------------------------------- launch ----
 
 _ACTIVATIONS = {"silu": "silu", "none": "gelu", "tanh": "gelu_tanh"}
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Elements per program when the grid is large enough to fill the GPU: 4096
 # bf16 = 8 KiB per operand, 24 KiB of traffic per program.  Liger's one-row
@@ -135,6 +137,23 @@ def _rows(t: Tensor) -> Tensor | None:
     return row_view(t, t.shape[-1] if t.dim() else 1)
 
 
+def gated_act_launch(gate: Tensor, up: Tensor, out: Tensor, activation: str, block: int | None = None,
+                     num_warps: int | None = None) -> Launch:
+    """The launch writing ``out`` (rows with unit column stride) from checked
+    inputs: the op's CUDA body runs it, a graph gets it traced.  The two halves
+    of a fused projection stay views, read in place with their row strides;
+    traced, the grid is symbolic in M (the heuristic sees its hint)."""
+    o2 = _rows(out)
+    M, N = o2.shape
+    g2, u2 = rows(gate, N), rows(up, N)
+    if block is None:
+        block = _launch_config(hint(M), N, gate.element_size(), sm_count(gate.device))
+    NB = cdiv(N, block)
+    args = dict(gate=g2, up=u2, out=o2, N=N, NB=NB, stride_g=g2.stride(0), stride_u=u2.stride(0),
+                stride_o=o2.stride(0), ACT=_ACTIVATIONS[activation], BN=block)
+    return Launch(_gated_act_fwd_kernel, (M * NB,), args, ("out",), num_warps or _num_warps(block))
+
+
 def gated_act_fwd(
     gate: Tensor,
     up: Tensor,
@@ -165,21 +184,13 @@ def gated_act_fwd(
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype} {out.device}, expected gate's")
     if out.numel() == 0:
         return out
-    o2 = _rows(out)
-    if o2 is None:
+    if _rows(out) is None:
         raise ValueError(f"out needs rows with unit column stride, has strides {out.stride()}")
-    M, N = o2.shape
-    g2, u2 = rows(gate, N), rows(up, N)
-    if block is None:
-        block = _launch_config(M, N, gate.element_size(), sm_count(gate.device))
-    NB = cdiv(N, block)
-    if M * NB >= 2**31:
-        raise ValueError(f"{M} x {NB} programs exceed the grid")
+    launch = gated_act_launch(gate, up, out, activation, block, num_warps)
+    if launch.grid[0] >= 2**31:
+        raise ValueError(f"{launch.grid[0]} programs exceed the grid")
     with on_device(gate):
-        _gated_act_fwd_kernel[(M * NB,)](
-            g2, u2, o2, N, NB, g2.stride(0), u2.stride(0), o2.stride(0),
-            ACT=_ACTIVATIONS[activation], BN=block, num_warps=num_warps or _num_warps(block),
-        )
+        launch.run()
     return out
 
 
@@ -267,23 +278,9 @@ def _geglu_cuda(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
 
 
 def _traced(gate: Tensor, up: Tensor, activation: str) -> Tensor:
-    """The kernel as a node of the graph (see ``_common.launch_traced``).
-
-    The two halves of a fused projection stay views: the node reads them in
-    place with their row strides.  The grid is symbolic in M.
-    """
-    N = gate.shape[-1]
-    g2, u2 = rows(gate, N), rows(up, N)
-    M = g2.shape[0]
-    out = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
-    block = _launch_config(hint(M), N, gate.element_size(), sm_count(gate.device))
-    NB = cdiv(N, block)
-    res = launch_traced(
-        _gated_act_fwd_kernel, (M * NB, 1, 1), ["out"],
-        g2, u2, out, N, NB, g2.stride(0), u2.stride(0), N,
-        ACT=_ACTIVATIONS[activation], BN=block, num_warps=_num_warps(block),
-    )
-    return res["out"].view(gate.shape)
+    """The kernel as a node of the graph (:meth:`Launch.traced`)."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    return gated_act_launch(gate, up, out, activation).traced()["out"].view(gate.shape)
 
 
 def _inline_ok(gate: Tensor, up: Tensor) -> bool:
@@ -291,16 +288,16 @@ def _inline_ok(gate: Tensor, up: Tensor) -> bool:
             and all(isinstance(s, int) for s in (*gate.stride(), *up.stride())))
 
 
+register_inline(torch.ops.fusepass.swiglu.default, _inline_ok, lambda gate, up: _traced(gate, up, "silu"))
+register_inline(torch.ops.fusepass.geglu.default, lambda gate, up, approximate: _inline_ok(gate, up), _traced)
+
+
 def swiglu_call(gate: Tensor, up: Tensor) -> Tensor:
     """What the rules put in a graph: the kernel itself when the engine inlines
     kernels for a CUDA graph, else the ``fusepass::swiglu`` op."""
-    if _inline_ok(gate, up):
-        return _traced(gate, up, "silu")
-    return torch.ops.fusepass.swiglu(gate, up)
+    return call(torch.ops.fusepass.swiglu.default, gate, up)
 
 
 def geglu_call(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
     """As :func:`swiglu_call`, for ``fusepass::geglu``."""
-    if _inline_ok(gate, up):
-        return _traced(gate, up, approximate)
-    return torch.ops.fusepass.geglu(gate, up, approximate)
+    return call(torch.ops.fusepass.geglu.default, gate, up, approximate)

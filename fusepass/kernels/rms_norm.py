@@ -40,13 +40,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels._common import (
+    Launch,
+    call,
+    cdiv,
     eps_args,
-    op_eps,
     inline_enabled,
     is_ptr,
-    launch_traced,
     on_device,
+    op_eps,
+    register_inline,
     run_kernel,
     scalar_arg,
     scalar_fp32,
@@ -206,7 +210,6 @@ def _rms_norm_fwd_looped_kernel(
 
 # ---------------------------------------------------------------- launch ----
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 VARIANTS = ("row", "tile", "looped")
 
 # 16 elements per thread: two 16-byte vectors per operand in bf16, four in
@@ -378,39 +381,44 @@ def _row_args(t: Tensor, N: int) -> tuple[Tensor, int]:
     return t2, t2.stride(0)
 
 
-def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overrides) -> None:
-    """Write y (and h) from checked inputs; y and h are contiguous with x's shape.
+def rms_norm_launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overrides=_NO_OVERRIDES) -> Launch:
+    """The launch writing y (and h) from checked inputs, y and h contiguous with
+    x's shape: the op's CUDA body runs it, a graph gets it traced.
 
     The decode sizes (M = 1, 32) are launch-bound, so this path stays short:
     contiguous inputs and the outputs go to the kernel as they are (a pointer
     and a row stride of N); only other layouts are flattened by ``_rows``.
+    Traced, M may be symbolic: the heuristic sees its hint, the grid stays
+    symbolic for ``row``/``tile`` (one program per BM rows, whatever M is at
+    run time) and fixed for ``looped`` (its programs stride over the rows).
     """
     N = x.shape[-1]
-    numel = x.numel()
-    if numel == 0:
-        return
-    M = numel // N
+    M = x.numel() // N
     x2, sx = (x, N) if x.is_contiguous() else _row_args(x, N)
     if res is None:
-        r2, sr, h, sh = x2, sx, y, N
+        r2, sr, h, sh = x2, sx, x2, N  # not read or written without a residual
     else:
         r2, sr = (res, N) if res.is_contiguous() else _row_args(res, N)
         sh = N
     w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
-    cfg = rms_norm_config(M, N, x.element_size(), sm_count(x.device), residual=res is not None, **overrides)
+    cfg = rms_norm_config(hint(M), N, x.element_size(), sm_count(x.device), residual=res is not None, **overrides)
     eps = scalar_arg(eps, x)
-    args = (x2, r2, w, y, h, sx, sr, N, sh, M, N, eps, float(weight_offset))
+    args = dict(x=x2, res=r2, w=w, y=y, h=h, stride_x=sx, stride_r=sr, stride_y=N, stride_h=sh, M=M, N=N, eps=eps,
+                weight_offset=float(weight_offset), HAS_RESIDUAL=res is not None,
+                CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN, EPS_PTR=is_ptr(eps))
+    outputs = ("y", "h") if res is not None else ("y",)
+    if cfg.variant == "looped":
+        return Launch(_rms_norm_fwd_looped_kernel, (cfg.num_programs,), args, outputs, cfg.num_warps)
+    return Launch(_rms_norm_fwd_kernel, (cdiv(M, cfg.BM),), {**args, "BM": cfg.BM, "W_FIRST": cfg.w_first}, outputs,
+                  cfg.num_warps)
+
+
+def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overrides) -> None:
+    """Write y (and h) from checked inputs; y and h are contiguous with x's shape."""
+    if x.numel() == 0:
+        return
     with on_device(x):
-        if cfg.variant == "looped":
-            _rms_norm_fwd_looped_kernel[(cfg.num_programs,)](
-                *args, HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                BN=cfg.BN, EPS_PTR=is_ptr(eps), num_warps=cfg.num_warps,
-            )
-        else:
-            _rms_norm_fwd_kernel[(cfg.num_programs,)](
-                *args, HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                BM=cfg.BM, BN=cfg.BN, W_FIRST=cfg.w_first, EPS_PTR=is_ptr(eps), num_warps=cfg.num_warps,
-            )
+        rms_norm_launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overrides).run()
 
 
 def rms_norm_fwd(
@@ -589,31 +597,13 @@ def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset, cast_before_weig
 
 
 def _traced(x, res, weight, eps, weight_offset, cast_before_weight, out_dtype):
-    """The kernel as a node of the graph (see ``_common.launch_traced``).
-
-    Shapes may be symbolic here: the heuristic sees the hint, the grid stays
-    symbolic for ``row``/``tile`` (one program per BM rows, whatever M is at
-    run time) and fixed for ``looped`` (its programs stride over the rows).
-    """
-    N = x.shape[-1]
-    M = x.numel() // N
-    x2 = x.contiguous().view(M, N)
-    r2 = x2 if res is None else res.contiguous().view(M, N)
-    w = weight.contiguous()
-    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    h = torch.empty((M, N), dtype=x.dtype, device=x.device) if res is not None else x2
-    cfg = rms_norm_config(hint(M), N, x.element_size(), sm_count(x.device), residual=res is not None)
-    flags = dict(HAS_RESIDUAL=res is not None, CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN,
-                 EPS_PTR=False, num_warps=cfg.num_warps)
-    args = (x2, r2, w, y, h, N, N, N, N, M, N, float(eps), float(weight_offset))
-    outputs = ["y", "h"] if res is not None else ["y"]
-    if cfg.variant == "looped":
-        out = launch_traced(_rms_norm_fwd_looped_kernel, (cfg.num_programs, 1, 1), outputs, *args, **flags)
-    else:
-        grid = ((M + cfg.BM - 1) // cfg.BM, 1, 1)
-        out = launch_traced(_rms_norm_fwd_kernel, grid, outputs, *args, BM=cfg.BM, W_FIRST=cfg.w_first, **flags)
-    y = out["y"].view(x.shape)
-    return (y, out["h"].view(x.shape)) if res is not None else y
+    """The kernel as a node of the graph (:meth:`Launch.traced`), on contiguous rows."""
+    x = x.contiguous()
+    res = None if res is None else res.contiguous()
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if res is not None else None
+    out = rms_norm_launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h).traced()
+    return (out["y"], out["h"]) if res is not None else out["y"]
 
 
 def _inline_ok(x: Tensor, weight: Tensor, eps, out_dtype: torch.dtype, residual: Tensor | None = None) -> bool:
@@ -632,20 +622,38 @@ def _inline_ok(x: Tensor, weight: Tensor, eps, out_dtype: torch.dtype, residual:
             and _kernel_handles(x, weight, out_dtype, residual))
 
 
+def _rms_norm_inline_ok(x, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
+    return eps_tensor is None and _inline_ok(x, weight, eps, out_dtype)
+
+
+def _rms_norm_inline(x, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
+    return _traced(x, None, weight, eps, weight_offset, cast_before_weight, out_dtype)
+
+
+def _add_rms_norm_inline_ok(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype,
+                            eps_tensor=None):
+    return eps_tensor is None and _inline_ok(x, weight, eps, out_dtype, residual)
+
+
+def _add_rms_norm_inline(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor=None):
+    return _traced(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
+
+
+register_inline(torch.ops.fusepass.rms_norm.default, _rms_norm_inline_ok, _rms_norm_inline)
+register_inline(torch.ops.fusepass.add_rms_norm.default, _add_rms_norm_inline_ok, _add_rms_norm_inline)
+
+
 def rms_norm_call(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
     """What the rules put in a graph: the kernel itself when the engine inlines
     kernels for a CUDA graph, else the ``fusepass::rms_norm`` op.  ``eps`` is a
     number or a 0-dim tensor (see :func:`fusepass.match.scalar_input`)."""
-    if _inline_ok(x, weight, eps, out_dtype):
-        return _traced(x, None, weight, eps, weight_offset, cast_before_weight, out_dtype)
     eps, eps_tensor = eps_args(eps)
-    return torch.ops.fusepass.rms_norm(x, weight, eps, weight_offset, cast_before_weight, out_dtype, eps_tensor)
+    return call(torch.ops.fusepass.rms_norm.default, x, weight, eps, weight_offset, cast_before_weight, out_dtype,
+                eps_tensor)
 
 
 def add_rms_norm_call(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype):
     """As :func:`rms_norm_call`, for ``fusepass::add_rms_norm``."""
-    if _inline_ok(x, weight, eps, out_dtype, residual):
-        return _traced(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
     eps, eps_tensor = eps_args(eps)
-    return torch.ops.fusepass.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype,
-                                           eps_tensor)
+    return call(torch.ops.fusepass.add_rms_norm.default, x, residual, weight, eps, weight_offset, cast_before_weight,
+                out_dtype, eps_tensor)

@@ -32,13 +32,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels._common import (
+    Launch,
+    call,
+    cdiv,
     eps_args,
-    op_eps,
     inline_enabled,
     is_ptr,
-    launch_traced,
     on_device,
+    op_eps,
+    register_inline,
     rows,
     run_kernel,
     scalar_arg,
@@ -139,7 +143,6 @@ def _rms_norm_gated_fwd_kernel(
 
 # ---------------------------------------------------------------- launch ----
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = ("silu", "sigmoid")
 # Rows up to 16384 elements stay in registers (as fusepass::rms_norm's row
 # variant); longer ones loop over 4096-wide chunks.
@@ -202,6 +205,27 @@ def _check(x: Tensor, gate: Tensor, weight: Tensor, activation: str) -> None:
         raise ValueError(f"weight is {tuple(weight.shape)} on {weight.device}, expected ({x.shape[-1]},)")
 
 
+def rms_norm_gated_launch(x: Tensor, gate: Tensor, weight: Tensor, eps: float | Tensor, cast_before_weight: bool,
+                          activation: str, y: Tensor, block_m: int | None = None,
+                          num_warps: int | None = None) -> Launch:
+    """The launch writing y (contiguous, x's shape) from checked inputs: the op's
+    CUDA body runs it, a graph gets it traced (M may be symbolic there: the
+    heuristic sees its hint, the grid stays symbolic, one program per BM rows).
+
+    Rows with any row stride (slices of the projection, every other row,
+    broadcast rows) are read in place; other layouts are copied first."""
+    N = x.shape[-1]
+    x2, z2 = rows(x, N), rows(gate, N)
+    M = x2.shape[0]
+    w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
+    cfg = rms_norm_gated_config(hint(M), N, sm_count(x.device), block_m, num_warps)
+    eps = scalar_arg(eps, x)
+    args = dict(x=x2, z=z2, w=w, y=y, stride_x=x2.stride(0), stride_z=z2.stride(0), stride_y=N, M=M, N=N, eps=eps,
+                **_flags(x, weight, cast_before_weight, activation), BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped,
+                EPS_PTR=is_ptr(eps))
+    return Launch(_rms_norm_gated_fwd_kernel, (M if cfg.looped else cdiv(M, cfg.BM),), args, ("y",), cfg.num_warps)
+
+
 def rms_norm_gated_fwd(
     x: Tensor,
     gate: Tensor,
@@ -222,22 +246,10 @@ def rms_norm_gated_fwd(
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype} {out.device}, expected contiguous like x")
-    N = x.shape[-1]
     if out.numel() == 0:
         return out
-    M = out.numel() // N
-    # Rows with any row stride (slices of the projection, every other row,
-    # broadcast rows) are read in place; other layouts are copied first.
-    x2, z2 = rows(x, N), rows(gate, N)
-    w = weight if N == 1 or weight.stride(0) == 1 else weight.contiguous()
-    cfg = rms_norm_gated_config(M, N, sm_count(x.device), block_m, num_warps)
     with on_device(x):
-        eps = scalar_arg(eps, x)
-        _rms_norm_gated_fwd_kernel[(cfg.num_programs,)](
-            x2, z2, w, out, x2.stride(0), z2.stride(0), N, M, N, eps,
-            **_flags(x, weight, cast_before_weight, activation),
-            BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped, EPS_PTR=is_ptr(eps), num_warps=cfg.num_warps,
-        )
+        rms_norm_gated_launch(x, gate, weight, eps, cast_before_weight, activation, out, block_m, num_warps).run()
     return out
 
 
@@ -317,21 +329,9 @@ def _rms_norm_gated_cuda(x, gate, weight, eps, cast_before_weight, activation, e
 
 
 def _traced(x, gate, weight, eps, cast_before_weight, activation):
-    """The kernel as a node of the graph (see ``_common.launch_traced``); the
-    grid is symbolic in M (one program per BM rows)."""
-    N = x.shape[-1]
-    x2, z2 = rows(x, N), rows(gate, N)
-    M = x2.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    cfg = rms_norm_gated_config(hint(M), N, sm_count(x.device))
-    grid = (M if cfg.looped else (M + cfg.BM - 1) // cfg.BM, 1, 1)
-    out = launch_traced(
-        _rms_norm_gated_fwd_kernel, grid, ["y"],
-        x2, z2, weight.contiguous(), y, x2.stride(0), z2.stride(0), N, M, N, float(eps),
-        **_flags(x, weight, cast_before_weight, activation),
-        BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped, EPS_PTR=False, num_warps=cfg.num_warps,
-    )
-    return out["y"].view(x.shape)
+    """The kernel as a node of the graph (:meth:`Launch.traced`)."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return rms_norm_gated_launch(x, gate, weight, eps, cast_before_weight, activation, y).traced()["y"]
 
 
 def _inline_ok(x: Tensor, gate: Tensor, weight: Tensor, eps) -> bool:
@@ -341,11 +341,21 @@ def _inline_ok(x: Tensor, gate: Tensor, weight: Tensor, eps) -> bool:
             and all(isinstance(s, int) for s in (*x.stride(), *gate.stride())))
 
 
+def _op_inline_ok(x, gate, weight, eps, cast_before_weight, activation, eps_tensor=None):
+    return eps_tensor is None and _inline_ok(x, gate, weight, eps)
+
+
+def _op_inline(x, gate, weight, eps, cast_before_weight, activation, eps_tensor=None):
+    return _traced(x, gate, weight, eps, cast_before_weight, activation)
+
+
+register_inline(torch.ops.fusepass.rms_norm_gated.default, _op_inline_ok, _op_inline)
+
+
 def rms_norm_gated_call(x, gate, weight, eps, cast_before_weight, activation):
     """What the rules put in a graph: the kernel itself when the engine inlines
     kernels for a CUDA graph, else the ``fusepass::rms_norm_gated`` op; ``eps``
     as for :func:`fusepass.kernels.rms_norm.rms_norm_call`."""
-    if _inline_ok(x, gate, weight, eps):
-        return _traced(x, gate, weight, eps, cast_before_weight, activation)
     eps, eps_tensor = eps_args(eps)
-    return torch.ops.fusepass.rms_norm_gated(x, gate, weight, eps, cast_before_weight, activation, eps_tensor)
+    return call(torch.ops.fusepass.rms_norm_gated.default, x, gate, weight, eps, cast_before_weight, activation,
+                eps_tensor)

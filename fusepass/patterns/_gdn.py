@@ -42,6 +42,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from fusepass.formats import KERNEL_DTYPES as SUPPORTED
 from fusepass.match import concrete, hint, same
 from fusepass.rule import Region
 
@@ -468,9 +469,6 @@ def reads_gate(body: Body, node: torch.fx.Node, limit: int = 10) -> bool:
 
 def has(body: Body, *targets: Any) -> bool:
     return any(n.op == "call_function" and n.target in targets for n in body.nodes)
-
-
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check(m: Any) -> str | None:

@@ -33,19 +33,19 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fusepass.kernels.dequant_matmul import dequant_matmul_plan
+from fusepass.formats import CHANNEL_FORMATS
+from fusepass.formats import KERNEL_DTYPES as SUPPORTED
+from fusepass.kernels.dequant_matmul import dequant_matmul_call, dequant_matmul_plan
 from fusepass.match import MatchInfo, hint, same, shape_str
 from fusepass.rule import Form, NearMiss, Rule
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
-FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 N_EX, K_EX = 24, 40  # example sizes: N != K, so a resized K cannot be taken for N
 
 
 def _op():
-    return torch.ops.fusepass.dequant_matmul
+    return dequant_matmul_call  # the op, or its launches inlined into a CUDA graph
 
 
 # -- searches and replacements ------------------------------------------------------
@@ -70,7 +70,7 @@ def _call(x, weight, scale, bias=None):
     # Per channel: one group spanning the row.  Small operands are made
     # contiguous here (a no-op when they are); the weight must be (see check).
     return _op()(x, weight, scale.reshape(-1).contiguous(), None,
-                 None if bias is None else bias.contiguous(), FORMATS[weight.dtype], weight.shape[-1])
+                 None if bias is None else bias.reshape(-1).contiguous(), CHANNEL_FORMATS[weight.dtype], weight.shape[-1])
 
 
 def replace_before(x, weight, scale):
@@ -173,8 +173,9 @@ def plan(m: MatchInfo, x: torch.Tensor, n, k, fmt: str, group_size) -> str | Non
 
     Only for a CUDA graph whose M is static: with a dynamic M the op is taken,
     and it picks its path per call (dequantize + cuBLAS included) from the
-    same plans.  The plan comes from ``dequant_matmul_plan`` (the shipped
-    table, or one measurement per shape on a GPU it has no plan for).
+    same plans.  The plan is looked up (``dequant_matmul_plan``: plans tuned on
+    this machine, shipped for this GPU, or the heuristic), never measured
+    here: ``fusepass tune`` measures.
     """
     del m
     if x.device.type != "cuda":
@@ -184,13 +185,13 @@ def plan(m: MatchInfo, x: torch.Tensor, n, k, fmt: str, group_size) -> str | Non
         return None
     rows = math.prod(x.shape[:-1])
     if dequant_matmul_plan(rows, n, k, fmt, group_size, x.dtype, x.device) == "dequant+cublas":
-        return f"kept dequant + cuBLAS: measured faster than the fused kernels at M={rows} N={n} K={k} ({fmt})"
+        return f"kept dequant + cuBLAS: the plan at M={rows} N={n} K={k} ({fmt}) (faster than the fused kernels there)"
     return None
 
 
 def check(m: MatchInfo) -> str | None:
     x, w = m.val("x"), m.val("weight")
-    if w.dtype not in FORMATS:
+    if w.dtype not in CHANNEL_FORMATS:
         return f"weight dtype {w.dtype} is not a format fusepass knows (int8, float8_e4m3fn per channel)"
     n, k = w.shape[0], w.shape[-1]
     bias = m.val("bias") if "bias" in m.inputs else None
@@ -200,7 +201,7 @@ def check(m: MatchInfo) -> str | None:
         return reason
     if not same(x.shape[-1], k):
         return f"activation has {x.shape[-1]} features, the weight {k}"
-    return plan(m, x, n, k, FORMATS[w.dtype], k)
+    return plan(m, x, n, k, CHANNEL_FORMATS[w.dtype], k)
 
 
 # -- near-misses (the places where no form applies: explain) ---------------------------

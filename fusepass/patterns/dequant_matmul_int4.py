@@ -20,26 +20,15 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from fusepass.formats import GROUP_SIZES
+from fusepass.formats import dequantize_int4 as dequantize
+from fusepass.formats import unpack_int4 as unpack
 from fusepass.match import MatchInfo, same, shape_str
 from fusepass.patterns import dequant_matmul as dm
 from fusepass.rule import Form, NearMiss, Rule
 
 aten = torch.ops.aten
-# Group sizes the kernel is built for (the issue's 32/64/128, and 256).
-GROUP_SIZES = (32, 64, 128, 256)
 N_EX, K_EX, G_EX = 24, 64, 32
-
-
-def unpack(packed):
-    """uint8 [N, K // 2] -> [N, K]: low nibble the even column, high nibble the odd."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-
-
-def dequantize(packed, scale, zero, dtype):
-    n, groups = scale.shape
-    q = unpack(packed).to(dtype).reshape(n, groups, -1)
-    q = q - 8 if zero is None else q - zero[..., None]
-    return (q * scale[..., None]).reshape(n, -1)
 
 
 def _forms():
@@ -58,7 +47,7 @@ def _forms():
     def call(x, packed, scale, zero=None, bias=None):
         group = 2 * packed.shape[1] // scale.shape[1]
         return dm._op()(x, packed, scale.contiguous(), None if zero is None else zero.contiguous(),
-                        None if bias is None else bias.contiguous(), "int4", group)
+                        None if bias is None else bias.reshape(-1).contiguous(), "int4", group)
 
     return [
         Form("asymmetric", asym, lambda x, packed, scale, zero: call(x, packed, scale, zero)),

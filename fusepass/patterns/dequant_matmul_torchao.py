@@ -22,6 +22,8 @@ import math
 import torch
 import torch.fx
 
+from fusepass.formats import CHANNEL_FORMATS
+from fusepass.formats import KERNEL_DTYPES as SUPPORTED
 from fusepass.match import MatchInfo
 from fusepass.patterns import dequant_matmul as dm
 from fusepass.rule import Form, NearMiss, Rule
@@ -70,7 +72,7 @@ def sized_inputs(dtype, shape):
 def check(m: MatchInfo) -> str | None:
     aqt = m.form == "int8_weight_only_aqt"
     x, w, scale = m.val("x"), m.val("weight"), m.val("scale_n" if aqt else "scale")
-    if w.dtype not in dm.FORMATS:
+    if w.dtype not in CHANNEL_FORMATS:
         return f"weight dtype {w.dtype} is not a format fusepass knows (int8, float8_e4m3fn per channel)"
     n, k = w.shape[0], w.shape[-1]
     reason = dm.check_activation(x) or dm.check_weight(w)
@@ -81,7 +83,7 @@ def check(m: MatchInfo) -> str | None:
     reason = dm.check_output(m, x, n)
     if reason:
         return reason
-    return dm.plan(m, x, n, k, dm.FORMATS[w.dtype], k)
+    return dm.plan(m, x, n, k, CHANNEL_FORMATS[w.dtype], k)
 
 
 def explain(node: torch.fx.Node) -> str | None:
@@ -93,10 +95,10 @@ def explain(node: torch.fx.Node) -> str | None:
         return None
     q = w.args[0].args[0]
     qv = q.meta.get("val") if isinstance(q, torch.fx.Node) else None
-    if not isinstance(qv, torch.Tensor) or qv.dtype not in dm.FORMATS:
+    if not isinstance(qv, torch.Tensor) or qv.dtype not in CHANNEL_FORMATS:
         return None
     x = node.args[i_x].meta.get("val")
-    if isinstance(x, torch.Tensor) and x.dtype not in dm.SUPPORTED:
+    if isinstance(x, torch.Tensor) and x.dtype not in SUPPORTED:
         return f"activation dtype {x.dtype} has no kernel (fp32/fp16/bf16 only)"
     if len(w.users) > 1 or len(w.args[0].users) > 1:
         return f"the dequantized weight ({w.name}) is also used outside the matmul"

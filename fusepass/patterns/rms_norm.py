@@ -27,12 +27,12 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from fusepass.formats import KERNEL_DTYPES as SUPPORTED
 from fusepass.kernels.rms_norm import rms_norm_call
 from fusepass.match import MatchInfo, same, scalar_input, shape_str, tensor_scalar_refusal
 from fusepass.rule import Form, NearMiss, Rule
 
 aten = torch.ops.aten
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _normed(x, eps, upcast):

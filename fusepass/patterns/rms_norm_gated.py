@@ -29,11 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusepass.formats import KERNEL_DTYPES as SUPPORTED
 from fusepass.kernels.rms_norm_gated import rms_norm_gated_call
 from fusepass.match import MatchInfo, same, shape_str
 from fusepass.rule import Form, NearMiss, Rule
 
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 _ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusepass.formats import KERNEL_DTYPES as SUPPORTED
 from fusepass.kernels.gated_act import swiglu_call
 from fusepass.match import MatchInfo, same, shape_str
 from fusepass.rule import Form, NearMiss, Rule
-
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def search(gate, up):

@@ -34,8 +34,10 @@ import torch.nn.functional as F
 
 
 from fusepass.bench.registry.common import Case, compiled
+from fusepass.formats import FORMATS
 from fusepass.kernels import dequant_matmul as dm  # registers fusepass::dequant_matmul
-from fusepass.kernels.dequant_matmul import config, plans
+from fusepass.kernels.dequant_matmul import Problem, plans, tuner
+from fusepass.kernels.dequant_matmul.config import valid
 from fusepass.kernels._common import TOLERANCES
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K)
@@ -56,7 +58,6 @@ SUITE_MS = [1, 16, 64, 1024]
 SUITE_PEER_MAX_M = 64
 SUITE_AUTOTUNE_MS = (1,)
 GROUP = 128
-FORMATS = ("int8", "int4", "fp8")
 
 
 # -- quantized weights -----------------------------------------------------------------
@@ -287,7 +288,8 @@ def check_paths(log) -> int:
             for M, dtype, bias, three_d in ((1, torch.bfloat16, True, False), (5, torch.float16, False, True),
                                             (77, torch.bfloat16, True, True), (300, torch.float16, True, False),
                                             (3, torch.float32, True, False), (40, torch.float32, False, False)):
-                if not config._valid(cfg, M, K, base, qw["group"], dtype):
+                if not valid(cfg, Problem(dm.m_bucket(M), N, K, base, qw["group"] if base == "int4" else 0,
+                                          dtype, "")):
                     continue
                 x = torch.randn(M, K, device="cuda", dtype=dtype)
                 if three_d:
@@ -324,12 +326,11 @@ def tune_all(ms, log, deadline: float, formats=FORMATS, shapes=SHAPES) -> dict:
                     return table
                 qw, _ = _weights(fmt, N, K, "cuda")
                 t0 = time.time()
-                best, times = dm.tune(dm.m_bucket(M), N, K, fmt, qw["group"], torch.bfloat16, qw["weight"],
-                                      qw["scale"], qw["zero"])
-                key = dm.plan_key(M, N, K, fmt, qw["group"], torch.bfloat16, torch.device("cuda"))
+                problem = Problem.of(M, N, K, fmt, qw["group"], torch.bfloat16, "cuda")
+                best, times = tuner.tune(problem, qw["weight"], qw["scale"], qw["zero"])
                 us = dict(times)[best]
-                table[key] = {**dataclasses.asdict(best), "us": round(us, 2)}
-                plans._save_plan(key, best, us)
+                table[problem.key] = {**dataclasses.asdict(best), "us": round(us, 2)}
+                plans.save(problem, best, us)
                 ranked = sorted(times, key=lambda t: t[1])
                 log(f"tune {fmt} M{M} N{N} K{K}: " + "  ".join(f"{c.label()} {t:.1f}" for c, t in ranked[:6])
                     + f"  ({len(times)} cands, {time.time() - t0:.1f} s)")
@@ -442,11 +443,12 @@ def main(argv=None) -> int:
         summary.append(f"checks: {fails} failing ({time.time() - t0:.0f} s)")
     if args.tune:
         t0 = time.time()
-        plans._load_plans()
         shapes = ([tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")] if args.shapes
                   else SHAPES)
         table = tune_all(ms, log, t_start + args.budget * 0.75, args.formats.split(","), shapes)
-        (out_dir / "dequant_matmul_plans.json").write_text(json.dumps({"plans": table}, indent=0, sort_keys=True))
+        # the shipped file for this GPU: fusepass/kernels/dequant_matmul/plans/<gpu>.json (merge it there)
+        shipped = out_dir / plans.shipped_path(torch.cuda.get_device_name()).name
+        shipped.write_text(json.dumps({"plans": table}, indent=0, sort_keys=True))
         summary.append(f"tuned {len(table)} keys ({time.time() - t0:.0f} s)")
     rows = []
     if args.time:

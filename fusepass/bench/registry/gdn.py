@@ -187,6 +187,121 @@ def _breakdown(fn, args, reps: int = 5) -> str:
     return ", ".join(f"{k[:40]} {v:.0f}" for k, v in top)
 
 
+# -- the chunk kernel's launch choices against FLA, two input layouts ----------------------------
+
+# The shapes of the chunk kernel's acceptance table (B, T, H_k, H_v, d_k, d_v).
+ISSUE_SHAPES = [
+    ("B1-T8192-H32-D128", 1, 8192, 32, 32, 128, 128),
+    ("B1-T16384-H32-D128", 1, 16384, 32, 32, 128, 128),
+    ("B2-T3000-H32-D128", 2, 3000, 32, 32, 128, 128),
+    ("B16-T1024-H32-D128", 16, 1024, 32, 32, 128, 128),
+    ("B8-T512-H32-D128", 8, 512, 32, 32, 128, 128),
+    ("B4-T4096-Hk16-Hv32-D128", 4, 4096, 16, 32, 128, 128),
+    ("B1-T4096-H16-D64", 1, 4096, 16, 16, 64, 64),
+    ("B1-T4096-H16-D256", 1, 4096, 16, 16, 256, 256),
+    ("B1-T4096-H30-dk96-dv192", 1, 4096, 30, 30, 96, 192),
+]
+# "strided-l2": q, k, v views of one projection, the L2 norm in the kernel (a
+# model's call); "contig-norm": contiguous q, k, v already normalised (the
+# layout FLA is fastest on: it copies strided inputs and runs its norm as
+# separate launches).
+LAYOUTS = ("strided-l2", "contig-norm")
+# Launch choices of gdn_chunk_fwd: each named set against the default.
+VARIANTS = {
+    "split": dict(fuse_output=False),
+    "fused": dict(fuse_output=True),
+    "split-s1": dict(fuse_output=False, num_stages=1),
+    "fused-kd": dict(fuse_output=True, precompute_kd=True),
+    "fused-bv16": dict(fuse_output=True, block_v=16),
+}
+
+
+def layout_inputs(B, T, Hk, Hv, dk, dv, layout, device="cuda", seed=0):
+    """The issue's inputs: q, k, v bf16 (strided views, or contiguous and
+    normalised), g fp32, beta bf16, an fp32 initial state."""
+    q, k, v, g, beta, s0 = make_inputs(B, T, Hk, Hv, dk, dv, device=device, state=True, seed=seed)
+    l2 = layout == "strided-l2"
+    if not l2:
+        q, k = (F.normalize(x.float(), dim=-1).to(x.dtype) for x in (q, k))
+        v = v.contiguous()
+    return (q, k, v, g, beta, s0), l2
+
+
+def variants_main(args) -> int:
+    import triton
+    from tabulate import tabulate
+
+    cpu = args.cpu_smoke
+    device = "cpu" if cpu else "cuda"
+    specs = [("B1-T130-Hk1-Hv2-D32", 1, 130, 1, 2, 32, 32), ("B2-T64-H2-dk16-dv24", 2, 64, 2, 2, 16, 24)] if cpu \
+        else [s for s in ISSUE_SHAPES if args.shapes == "all" or s[0] in args.shapes.split(",")]
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    sweep_at = set(args.sweep_shapes.split(",")) if args.sweep_shapes else {s[0] for s in specs}
+    fla_chunk = _fla()[0]
+    sha = os.environ.get("FUSEPASS_COMMIT") or "?"
+    gpu = torch.cuda.get_device_name() if not cpu else "cpu"
+    env = f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  commit {sha}"
+    print(f"# {env}", flush=True)
+    rows, records = [], []
+
+    def timed(fn, inputs):
+        if cpu:
+            fn(*inputs)
+            return float("nan")
+        import triton.testing
+        return triton.testing.do_bench_cudagraph(lambda: fn(*inputs), rep=args.rep, return_mode="median") * 1e3
+
+    for name, B, T, Hk, Hv, dk, dv in specs:
+        for layout in args.layouts.split(","):
+            inputs, l2 = layout_inputs(B, T, Hk, Hv, dk, dv, layout, device)
+            scale = dk ** -0.5
+            t0 = time.time()
+            ref = gdn.gdn_chunk_torch(*(None if x is None else x.double() for x in inputs), l2, scale)
+            print(f"{name} {layout}: fp64 reference {time.time() - t0:.1f} s", flush=True)
+            contenders = {}
+            if fla_chunk is not None:
+                contenders["fla"] = lambda q, k, v, g, b, s0: fla_chunk(
+                    q, k, v, g=g, beta=b, scale=scale, initial_state=s0, output_final_state=True,
+                    use_qk_l2norm_in_kernel=l2)
+            contenders["fusepass"] = lambda q, k, v, g, b, s0: torch.ops.fusepass.gdn_chunk(
+                q, k, v, g, b, s0, l2, scale)
+            if name in sweep_at and (layout == "strided-l2" or args.sweep_all_layouts):
+                for vname in names:
+                    contenders[vname] = lambda q, k, v, g, b, s0, c=VARIANTS[vname]: gdn.gdn_chunk_fwd(
+                        q, k, v, g, b, s0, l2, scale, **c)
+            times = {}
+            for cname, fn in contenders.items():
+                t0 = time.time()
+                try:
+                    out = fn(*inputs)
+                    err = _rel(out, ref)
+                    ms = timed(fn, inputs)
+                except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+                    print(f"  {cname}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    rows.append([name, layout, cname, "-", "-", f"error {type(exc).__name__}"])
+                    continue
+                times[cname] = ms
+                ratio = ms / times["fla"] if "fla" in times and cname != "fla" else float("nan")
+                print(f"  {cname:22s} {ms:8.1f} µs  x{ratio:.3f} FLA  err {err:.2e}  ({time.time() - t0:.1f} s)",
+                      flush=True)
+                rows.append([name, layout, cname, f"{ms:.1f}", f"{ratio:.3f}", f"{err:.2e}"])
+                records.append(dict(shape=name, layout=layout, provider=cname, us=ms, vs_fla=ratio, rel_err=err))
+            if args.breakdown_at and not cpu and name in args.breakdown_at.split(","):
+                for cname in ("fla", "fusepass", "split", "fused"):
+                    if cname in contenders:
+                        print(f"    {cname} kernels (µs): {_breakdown(contenders[cname], inputs)}", flush=True)
+            del inputs, ref
+            if not cpu:
+                torch.cuda.empty_cache()
+    text = f"# {env}\n" + tabulate(rows, headers=["shape", "layout", "provider", "graph µs", "/ FLA",
+                                                   "rel err vs fp64"]) + "\n"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gdn_variants.txt").write_text(text)
+    (Path(args.out) / "gdn_variants.json").write_text(json.dumps({"env": env, "rows": records}))
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     import triton
     from tabulate import tabulate
@@ -200,7 +315,17 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", default="", help="case ids (or 'all', 'decode') to sweep launch choices at")
     p.add_argument("--breakdown", action="store_true", help="GPU time per kernel (torch.profiler)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--variants", default="", help="'all' or names of VARIANTS: the chunk kernel's launch "
+                   "choices against FLA on ISSUE_SHAPES (--shapes, --layouts, --sweep-shapes)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--sweep-shapes", default="", help="shapes at which the variants run (default: all)")
+    p.add_argument("--breakdown-at", default="", help="shapes at which --variants profiles each kernel")
+    p.add_argument("--sweep-all-layouts", action="store_true")
+    p.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph's rep (ms)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under the interpreter (with --variants)")
     args = p.parse_args(argv)
+    if args.variants:
+        return variants_main(args)
     sel = lambda spec, opt: opt == "all" or spec[0] in opt.split(",") or (  # noqa: E731
         "decode" in opt.split(",") and spec[0].startswith("decode"))
 

@@ -18,8 +18,9 @@ The product accumulates in fp32 with the scale applied to the fp32 result
 source forms the rules match: scale before the matmul (``x @ (q * s).T``) and
 after (``(x @ q.T) * s``).
 
-Four ways to run it on CUDA, chosen per (GPU, format, group, M bucket, N, K)
-by timing them once (``dequant_matmul_plan``):
+Four ways to run it on CUDA; a plan (``plans.lookup``) picks one per
+``Problem`` (GPU, format, group, M bucket, N, K): measured on this machine by
+``fusepass tune``, shipped for this GPU, or the heuristic.
 
 - ``gemv``: one row (two for int4, a few on small weights).  A weight
   stream: each program owns BN output rows and a slice of K, loads the weight
@@ -41,22 +42,30 @@ split costs no second launch (``_finish`` and the counters in the launcher).
 
 The op receives the user's weight on every call (a functional op cannot keep
 a repacked copy), so every kernel reads the layouts above as they are.
+
+Modules, in reading order: ``tiles`` (the Triton helpers the kernels share),
+``gemv``, ``tensor_core`` (mm, mmt), ``dequant`` (the cuBLAS path's pass);
+``config`` (Problem, Config, which configs run which problems), ``counters``
+(split-K counters for eager launches), ``launch`` (one builder per kernel,
+``_launch``), ``plans`` (lookup: user cache, shipped plans, heuristic),
+``tuner`` (candidates timed on the GPU, only when asked), ``op`` (the op,
+its reference and its inlined form).
 """
 
-from fusepass.kernels.dequant_matmul.config import BUCKETS, CUBLAS, Config, m_bucket
+from fusepass.formats import FORMATS, WEIGHT_DTYPES, dequantize, unpack_int4
+from fusepass.kernels.dequant_matmul.config import BUCKETS, CUBLAS, Config, Problem, m_bucket
 from fusepass.kernels.dequant_matmul.op import (
-    FORMATS,
-    WEIGHT_DTYPES,
     dequant_matmul,
+    dequant_matmul_call,
     dequant_matmul_fwd,
     dequant_matmul_reference,
-    dequantize,
-    unpack_int4,
+    dequant_matmul_traced,
 )
-from fusepass.kernels.dequant_matmul.plans import plan_key
-from fusepass.kernels.dequant_matmul.tuner import cold_copies, dequant_matmul_plan, tune
+from fusepass.kernels.dequant_matmul.plans import dequant_matmul_plan, lookup
+from fusepass.kernels.dequant_matmul.tuner import cold_copies, tune, tune_and_save
 
 __all__ = [
-    "BUCKETS", "CUBLAS", "Config", "FORMATS", "WEIGHT_DTYPES", "cold_copies", "dequant_matmul", "dequant_matmul_fwd",
-    "dequant_matmul_plan", "dequant_matmul_reference", "dequantize", "m_bucket", "plan_key", "tune", "unpack_int4",
+    "BUCKETS", "CUBLAS", "Config", "FORMATS", "Problem", "WEIGHT_DTYPES", "cold_copies", "dequant_matmul",
+    "dequant_matmul_call", "dequant_matmul_fwd", "dequant_matmul_plan", "dequant_matmul_reference",
+    "dequant_matmul_traced", "dequantize", "lookup", "m_bucket", "tune", "tune_and_save", "unpack_int4",
 ]

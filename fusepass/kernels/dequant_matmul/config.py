@@ -1,12 +1,15 @@
-"""A launch configuration (``Config``), the M buckets, and which configs can run a problem."""
+"""What a plan is for and what it says: the ``Problem`` (one product, the key of
+its plan) and the ``Config`` (one way to run it), and which configs can run
+which problems."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
-from fusepass.kernels._common import cdiv
+from fusepass.kernels._common import cdiv, sm_count
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,53 @@ def _k_split(K: int, BK: int, split: int) -> tuple[int, int, bool]:
     return k_split, n, k_split * n == K
 
 
-def _valid(cfg: Config, M: int, K: int, fmt: str, G: int, dtype: torch.dtype) -> bool:
+@functools.cache
+def gpu_name(device: torch.device) -> str:
+    """The CUDA device's name (plans are kept per GPU), or the device type elsewhere."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One product y [M, N] = x [M, K] @ dequant(W [N, K])^T, as far as its plan
+    depends on it: the key of a plan.
+
+    ``M`` is the bucket of the row count (a plan measured at the bucket's M
+    serves every M in (bucket / 2, bucket]); ``group`` is int4's group size
+    and 0 for the formats with one scale per row; fp16 and bf16 share a plan
+    (same bytes, same instructions), fp32 has its own."""
+
+    M: int
+    N: int
+    K: int
+    fmt: str
+    group: int
+    dtype: torch.dtype
+    gpu: str
+    sms: int = field(default=1, compare=False)  # multiprocessors: the heuristic sizes K splits by them
+
+    @classmethod
+    def of(cls, M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype,
+           device: torch.device | str) -> Problem:
+        device = torch.device(device)
+        return cls(m_bucket(max(1, M)), N, K, fmt, group_size if fmt == "int4" else 0, dtype, gpu_name(device),
+                   sm_count(device))
+
+    @property
+    def key(self) -> str:
+        prec = "fp32" if self.dtype == torch.float32 else "16bit"
+        g = f"g{self.group}" if self.fmt == "int4" else "gc"
+        return f"{self.gpu}|{self.fmt}-{g}|{prec}|M{self.M}|N{self.N}|K{self.K}"
+
+
+def valid(cfg: Config, p: Problem) -> bool:
+    """Whether ``cfg`` can run ``p`` (every M of its bucket)."""
+    M, fmt, G, dtype = p.M, p.fmt, p.group, p.dtype
     if cfg.kind == "cublas":
         return True
     if cfg.kind == "gemv":
-        return M <= _GEMV_MAX_M and (fmt != "int4" or cfg.BK % G == 0)
+        # int4: a thread's chunk of 16 bytes (fewer for G < 32) lies inside one group
+        return M <= _GEMV_MAX_M and (fmt != "int4" or (cfg.BK % G == 0 and (G % 32 == 0 or G in (2, 4, 8, 16))))
     if cfg.kind == "mmt":  # 16-deep dots of 16-bit operands; int4 tiles within one group
         return dtype != torch.float32 and cfg.BK >= 32 and cfg.BM >= 16 and (fmt != "int4" or G % cfg.BK == 0)
     # mm: tensor cores need 16-deep dots of 16-bit operands (fp32 runs the

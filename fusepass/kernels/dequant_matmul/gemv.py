@@ -30,59 +30,72 @@ def _dequant_gemv_kernel(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
 
     if FMT == "int4":
-        # The tile is [NCH, BN, VB]: NCH chunks of VB (4) packed bytes along K,
-        # one chunk per thread per row, rows second so that a thread's registers
-        # hold several rows at the same columns and convert x's columns once
-        # for all of them.  Each value becomes (128 + q) - (128 + z) in one
-        # FADD (_nibbles_128), goes into an FMA chain held in the thread, and
-        # only the chunk's sum is scaled: nothing crosses threads inside the
-        # loop.  The zero point is subtracted from each value, not folded out
-        # as sum_k v x - z sum_k x: with an infinite activation the folded
-        # form gives inf - inf = NaN where the dequantised matmul gives +-inf
-        # (the differential tests caught it).
-        GP: tl.constexpr = G // 2
-        VB: tl.constexpr = 4 if GP >= 4 else GP
-        NCH: tl.constexpr = BK // 2 // VB
+        # A thread owns a chunk of VB packed bytes (16: one vector load, 32 codes
+        # inside one group) of each of the BN rows, and the VB matching pairs of
+        # x's values (x2: x viewed as int32 pairs, or int64 for fp32 x).  Each
+        # row's bytes are a tensor of the same shape as x's pairs, so Triton gives
+        # both one layout (the same threads hold a byte and its pair of x: no
+        # shuffles); the rows are a static loop with one sum per row and chunk.
+        # Each code becomes (128 + q) - (128 + z) = q - z in one FADD
+        # (_nibbles_128: one PRMT per value), then one FMA; a chunk's sum is
+        # scaled once.  The zero point is subtracted from each value, not
+        # folded out as s (sum q x - z sum x): with an infinite activation the
+        # folded form gives inf - inf = NaN where the dequantised matmul gives
+        # +-inf.
+        VB: tl.constexpr = 16 if G >= 32 else G // 2  # (the plans' G are powers of two)
+        NCH: tl.constexpr = BK // (2 * VB)
         o_c = tl.arange(0, NCH)
-        o_kp = o_c[:, None, None] * VB + tl.arange(0, VB)[None, None, :]  # [NCH, 1, VB] packed columns
-        acc3 = tl.zeros([BM, NCH, BN], dtype=tl.float32)
+        o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
+        o_r = tl.arange(0, BN)
+        ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
+        # [BM, BN, NCH]: chunks last, so that Triton spreads them over the threads
+        # and keeps a thread's rows in its registers.
+        acc3 = tl.zeros([BM, BN, NCH], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             kp0 = tl.multiple_of(k0 // 2, BK // 2)  # k_lo and the step are whole tiles
-            m_c = 2 * (kp0 + o_c * VB) < k_hi  # [NCH]: chunks inside the slice (a group never straddles it)
-            if EVEN_K:
-                b_q = tl.load(p_wn[None, :, None] + kp0 + o_kp, mask=m_n[None, :, None], other=0)
-            else:
-                b_q = tl.load(p_wn[None, :, None] + kp0 + o_kp, mask=m_n[None, :, None] & m_c[:, None, None], other=0)
-            m_s = m_c[:, None] & m_n[None, :]
-            p_s = o_n[None, :] * stride_sn + ((2 * kp0 + o_c * (2 * VB)) // G)[:, None]  # [NCH, BN]
-            b_s = tl.load(scale + p_s, mask=m_s, other=0).to(tl.float32)
-            b_lo, b_hi = _nibbles_128(b_q, ASM)
-            if HAS_ZERO and zero.dtype.element_ty == tl.float32:
-                # An fp32 zero point need not be a multiple of 2**-16: q, then q - z
-                # rounded once, as the reference does.
-                b_z = tl.load(zero + p_s, mask=m_s, other=0)[:, :, None]
-                b_lo = (b_lo - 128.0) - b_z
-                b_hi = (b_hi - 128.0) - b_z
-            else:
-                if HAS_ZERO:  # bf16 / fp16: 128 + z is exact for z = 0 and every z >= 2**-9 (bf16), 2**-6 (fp16)
-                    b_c = 128.0 + tl.load(zero + p_s, mask=m_s, other=0).to(tl.float32)[:, :, None]
-                else:
-                    b_c = 136.0
-                b_lo = b_lo - b_c  # q - z in one FADD
-                b_hi = b_hi - b_c
-            for m in tl.static_range(BM):
-                # x's (even, odd) column pairs, one 32-bit word each (x2 is x viewed
-                # as int32, or int64 for fp32 x), split with a shift or a mask.
-                # Rows past M read row M - 1 (their sums are never stored): no row mask.
-                p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_kp
+            m_c = 2 * kp0 + o_c * (2 * VB) < k_hi  # [NCH]: chunks inside the slice (a group never straddles it)
+            o_g = (2 * kp0 + o_c * (2 * VB)) // G  # [NCH]: each chunk's group
+            if BM == 1:
                 if EVEN_K:
-                    b_x = tl.load(p_x)
+                    b_x = tl.load(x2 + kp0 + o_b)
                 else:
-                    b_x = tl.load(p_x, mask=m_c[:, None, None], other=0)
+                    b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
                 b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
-                b_d = tl.sum(b_lo * b_xe, axis=2) + tl.sum(b_hi * b_xo, axis=2)  # [NCH, BN]
-                acc3 += tl.where(o_m[:, None, None] == m, (b_d * b_s)[None], 0.0)
-        acc += tl.sum(acc3, axis=1)
+            for r in tl.static_range(BN):
+                n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
+                p_wr = w + n.to(tl.int64) * stride_wn + kp0
+                if EVEN_K:
+                    b_q = tl.load(p_wr + o_b)
+                else:
+                    b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
+                b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
+                b_lo, b_hi = _nibbles_128(b_q, ASM)
+                if ZERO_F32:
+                    # An fp32 zero point need not be a multiple of 2**-16: q, then q - z
+                    # rounded once, as the reference does.
+                    b_z = tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0)[:, None]
+                    b_lo = (b_lo - 128.0) - b_z
+                    b_hi = (b_hi - 128.0) - b_z
+                else:
+                    if HAS_ZERO:  # bf16 / fp16: 128 + z is exact for z = 0 and every z >= 2**-9 (bf16), 2**-6 (fp16)
+                        b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)[:, None]
+                    else:
+                        b_c = 136.0
+                    b_lo = b_lo - b_c  # q - z in one FADD
+                    b_hi = b_hi - b_c
+                for m in tl.static_range(BM):
+                    if BM > 1:
+                        # Rows past M read row M - 1 (their sums are never stored): no row mask.
+                        p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_b
+                        if EVEN_K:
+                            b_x = tl.load(p_x)
+                        else:
+                            b_x = tl.load(p_x, mask=m_c[:, None], other=0)
+                        b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
+                    b_d = tl.sum(b_lo * b_xe + b_hi * b_xo, axis=1) * b_s  # [NCH]
+                    # (the where folds away: each register's row and column are constants)
+                    acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
+        acc += tl.sum(acc3, axis=2)
     else:
         o_k = tl.arange(0, BK)
         if BM == 1:

@@ -1,11 +1,19 @@
-"""Argument building and launching: ``_launch`` runs one ``Config`` on checked operands."""
+"""Launches: one builder per kernel, and ``_launch``, which runs a ``Config``.
+
+The builders return :class:`~fusepass.kernels._common.Launch` objects naming
+every kernel argument; the op's CUDA body runs them (``_launch``), a graph
+gets them traced (``op.dequant_matmul_traced``).  Only the buffers differ
+between the two: eager launches take their split-K counters from the
+process-wide regions of :mod:`.counters`, a graph allocates zeroed ones of
+its own.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv, interpreting
+from fusepass.kernels._common import Launch, cdiv, interpreting
 from fusepass.kernels.dequant_matmul.config import _GROUP_M, Config, _k_split, _pow2
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.dequant_matmul.dequant import _dequant_kernel
@@ -13,16 +21,11 @@ from fusepass.kernels.dequant_matmul.gemv import _dequant_gemv_kernel
 from fusepass.kernels.dequant_matmul.tensor_core import _dequant_mm_kernel, _dequant_mmt_kernel
 from fusepass.kernels.dequant_matmul.tiles import _splitk_reduce_kernel
 
+_REDUCE_BLOCK = 1024
+
 
 def _workspace(split: int, M: int, N: int, like: Tensor) -> Tensor:
     return torch.empty((split, M, N), dtype=torch.float32, device=like.device)
-
-
-def _run(kernel, grid, warmup: bool, *args, **meta) -> None:
-    if warmup:  # compile only (the tuner compiles its candidates in parallel first)
-        kernel.warmup(*args, grid=grid, **meta)
-    else:
-        kernel[grid](*args, **meta)
 
 
 def _pairs(x: Tensor) -> Tensor:
@@ -34,22 +37,109 @@ def _pairs(x: Tensor) -> Tensor:
     return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
 
 
-def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
-            fmt: str, G: int, cfg: Config, warmup: bool = False, sum_here: bool = True) -> None:
-    """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``; all operands as the op checked them,
-    x and w with unit column stride, scale / zero / bias contiguous.  A split K is
-    summed by the tile's last program where counters can be had and ``sum_here``
-    (the default), else by a second kernel."""
+def _words(w: Tensor) -> Tensor:
+    """A weight of bytes (int4 packed uint8 [N, K / 2], int8 [N, K]) as int32 words
+    of four bytes; a row stride or offset that is not whole words is copied first."""
+    if w.stride(0) % 4 or w.storage_offset() % 4:
+        w = w.contiguous()
+    return w.view(torch.int32)
+
+
+def splits(cfg: Config, K: int) -> int:
+    """K slices the product runs in (1: whole K)."""
+    return _k_split(K, cfg.BK, cfg.split)[1]
+
+
+def tiles(cfg: Config, M: int, N: int) -> int:
+    """Output tiles of the product: split-K counters needed, one per tile."""
+    return cdiv(N, cfg.BN) * (1 if cfg.kind == "gemv" else cdiv(M, cfg.BM))
+
+
+def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
+                   fmt: str, G: int, cfg: Config, part: Tensor | None = None, ctr: Tensor | None = None) -> Launch:
+    """The fused product (``cfg.kind`` "gemv", "mm" or "mmt"): out [M, N] = x [M, K] @ dequant(w)^T + bias.
+
+    Operands as the op checked them: x and w with unit column stride (fp8
+    weights viewed as bytes: a masked load's fill value cannot be cast to
+    fp8), scale / zero / bias contiguous.  A split K writes its slices into
+    ``part`` [split, M, N] fp32; with counters ``ctr`` (``tiles``, zeroed) the
+    tile's last program sums them, else :func:`reduce_launch` must run next.
+    Unused pointers are given ``scale``: never read, and never a tensor the
+    launch writes (a graph's functional launch must not see its output twice).
+    """
     M, K = x.shape
     N = w.shape[0]
-    if fmt == "fp8":  # loaded as bytes (a masked load's fill value cannot be cast to fp8) and bitcast
+    k_split, split, even = _k_split(K, cfg.BK, cfg.split)
+    dummy = scale
+    args = dict(w=w, scale=scale, zero=zero if zero is not None else dummy, bias=bias if bias is not None else dummy,
+                out=out, part=part if split > 1 else dummy, ctr=ctr if ctr is not None else dummy,
+                M=M, N=N, K=K, K_SPLIT=k_split, stride_xm=x.stride(0), stride_wn=w.stride(0),
+                stride_sn=scale.stride(0) if fmt == "int4" else 1,
+                FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
+                SUM_HERE=ctr is not None, EVEN_K=even, BN=cfg.BN, BK=cfg.BK)
+    outputs = ("out",) + (("part",) if split > 1 else ()) + (("ctr",) if ctr is not None else ())
+    dot_f32 = x.dtype == torch.float32 or not x.is_cuda
+    if cfg.kind == "gemv":
+        # int4 reads x as value pairs; its PTX nibble path wants 4-byte chunks within a group (G >= 8).
+        xp = _pairs(x) if fmt == "int4" else x
+        asm = fmt == "int4" and x.is_cuda and not interpreting() and G >= 8
+        return Launch(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split),
+                      {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "BM": _pow2(M), "ASM": asm},
+                      outputs, cfg.warps, cfg.stages)
+    if cfg.kind == "mmt":
+        # int4 always, int8 in whole tiles: the weight read as int32 words (see the kernel)
+        words = fmt == "int4" or (fmt == "int8" and even and K % 4 == 0)
+        if words:
+            wv = _words(w)
+            args.update(w=wv, stride_wn=wv.stride(0))
+        return Launch(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split),
+                      {**args, "x": x, "BM": cfg.BM, "DOT_F32": dot_f32, "ASM": x.is_cuda and not interpreting(),
+                       "WORDS": words}, outputs, cfg.warps, cfg.stages)
+    if cfg.kind == "mm":
+        return Launch(_dequant_mm_kernel, (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split),
+                      {**args, "x": x, "BM": cfg.BM, "GROUP_M": _GROUP_M, "DOT_F32": dot_f32,
+                       "PERM": bool(cfg.perm) and fmt == "int4"}, outputs, cfg.warps, cfg.stages)
+    raise ValueError(f"no fused kernel for config kind {cfg.kind!r}")
+
+
+def reduce_launch(part: Tensor, bias: Tensor | None, out: Tensor) -> Launch:
+    """out [M, N] = the sum of the slices part [split, M, N] (+ bias): split K without counters."""
+    split, M, N = part.shape
+    args = dict(part=part, bias=bias if bias is not None else part, out=out, M=M, N=N, SPLIT=split,
+                HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK)
+    return Launch(_splitk_reduce_kernel, (cdiv(M * N, _REDUCE_BLOCK),), args, ("out",), 4)
+
+
+def dequant_launch(w: Tensor, scale: Tensor, zero: Tensor | None, out: Tensor, fmt: str, G: int) -> Launch:
+    """out [N, K] = dequant(w) in out's dtype: the cuBLAS path's first pass (``torch.mm`` follows)."""
+    N, K = out.shape
+    bn, bk = (32, min(G, 256)) if fmt == "int4" else (16, 256)
+    args = dict(w=w, scale=scale, zero=zero if zero is not None else scale, out=out, N=N, K=K,
+                stride_wn=w.stride(0), stride_sn=scale.stride(0), FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None,
+                BN=bn, BK=bk)
+    return Launch(_dequant_kernel, (cdiv(N, bn), cdiv(K, bk)), args, ("out",), 4)
+
+
+def _run(launch: Launch, warmup: bool) -> None:
+    if warmup:  # compile only (the tuner compiles its candidates in parallel first)
+        launch.warmup()
+    else:
+        launch.run()
+
+
+def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
+            fmt: str, G: int, cfg: Config, warmup: bool = False, sum_here: bool = True) -> None:
+    """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``, now; operands as for
+    :func:`product_launch`.  A split K is summed by the tile's last program
+    where counters can be had and ``sum_here`` (the default), else by a second
+    kernel."""
+    M, K = x.shape
+    N = w.shape[0]
+    if fmt == "fp8":
         w = w.view(torch.uint8)
     if cfg.kind == "cublas":
         wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
-        bn, bk = (32, min(G, 256)) if fmt == "int4" else (16, 256)
-        _run(_dequant_kernel, (cdiv(N, bn), cdiv(K, bk)), warmup,
-             w, scale, zero if zero is not None else scale, wd, N, K, w.stride(0), scale.stride(0),
-             FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, BN=bn, BK=bk, num_warps=4)
+        _run(dequant_launch(w, scale, zero, wd, fmt, G), warmup)
         if warmup:
             return
         if bias is None:
@@ -57,33 +147,12 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         else:
             torch.addmm(bias.to(x.dtype), x, wd.t(), out=out)
         return
-    k_split, split, even = _k_split(K, cfg.BK, cfg.split)
-    part = _workspace(split, M, N, x) if split > 1 else out
+    split = splits(cfg, K)
+    part = _workspace(split, M, N, x) if split > 1 else None
     ctr = None
     if split > 1 and sum_here:  # (a compile-only warmup needs only the pointer's type)
-        tiles = cdiv(N, cfg.BN) * (1 if cfg.kind == "gemv" else cdiv(M, cfg.BM))
-        ctr = torch.empty(0, dtype=torch.int32, device=x.device) if warmup else _split_counters(x.device, tiles)
-    operands = (w, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, part,
-                ctr if ctr is not None else part, M, N, K, k_split)
-    w_strides = (w.stride(0), scale.stride(0) if fmt == "int4" else 1)
-    meta = dict(FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-                SUM_HERE=ctr is not None, EVEN_K=even,
-                BN=cfg.BN, BK=cfg.BK, num_warps=cfg.warps, num_stages=cfg.stages)
-    if cfg.kind == "gemv":
-        # int4 reads x as value pairs; its PTX nibble path wants 4-byte chunks within a group (G >= 8).
-        xp = _pairs(x) if fmt == "int4" else x
-        asm = fmt == "int4" and x.is_cuda and not interpreting() and G >= 8
-        _run(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split), warmup, x, xp, *operands, x.stride(0), xp.stride(0),
-             *w_strides, BM=_pow2(M), ASM=asm, **meta)
-    elif cfg.kind == "mmt":
-        _run(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split), warmup, x, *operands, x.stride(0),
-             *w_strides, BM=cfg.BM, DOT_F32=x.dtype == torch.float32 or not x.is_cuda, **meta)
-    else:
-        grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split)
-        _run(_dequant_mm_kernel, grid, warmup, x, *operands, x.stride(0), *w_strides, BM=cfg.BM, GROUP_M=_GROUP_M,
-             DOT_F32=x.dtype == torch.float32 or not x.is_cuda, PERM=bool(cfg.perm) and fmt == "int4", **meta)
-    if split > 1 and not meta["SUM_HERE"]:
-        block = 1024
-        _run(_splitk_reduce_kernel, (cdiv(M * N, block),), warmup,
-             part, bias if bias is not None else part, out, M, N, split, HAS_BIAS=bias is not None, BLOCK=block,
-             num_warps=4)
+        ctr = torch.empty(0, dtype=torch.int32, device=x.device) if warmup else _split_counters(x.device,
+                                                                                                  tiles(cfg, M, N))
+    _run(product_launch(x, w, scale, zero, bias, out, fmt, G, cfg, part, ctr), warmup)
+    if split > 1 and ctr is None:
+        _run(reduce_launch(part, bias, out), warmup)

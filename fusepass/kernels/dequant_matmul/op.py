@@ -1,25 +1,43 @@
-"""The op: ``fusepass::dequant_matmul`` with its fake, CUDA (Triton) and CPU
-(plain torch) implementations, and the fp32 reference."""
+"""The op ``fusepass::dequant_matmul``: its fake, CUDA (Triton) and CPU (plain
+torch) implementations, the fp32 reference, and its inlined form (the same
+launches put into a graph)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
-from fusepass.kernels._common import on_device, rows, run_kernel
-from fusepass.kernels.dequant_matmul.config import Config, _valid
-from fusepass.kernels.dequant_matmul.launch import _launch
-from fusepass.kernels.dequant_matmul.tuner import _plan
+from fusepass.formats import FORMATS, KERNEL_DTYPES, WEIGHT_DTYPES, dequantize
+from fusepass.kernels._common import call, inline_enabled, on_device, register_inline, rows, run_kernel
+from fusepass.kernels.dequant_matmul.config import Config, Problem, valid
+from fusepass.kernels.dequant_matmul.launch import _launch, dequant_launch, product_launch, splits, tiles
+from fusepass.kernels.dequant_matmul.plans import lookup
 
-FORMATS = ("int8", "int4", "fp8")
-WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+def _plan(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, device: torch.device) -> Config:
+    return lookup(Problem.of(M, N, K, fmt, G, dtype, device))
+
+
+def _operands(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None):
+    """(x as [M, K] rows with unit column stride, weight, scale, zero, bias) as the kernels read them."""
+    K = x.shape[-1]
+    x2 = rows(x, K)
+    if x2.stride(1) != 1:  # a broadcast row of x (stride 0): one copy
+        x2 = x2.contiguous()
+    # The rules refuse weights the kernels cannot read in place; any that
+    # reach the op anyway are copied (correct, one extra pass over them).
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    return (x2, weight, scale.contiguous(), zero.contiguous() if zero is not None else None,
+            bias.contiguous() if bias is not None else None)
 
 
 def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
                        fmt: str, group_size: int, *, config: Config | None = None) -> Tensor:
     """The op's CUDA body: ``config`` overrides the plan (tests, sweeps)."""
-    if x.dtype not in _KERNEL_DTYPES:
+    if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"no kernel for {x.dtype} activations")
     K = x.shape[-1]
     N = weight.shape[0]
@@ -28,48 +46,15 @@ def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | 
         return out
     if K == 0:
         return out.copy_(bias.expand_as(out) if bias is not None else torch.zeros((), dtype=x.dtype))
-    x2 = rows(x, K)
-    if x2.stride(1) != 1:  # a broadcast row of x (stride 0): one copy
-        x2 = x2.contiguous()
-    # The rules refuse weights the kernels cannot read in place; any that
-    # reach the op anyway are copied (correct, one extra pass over them).
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    scale = scale.contiguous()
-    zero = zero.contiguous() if zero is not None else None
-    bias = bias.contiguous() if bias is not None else None
+    x2, weight, scale, zero, bias = _operands(x, weight, scale, zero, bias)
     M = x2.shape[0]
     G = group_size if fmt == "int4" else 0
-    cfg = config or _plan(M, N, K, fmt, G, x.dtype, x.device, weight, scale, zero)
-    if not _valid(cfg, M, K, fmt, G, x.dtype):
+    cfg = config or _plan(M, N, K, fmt, G, x.dtype, x.device)
+    if not valid(cfg, Problem(M, N, K, fmt, G, x.dtype, "")):
         raise ValueError(f"config {cfg.label()} cannot run M{M} K{K} {fmt} g{G} {x.dtype}")
     with on_device(x):
         _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg)
     return out
-
-
-# --------------------------------------------------------------- reference ----
-
-
-def unpack_int4(packed: Tensor) -> Tensor:
-    """uint8 [N, K // 2] -> uint8 [N, K]: low nibble the even column, high nibble the odd."""
-    lo = packed & 0xF
-    hi = packed >> 4
-    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def dequantize(weight: Tensor, scale: Tensor, zero: Tensor | None, fmt: str, group_size: int,
-               dtype: torch.dtype = torch.float32) -> Tensor:
-    """The [N, K] weight in ``dtype`` (computed in fp32)."""
-    if fmt == "int4":
-        q = unpack_int4(weight).to(torch.float32)
-        N, K = q.shape
-        q = q.view(N, K // group_size, group_size)
-        z = zero.to(torch.float32)[..., None] if zero is not None else 8.0
-        w = ((q - z) * scale.to(torch.float32)[..., None]).view(N, K)
-    else:
-        w = weight.to(torch.float32) * scale.to(torch.float32)[:, None]
-    return w.to(dtype)
 
 
 def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
@@ -128,10 +113,63 @@ def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size):
 @dequant_matmul.register_kernel("cuda")
 def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size):
     _check(x, weight, scale, zero, bias, fmt, group_size)
-    if x.dtype not in _KERNEL_DTYPES:  # fp64: the reference
+    if x.dtype not in KERNEL_DTYPES:  # fp64: the reference
         return _reference_out(x, weight, scale, zero, bias, fmt, group_size)
     return run_kernel(
         "dequant_matmul",
         lambda: dequant_matmul_fwd(x, weight, scale, zero, bias, fmt, group_size),
         lambda: _reference_out(x, weight, scale, zero, bias, fmt, group_size),
     )
+
+
+# ------------------------------------------------------- calls in graphs ----
+
+
+def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
+                          fmt: str, group_size: int) -> Tensor:
+    """The op's launches as nodes of the graph (:meth:`Launch.traced`), with the
+    plan chosen now, for this M: the fused product, with a split K's slices and
+    zeroed counters allocated in the graph (the tile's last program sums the
+    slices and leaves the counters at zero), or the dequantising pass and the
+    graph's own ``mm`` (Inductor's cuBLAS call)."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2, weight, scale, zero, bias = _operands(x, weight, scale, zero, bias)
+    M = x2.shape[0]
+    G = group_size if fmt == "int4" else 0
+    cfg = _plan(M, N, K, fmt, G, x.dtype, x.device)
+    w = weight.view(torch.uint8) if fmt == "fp8" else weight
+    if cfg.kind == "cublas":
+        wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
+        wd = dequant_launch(w, scale, zero, wd, fmt, G).traced()["out"]
+        y = torch.mm(x2, wd.t()) if bias is None else torch.addmm(bias.to(x.dtype), x2, wd.t())
+    else:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        split = splits(cfg, K)
+        part = ctr = None
+        if split > 1:
+            part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+            ctr = torch.zeros(tiles(cfg, M, N), dtype=torch.int32, device=x.device)
+        y = product_launch(x2, w, scale, zero, bias, out, fmt, G, cfg, part, ctr).traced()["out"]
+    return y.view(*x.shape[:-1], N)
+
+
+def _static(*sizes) -> bool:
+    return all(isinstance(s, int) for s in sizes)
+
+
+def _inline_ok(x, weight, scale, zero, bias, fmt, group_size) -> bool:
+    # The plan depends on M (the GEMV's row count is a constexpr): a symbolic
+    # M goes through the op, which plans per call.
+    return (inline_enabled(x) and x.dtype in KERNEL_DTYPES and fmt in FORMATS and weight.dim() == 2
+            and _static(*x.shape, *x.stride(), *weight.shape, *weight.stride())
+            and math.prod(x.shape[:-1]) > 0 and weight.shape[0] > 0 and x.shape[-1] > 0)
+
+
+register_inline(torch.ops.fusepass.dequant_matmul.default, _inline_ok, dequant_matmul_traced)
+
+
+def dequant_matmul_call(x, weight, scale, zero, bias, fmt, group_size):
+    """What the rules put in a graph: the launches themselves when the engine
+    inlines kernels for a CUDA graph, else the ``fusepass::dequant_matmul`` op."""
+    return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size)

@@ -1,21 +1,34 @@
-"""Plans: the heuristic, and measured plans kept per key in JSON files."""
+"""Plans: which ``Config`` runs a ``Problem``, looked up, never measured here.
+
+The lookup takes, in order: a plan measured on this machine (``fusepass
+tune`` writes them to the user cache, ``FUSEPASS_DEQUANT_MATMUL_CACHE``,
+default ``~/.cache/fusepass/dequant_matmul.json``), a plan shipped for this
+GPU (``plans/<gpu>.json`` beside this file, measured on that GPU by
+``benchmarks/dequant_matmul.py --tune``), then the heuristic.  It reads files
+once and runs nothing on the GPU, so a rule's ``check`` can ask it while
+compiling, the op asks it when it runs, and both get the same answer.
+"""
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from fusepass.formats import KERNEL_DTYPES
 from fusepass.kernels._common import cdiv
-from fusepass.kernels.dequant_matmul.config import _GEMV_MAX_M, CUBLAS, Config, _pow2, m_bucket
+from fusepass.kernels.dequant_matmul.config import _GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, valid
 
 log = logging.getLogger("fusepass")
+
+PLANS_DIR = Path(__file__).with_name("plans")
 
 
 def _auto_split(programs: int, K: int, BK: int, n_sm: int) -> int:
@@ -24,28 +37,60 @@ def _auto_split(programs: int, K: int, BK: int, n_sm: int) -> int:
     return max(1, min(want, K // BK, 16))
 
 
-def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_sm: int) -> Config:
-    """The plan when there is no measured one (no table entry, tuning off, CUDA-graph capture, the interpreter)."""
-    if M > (2 if fmt == "int4" else 1) and N >= 2048 and (fmt != "int4" or G % 32 == 0) and dtype != torch.float32:
-        # A few rows on a large weight: the transposed kernel (rows padded to 16)
-        # ran 0.67-0.90x the GEMV's time, cold, at int4 M = 4-8 and int8 / fp8
-        # M = 2-8 on Llama-3-8B's 4096- and 14336-row shapes (H100, 33abe0c and
-        # 0e2b217); the GEMV kept int4 M = 2 and the 1024-row shape.
+def int4_gemv_bk(K: int, G: int, warps: int, chunks: int = 1) -> int:
+    """The int4 GEMV's tile depth: each of the ``32 * warps`` threads holds
+    ``chunks`` chunks of 16 bytes (32 values; fewer for G < 32) of every row of
+    the block, so that no thread holds a copy of another's chunk."""
+    per_chunk = 32 if G >= 32 else G
+    return 32 * warps * chunks * per_chunk
+
+
+def _int4_gemv(M: int, N: int, K: int, G: int, n_sm: int) -> Config:
+    # Four warps, one 16-byte chunk per thread and row (4096 values per tile),
+    # fewer warps where K is shorter, or where the rows alone make too few
+    # programs and K must be split into more slices than whole tiles allow;
+    # eight rows (four at M = 2) per program: 128 registers, four programs per
+    # SM, 64 KB of loads in flight per SM (sm_90 compile,
+    # benchmarks/sass_dequant_matmul.py).
+    bn = 8 if M == 1 else 4
+    warps = 4
+    while warps > 1 and (4 * int4_gemv_bk(K, G, warps) > 5 * K  # at most a fifth of the tile past K
+                         or cdiv(N, bn) * max(1, K // int4_gemv_bk(K, G, warps)) < 2 * n_sm):
+        warps //= 2
+    bk = int4_gemv_bk(K, G, warps)
+    return Config("gemv", BN=bn, BK=bk, warps=warps, split=_auto_split(cdiv(N, bn), K, bk, n_sm))
+
+
+def heuristic(p: Problem) -> Config:
+    """The plan when there is no measured one (no entry for this GPU, the interpreter)."""
+    M, N, K, fmt, G, dtype, n_sm = p.M, p.N, p.K, p.fmt, p.group, p.dtype, p.sms
+    if M > (2 if fmt == "int4" else 1) and N >= 2048 and (fmt != "int4" or G % 32 == 0) and dtype != torch.float32 \
+            and M <= 64:
+        # A few rows to 64 on a large weight: the transposed kernel (rows padded
+        # to 16) ran 0.67-0.90x the GEMV's time, cold, at int4 M = 4-8 and int8 /
+        # fp8 M = 2-8 on Llama-3-8B's 4096- and 14336-row shapes (H100, 33abe0c
+        # and 0e2b217), and won 26 of 27 keys of M = 16-64.  Tiles of 128 rows:
+        # fewer fixed instructions per value in the loop (sm_90: int4 4.6 per
+        # value against 5.4 at 64 rows); the split brings the grid to about
+        # two programs per SM.
         bk = min(128, G) if fmt == "int4" else 128
-        return Config("mmt", BM=16, BN=64, BK=bk, warps=4, stages=3, split=_auto_split(cdiv(N, 64), K, bk, n_sm))
+        bm = min(64, max(16, _pow2(M)))
+        bn = 128 if N >= 4096 else 64
+        return Config("mmt", BM=bm, BN=bn, BK=bk, warps=4, stages=3,
+                      split=max(1, _auto_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm) // 2))
     if M <= _GEMV_MAX_M:
-        bk = 1024 if fmt == "int4" else 512
-        bk = max(bk, G) if fmt == "int4" else bk
-        bn = 8 if fmt == "int4" or M == 1 else max(1, 8 // _pow2(M))
+        if fmt == "int4" and (G % 32 == 0 or G in (2, 4, 8, 16)):
+            return _int4_gemv(M, N, K, G, n_sm)
+        bk = 512
+        bn = 8 if M == 1 else max(1, 8 // _pow2(M))
         return Config("gemv", BN=bn, BK=bk, split=_auto_split(cdiv(N, bn), K, bk, n_sm), warps=4)
     if dtype == torch.float32 or M > 256:
         return CUBLAS
     bm = min(64 if M <= 64 else 128, max(16, _pow2(M)))
     if fmt != "int4" or G % 32 == 0:
-        # The transposed kernel won 26 of the 27 keys of int4, int8 and fp8 at
-        # M = 16-64 swept on the H100 on cold weights (Llama-3-8B shapes) and 16
-        # of 18 at M = 128-256, mostly with these tiles; the split is half the
-        # one that brings the grid to four programs per SM.
+        # The transposed kernel won 16 of 18 keys at M = 128-256 on the H100
+        # (cold weights, Llama-3-8B shapes), mostly with these tiles; the split is
+        # half the one that brings the grid to four programs per SM.
         bk = min(128, G) if fmt == "int4" else 128
         return Config("mmt", BM=bm, BN=64, BK=bk, warps=4, stages=3,
                       split=max(1, _auto_split(cdiv(N, 64) * cdiv(M, bm), K, bk, n_sm) // 2))
@@ -55,21 +100,20 @@ def _heuristic(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_s
     return Config("mm", BM=bm, BN=bn, BK=bk, split=_auto_split(progs, K, bk, n_sm), warps=4, stages=3)
 
 
-# -- plans: measured once per key, cached in memory and in a JSON file ----------
-#
-# The key is (GPU name, format, group, M bucket, N, K); fp16 and bf16 share
-# it (same bytes, same instructions), fp32 has its own.  A default table
-# measured on an H100 ships beside this file; plans measured on the user's
-# machine go to FUSEPASS_DEQUANT_MATMUL_CACHE (default
-# ~/.cache/fusepass/dequant_matmul.json, "" to keep them in memory only) and
-# win over the shipped ones.  FUSEPASS_DEQUANT_MATMUL_TUNE=0 turns tuning off.
+# -- the plan files ---------------------------------------------------------------
 
-_SHIPPED = Path(__file__).parent.parent / "dequant_matmul_plans.json"
-_plans: dict[str, dict] | None = None
-_plans_lock = threading.Lock()
+_lock = threading.Lock()
+_shipped: dict[str, dict[str, dict]] = {}  # GPU name -> its shipped plans
+_user: dict[str, dict] | None = None  # the user cache, read once
+_looked_up: dict[Problem, Config] = {}
 
 
-def _cache_path() -> Path | None:
+def shipped_path(gpu: str) -> Path:
+    """The shipped plan file of a GPU: its name, lower case, other characters as dashes."""
+    return PLANS_DIR / (re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json")
+
+
+def cache_path() -> Path | None:
     env = os.environ.get("FUSEPASS_DEQUANT_MATMUL_CACHE")
     if env is not None:
         return Path(env) if env else None
@@ -77,7 +121,8 @@ def _cache_path() -> Path | None:
     return Path(base) / "fusepass" / "dequant_matmul.json"
 
 
-def _read(path: Path | None) -> dict[str, dict]:
+def read(path: Path | None) -> dict[str, dict]:
+    """The ``plans`` of a plan file ({key: Config fields and the measured "us"})."""
     if path is None or not path.is_file():
         return {}
     try:
@@ -87,26 +132,59 @@ def _read(path: Path | None) -> dict[str, dict]:
         return {}
 
 
-def _load_plans() -> dict[str, dict]:
-    global _plans
-    with _plans_lock:
-        if _plans is None:
-            _plans = {**_read(_SHIPPED), **_read(_cache_path())}
-        return _plans
+def _user_plans() -> dict[str, dict]:
+    global _user
+    if _user is None:
+        _user = read(cache_path())
+    return _user
 
 
-def _save_plan(key: str, cfg: Config, us: float) -> None:
+def _shipped_plans(gpu: str) -> dict[str, dict]:
+    plans = _shipped.get(gpu)
+    if plans is None:
+        plans = _shipped[gpu] = read(shipped_path(gpu))
+    return plans
+
+
+def from_entry(entry: dict) -> Config:
+    return Config(**{k: v for k, v in entry.items() if k in Config.__dataclass_fields__})
+
+
+def lookup(p: Problem) -> Config:
+    """The plan for ``p``: measured here, shipped for this GPU, or the heuristic."""
+    cfg = _looked_up.get(p)
+    if cfg is not None:
+        return cfg
+    with _lock:
+        entry = _user_plans().get(p.key) or _shipped_plans(p.gpu).get(p.key)
+        cfg = from_entry(entry) if entry is not None else None
+        if cfg is None or not valid(cfg, p):
+            cfg = heuristic(p)
+        _looked_up[p] = cfg
+    return cfg
+
+
+def measured(p: Problem) -> dict | None:
+    """The plan file entry for ``p`` (with its measured "us"), if any."""
+    with _lock:
+        return _user_plans().get(p.key) or _shipped_plans(p.gpu).get(p.key)
+
+
+def save(p: Problem, cfg: Config, us: float) -> None:
+    """Keep a measured plan in the user cache (and in memory: later lookups in
+    this process see it; compiled graphs that chose the old one recompile, as
+    :func:`fingerprint` changes)."""
     entry = {**asdict(cfg), "us": round(us, 2)}
-    with _plans_lock:
-        assert _plans is not None
-        _plans[key] = entry
-        path = _cache_path()
+    with _lock:
+        _user_plans()[p.key] = entry
+        _looked_up.clear()
+        path = cache_path()
         if path is None:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            data = _read(path)
-            data[key] = entry
+            data = read(path)
+            data[p.key] = entry
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"plans": dict(sorted(data.items()))}, indent=0))
             os.replace(tmp, path)
@@ -114,15 +192,40 @@ def _save_plan(key: str, cfg: Config, us: float) -> None:
             log.warning("fusepass: could not save the dequant_matmul plan to %s (%s)", path, exc)
 
 
-@functools.cache
-def _gpu_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+def fingerprint() -> str:
+    """A digest of every plan a lookup may return: compiled graphs keep the
+    plans they chose, so the compile cache's key includes it."""
+    h = hashlib.sha256()
+    with _lock:
+        for path in sorted(PLANS_DIR.glob("*.json")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+        h.update(json.dumps(_user_plans(), sort_keys=True).encode())
+    return h.hexdigest()
 
 
-def plan_key(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype, device: torch.device) -> str:
-    prec = "fp32" if dtype == torch.float32 else "16bit"
-    g = f"g{group_size}" if fmt == "int4" else "gc"
-    return f"{_gpu_name(device)}|{fmt}-{g}|{prec}|M{m_bucket(M)}|N{N}|K{K}"
+def reset() -> None:
+    """Forget the files read (tests; a cache written by another process)."""
+    global _user
+    with _lock:
+        _user = None
+        _shipped.clear()
+        _looked_up.clear()
 
-def _from_entry(entry: dict) -> Config:
-    return Config(**{k: v for k, v in entry.items() if k in Config.__dataclass_fields__})
+
+_PLAN_NAMES = {"gemv": "gemv", "mm": "tensor-core", "mmt": "tensor-core", "cublas": "dequant+cublas"}
+
+
+def plan_name(cfg: Config) -> str:
+    """"gemv" or "tensor-core" (fused kernels), or "dequant+cublas" (the weight dequantised, then ``torch.mm``)."""
+    return _PLAN_NAMES[cfg.kind]
+
+
+def dequant_matmul_plan(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype,
+                        device: torch.device | str) -> str:
+    """How the op runs this shape: :func:`plan_name` of its plan, or "reference"
+    (fp64 and other dtypes, and non-CUDA devices run plain torch)."""
+    device = torch.device(device)
+    if dtype not in KERNEL_DTYPES or device.type != "cuda":
+        return "reference"
+    return plan_name(lookup(Problem.of(M, N, K, fmt, group_size, dtype, device)))

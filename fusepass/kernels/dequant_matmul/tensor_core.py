@@ -6,7 +6,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels.dequant_matmul.tiles import _dot, _finish, _int8_to_f32, _nibbles_to_f32
+from fusepass.kernels.dequant_matmul.tiles import (
+    _dot,
+    _finish,
+    _int4_dequant,
+    _int4_offset,
+    _int8_to_f32,
+    _int8_word,
+    _nibbles_to_f32,
+    _word_128,
+)
 
 
 @triton.jit
@@ -127,44 +136,76 @@ def _dequant_mmt_kernel(
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    ASM: tl.constexpr = False, WORDS: tl.constexpr = False,
 ):
     # Small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
     # The dequantised weight tile is the dot's A operand, used from registers,
-    # and x^T the B operand as loaded.  int4: the low and high nibbles of each
-    # byte are joined back into K order in place (each thread keeps its own
-    # pairs), so one dot of depth BK covers the tile; on the H100 this ran
-    # 0.61-1.00x gemlite A16W4's time at M = 16-64 where the `mm` kernel (x as
-    # A, two half-depth dots) ran 1.4-2.4x (benchmarks/sweep_dequant_matmul_small_m.py,
-    # commit d5c4001).  int4 tiles lie within one group (BK divides G, G divides
-    # K); int8 / fp8 values are exact in x's 16-bit dtype and the per-row scale
-    # goes on the fp32 sum.
+    # and x^T the B operand as loaded (0.61-1.00x gemlite A16W4's time at M =
+    # 16-64 on the H100 where the `mm` kernel, x as A, ran 1.4-2.4x; commit
+    # d5c4001).  int8 / fp8 values are exact in x's 16-bit dtype and the per-row
+    # scale goes on the fp32 sum.
+    #
+    # int4 (tiles inside one group: BK divides G): the weight is read as int32
+    # words of eight codes, [BN, BK / 32, 4] per tile, word 4j + t.  Its codes
+    # become the tile's columns 32j + 16h + 8u + 2t + e (byte 2h + u, nibble e),
+    # which is where the tensor cores' A fragment wants them (a thread holds
+    # columns 2t, 2t + 1, 2t + 8 and 2t + 9 of each 16), and x's rows are
+    # gathered in the same order (pairs stay together: 4-byte loads): a dot
+    # does not see the order of K.  So a thread converts the words it loaded
+    # itself, one PRMT and one FMA per value and no shuffles: 4.6 instructions
+    # per value in the loop at BN 128 where joining each byte's nibbles in K
+    # order took 6.1 and the int-to-float conversions it replaced 6.9
+    # (benchmarks/sass_dequant_matmul.py, sm_90).
     i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
     o_m = i_m * BM + tl.arange(0, BM)
     m_n = o_n < N
     m_m = o_m < M
-    BKP: tl.constexpr = BK // 2
-    o_kp = tl.arange(0, BKP)
     o_k = tl.arange(0, BK)
     p_w = w + o_n.to(tl.int64)[:, None] * stride_wn
     p_x = x + o_m.to(tl.int64)[None, :] * stride_xm
     dt = x.dtype.element_ty
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    if FMT == "int8" and WORDS:
+        o_wd = (tl.arange(0, BK // 16) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 16, 4] words
+        # column c = 16j + 8h + 2t + e of the tile holds K index 16j + 4t + 2h + e
+        o_pk = (o_k // 16) * 16 + ((o_k // 2) % 4) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
+    if FMT == "int4":
+        ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
+        o_wd = (tl.arange(0, BK // 32) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 32, 4] words
+        # column c = 32j + 16h + 8u + 2t + e of the tile holds K index 32j + 8t + 4h + 2u + e
+        o_pk = (o_k // 32) * 32 + ((o_k // 2) % 4) * 8 + ((o_k // 16) % 2) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
     k_lo = i_s * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     for k0 in range(k_lo, k_hi, BK):
         if FMT == "int4":
-            b_q = tl.load(p_w + (k0 // 2 + o_kp)[None, :], mask=m_n[:, None], other=0)  # [BN, BK / 2] bytes
-            b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+            p_sn = o_n * stride_sn + k0 // G
+            b_s = tl.load(scale + p_sn, mask=m_n, other=0).to(tl.float32)[:, None, None]
             if HAS_ZERO:
-                b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+                b_z = tl.load(zero + p_sn, mask=m_n, other=0)[:, None, None]
+                if not ZERO_F32:
+                    b_z = b_z.to(tl.float32)
             else:
                 b_z = 8.0
-            b_zs = b_z * b_s
-            b_lo = ((b_q & 0xF).to(tl.float32) * b_s - b_zs).to(dt)
-            b_hi = ((b_q >> 4).to(tl.float32) * b_s - b_zs).to(dt)
-            b_w = tl.reshape(tl.join(b_lo, b_hi), [BN, BK])  # column 2j + t: byte j's nibble t
-            b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :], other=0)  # [BK, BM]
+            b_wd = tl.load(p_w[:, :, None] + k0 // 8 + o_wd, mask=m_n[:, None, None], other=0)  # [BN, BK / 32, 4]
+            b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7 = _word_128(b_wd, ASM)
+            b_c = _int4_offset(b_z, b_s, ZERO_F32)
+            b_e0 = tl.join(_int4_dequant(b_0, b_s, b_c, b_z, ZERO_F32).to(dt), _int4_dequant(b_1, b_s, b_c, b_z, ZERO_F32).to(dt))
+            b_e1 = tl.join(_int4_dequant(b_2, b_s, b_c, b_z, ZERO_F32).to(dt), _int4_dequant(b_3, b_s, b_c, b_z, ZERO_F32).to(dt))
+            b_e2 = tl.join(_int4_dequant(b_4, b_s, b_c, b_z, ZERO_F32).to(dt), _int4_dequant(b_5, b_s, b_c, b_z, ZERO_F32).to(dt))
+            b_e3 = tl.join(_int4_dequant(b_6, b_s, b_c, b_z, ZERO_F32).to(dt), _int4_dequant(b_7, b_s, b_c, b_z, ZERO_F32).to(dt))
+            b_w = tl.join(tl.join(b_e0, b_e1), tl.join(b_e2, b_e3))  # [BN, BK / 32, 4 (t), 2 (e), 2 (u), 2 (h)]
+            b_w = tl.reshape(tl.permute(b_w, (0, 1, 5, 4, 2, 3)), [BN, BK])
+            b_x = tl.load(p_x + (k0 + o_pk)[:, None], mask=m_m[None, :], other=0)  # [BK, BM], rows permuted
+        elif WORDS:
+            # int8, whole tiles: int32 words of four values, [BN, BK / 16, 4] per
+            # tile, word 4j + t holding K 16j + 4t + b; byte b = 2h + e goes to
+            # column 16j + 8h + 2t + e, the A fragment's place, as for int4.
+            b_wd = tl.load(p_w[:, :, None] + k0 // 4 + o_wd, mask=m_n[:, None, None], other=0)  # [BN, BK / 16, 4]
+            b_0, b_1, b_2, b_3 = _int8_word(b_wd, ASM)
+            b_w = tl.join(tl.join(b_0.to(dt), b_1.to(dt)), tl.join(b_2.to(dt), b_3.to(dt)))  # [.., 4 (t), 2 (e), 2 (h)]
+            b_w = tl.reshape(tl.permute(b_w, (0, 1, 4, 2, 3)), [BN, BK])
+            b_x = tl.load(p_x + (k0 + o_pk)[:, None], mask=m_m[None, :], other=0)  # [BK, BM], rows permuted
         else:
             if EVEN_K:
                 b_q = tl.load(p_w + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)

@@ -68,6 +68,90 @@ def _nibbles_128(b_q, ASM: tl.constexpr):
 
 
 @triton.jit
+def _word_128(b_w, ASM: tl.constexpr):
+    """int32 words of eight 4-bit codes (byte b holds codes 2b, low nibble, and
+    2b + 1, high) -> eight fp32 tensors 128 + q_0 .. 128 + q_7, as _nibbles_128
+    builds them: three bit operations per word and one PRMT per value."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, u, c;
+            mov.b32 c, 0x43000000;
+            and.b32 t, $8, 0x0F0F0F0F;
+            shr.u32 u, $8, 4;
+            and.b32 u, u, 0x0F0F0F0F;
+            prmt.b32 $0, t, c, 0x7044;
+            prmt.b32 $1, u, c, 0x7044;
+            prmt.b32 $2, t, c, 0x7144;
+            prmt.b32 $3, u, c, 0x7144;
+            prmt.b32 $4, t, c, 0x7244;
+            prmt.b32 $5, u, c, 0x7244;
+            prmt.b32 $6, t, c, 0x7344;
+            prmt.b32 $7, u, c, 0x7344;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[b_w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        b_0 = (((b_w & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
+        b_1 = (((b_w & 0xF0) << 12) | 0x43000000).to(tl.float32, bitcast=True)
+        b_2 = (((b_w & 0xF00) << 8) | 0x43000000).to(tl.float32, bitcast=True)
+        b_3 = (((b_w & 0xF000) << 4) | 0x43000000).to(tl.float32, bitcast=True)
+        b_4 = ((b_w & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b_5 = (((b_w >> 4) & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b_6 = (((b_w >> 8) & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b_7 = (((b_w >> 12) & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        return b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7
+
+
+@triton.jit
+def _int8_word(b_w, ASM: tl.constexpr):
+    """int32 words of four int8 values -> four fp32 tensors, byte order: each
+    byte + 128 (the sign bit flipped, once per word) placed in 2**23's low
+    mantissa bits by one PRMT, then one FADD of 2**23 + 128."""
+    if ASM:
+        b_0, b_1, b_2, b_3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, c;
+            mov.b32 c, 0x4B000000;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 $0, t, c, 0x7440;
+            prmt.b32 $1, t, c, 0x7441;
+            prmt.b32 $2, t, c, 0x7442;
+            prmt.b32 $3, t, c, 0x7443;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[b_w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        b_t = b_w ^ -2139062144  # 0x80808080
+        b_0 = ((b_t & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_1 = (((b_t >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_2 = (((b_t >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_3 = (((b_t >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return b_0 - 8388736.0, b_1 - 8388736.0, b_2 - 8388736.0, b_3 - 8388736.0
+
+
+@triton.jit
+def _int4_offset(b_z, b_s, ZERO_F32: tl.constexpr):
+    """What _int4_dequant subtracts, per group: (128 + z) s (nothing yet for an
+    fp32 zero point, which need not be a multiple of 2**-16)."""
+    if ZERO_F32:
+        return b_s * 0.0  # (unused)
+    return (128.0 + b_z) * b_s
+
+
+@triton.jit
+def _int4_dequant(b_v, b_s, b_c, b_z, ZERO_F32: tl.constexpr):
+    """(q - z) s from b_v = 128 + q (_word_128): (128 + q) s - (128 + z) s in one
+    FMA.  For bf16 scales and zero points (fusepass.quantize's) the product
+    (128 + z) s is exact in fp32, so this is (q - z) s rounded once, as the
+    model's own dequantisation rounds it, and 0 where q = z (inf * 0 stays NaN).
+    An fp32 zero point: q - z rounded once, as the reference, then the scale."""
+    if ZERO_F32:
+        return ((b_v - 128.0) - b_z) * b_s
+    return b_v * b_s - b_c
+
+
+@triton.jit
 def _pair_to_f32(b_x, DT: tl.constexpr):
     """Two adjacent values of x in one word (int32 for 16-bit x, int64 for fp32;
     the lower address in the low half) -> (first, second) as fp32."""

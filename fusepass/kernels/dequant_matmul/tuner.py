@@ -1,4 +1,11 @@
-"""The tuner: candidate configs, the GPU timer, and the planner that tunes a key it has no plan for."""
+"""The tuner: the candidate configs of a problem, timed on the GPU.
+
+Run only when asked (``fusepass tune``, ``benchmarks/dequant_matmul.py
+--tune``): it compiles a few Triton kernels and times them, which has no
+place inside a compile or a model's call.  :func:`tune_and_save` keeps the
+fastest in the user cache, where :func:`fusepass.kernels.dequant_matmul.plans.lookup`
+finds it.
+"""
 
 from __future__ import annotations
 
@@ -9,34 +16,26 @@ import time
 import torch
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv, on_device, sm_count
-from fusepass.kernels.dequant_matmul.config import _GEMV_MAX_M, CUBLAS, Config, _pow2, _valid, m_bucket
+from fusepass.kernels._common import cdiv, on_device
+from fusepass.kernels.dequant_matmul.config import _GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, valid
 from fusepass.kernels.dequant_matmul.launch import _launch
-from fusepass.kernels.dequant_matmul.plans import (
-    _auto_split,
-    _from_entry,
-    _heuristic,
-    _load_plans,
-    _save_plan,
-    plan_key,
-)
+from fusepass.kernels.dequant_matmul.plans import _auto_split, int4_gemv_bk, save
 
 log = logging.getLogger("fusepass")
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_sm: int) -> list[Config]:
-    """The few configs the tuner times for one key (each a Triton compile on first use: keep it short)."""
+def candidates(p: Problem) -> list[Config]:
+    """The few configs the tuner times for one problem (each a Triton compile on first use: keep it short)."""
+    M, N, K, fmt, G, dtype, n_sm = p.M, p.N, p.K, p.fmt, p.group, p.dtype, p.sms
     out: list[Config] = []
 
     def add(cfg: Config) -> None:
-        if _valid(cfg, M, K, fmt, G, dtype) and cfg not in out:
+        if valid(cfg, p) and cfg not in out:
             out.append(cfg)
 
     if M <= _GEMV_MAX_M:
-        # Weight bytes per row per tile: 512 (int8 / fp8) is one warp of
-        # 16-byte loads on one row; int4 the same bytes hold 1024 values.
-        per_byte = 2 if fmt == "int4" else 1
+        # int8 / fp8: weight bytes per row per tile; 512 is one warp of 16-byte
+        # loads on one row.
         bm = _pow2(M)
         shapes = ((8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (2, 1024, 4),
                   (2, 512, 4), (1, 1024, 4),
@@ -46,21 +45,26 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
                   # 4096x14336 22.9 against 24.0 (H100, cold, 3c79310).
                   (4, 2048, 8), (2, 2048, 4), (8, 2048, 8), (4, 4096, 8), (2, 4096, 4))
         if fmt == "int4":
-            # One 4-byte chunk per thread per row (128 bytes per warp): a tile
-            # of 128 * warps bytes keeps every thread on its own columns with
-            # all BN rows in its registers (the kernel's comment says why);
-            # two chunks per thread per row (256 * warps) for more bytes in flight.
-            shapes = tuple((bn, chunks * 128 * warps, warps) for bn, warps, chunks in
-                           ((8, 4, 1), (4, 4, 1), (16, 4, 1), (8, 8, 1), (4, 8, 1), (16, 8, 1), (8, 2, 1), (4, 2, 1),
-                            (2, 4, 1), (8, 4, 2), (4, 4, 2), (4, 8, 2), (8, 8, 2)))
-        for bn, kbytes, warps in shapes:
-            bk = max(kbytes * per_byte, G if fmt == "int4" else 1)
+            # A 16-byte chunk of each row per thread (one or two chunks per thread
+            # and row, 2-8 warps): the tile depth follows (int4_gemv_bk).
+            shapes = ()
+            if G % 32 == 0 or G in (2, 4, 8, 16):
+                for bn, warps, chunks in ((8, 4, 1), (4, 4, 1), (16, 4, 1), (8, 2, 1), (4, 2, 1), (8, 8, 1),
+                                          (4, 8, 1), (2, 4, 1), (4, 4, 2), (8, 4, 2), (4, 2, 2), (2, 4, 2)):
+                    if bm * bn > 32 or (M == 1 and bn < 4 and chunks == 1):
+                        continue
+                    bk = int4_gemv_bk(K, G, warps, chunks)
+                    if 4 * bk > 5 * K and warps > 1:  # mostly past K: fewer warps cover it
+                        continue
+                    auto = _auto_split(cdiv(N, bn), K, bk, n_sm)
+                    for split in sorted({1, auto}):
+                        add(Config("gemv", BN=bn, BK=bk, split=split, warps=warps))
+        for bn, kbytes, warps in (shapes if fmt != "int4" else ()):
+            bk = kbytes
             if K % bk and bk > 1024:  # a deep tile only where it divides K (a masked K breaks the 16-byte loads)
                 continue
             # int8 / fp8 keep a [BM, BN, BK] fp32 sum: at most 64 registers per thread.
-            if fmt != "int4" and bm * bn * bk > 64 * 32 * warps:
-                continue
-            if fmt == "int4" and bm * bn > 64:  # [BM, BN] sums per thread
+            if bm * bn * bk > 64 * 32 * warps:
                 continue
             if M == 1 and bn < 4 and kbytes < 2048:
                 continue
@@ -107,11 +111,11 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
                 add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))
     if M <= 64:
         # The product transposed (the weight tile as the dot's A operand).
-        for bn in (64, 128):
+        for bn, warps in ((64, 4), (128, 4), (128, 8)):
             for bk in ((64, 128) if fmt == "int4" else (128, 256)):
                 for split in (1, 2, 4, 8):
                     add(Config("mmt", BM=bm_small, BN=bn, BK=min(bk, G) if fmt == "int4" else bk, split=split,
-                               warps=4, stages=3))
+                               warps=warps, stages=3))
     elif M <= 256:
         # Row blocks of 128; the winners of the H100 sweep at M = 128-256 (int4
         # 1.2-2.4x faster than dequantise + cuBLAS, int8 1.1-1.3x than `mm`).
@@ -123,11 +127,6 @@ def _candidates(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, n_
     if M >= 64:
         add(CUBLAS)
     return out
-
-
-def _tuning_allowed(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("FUSEPASS_DEQUANT_MATMUL_TUNE", "1") != "0"
-            and not torch.cuda.is_current_stream_capturing())
 
 
 def _time_us(fn, reps: int = 10) -> float:
@@ -210,23 +209,27 @@ def _cold_ring(weight: Tensor, scale: Tensor, zero: Tensor | None,
     return [(weight, scale, zero), *copies]
 
 
-def tune(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype, weight: Tensor, scale: Tensor,
-         zero: Tensor | None, candidates: list[Config] | None = None) -> tuple[Config, list[tuple[Config, float]]]:
-    """Time the candidate configs at M rows of random x against this weight,
-    read from memory (see _cold_ring); (fastest, all times in µs per call)."""
+def tune(p: Problem, weight: Tensor | None = None, scale: Tensor | None = None, zero: Tensor | None = None,
+         configs: list[Config] | None = None) -> tuple[Config, list[tuple[Config, float]]]:
+    """Time ``configs`` (default: :func:`candidates`) at ``p.M`` rows of random x
+    against this weight (default: a random one of ``p``'s shape on the current
+    GPU), read from memory (see _cold_ring); (fastest, all times in µs per call)."""
+    M, N, K, fmt, G, dtype = p.M, p.N, p.K, p.fmt, p.group, p.dtype
+    if weight is None:
+        weight, scale, zero = _random_weight(N, K, fmt, G, torch.device("cuda", torch.cuda.current_device()))
     device = weight.device
     x = torch.randn(M, K, dtype=dtype, device=device)
     out = torch.empty(M, N, dtype=dtype, device=device)
-    cands = candidates or _candidates(M, N, K, fmt, group_size, dtype, sm_count(device))
+    cands = configs or candidates(p)
     times: list[tuple[Config, float]] = []
     with on_device(weight):
         ring = _cold_ring(weight, scale, zero)
 
         def calls(cfg: Config) -> None:
             for w, s, z in ring:
-                _launch(x, w, s, z, None, out, fmt, group_size, cfg)
+                _launch(x, w, s, z, None, out, fmt, G, cfg)
 
-        _precompile(lambda cfg: _launch(x, weight, scale, zero, None, out, fmt, group_size, cfg, warmup=True), cands)
+        _precompile(lambda cfg: _launch(x, weight, scale, zero, None, out, fmt, G, cfg, warmup=True), cands)
         for cfg in cands:
             try:
                 us = _time_us(lambda: calls(cfg), reps=max(2, 16 // len(ring))) / len(ring)
@@ -235,31 +238,17 @@ def tune(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype, 
                 continue
             times.append((cfg, us))
     if not times:
-        raise RuntimeError(f"no dequant_matmul config ran for M{M} N{N} K{K} {fmt}")
+        raise RuntimeError(f"no dequant_matmul config ran for {p.key}")
     return min(times, key=lambda t: t[1])[0], times
 
 
-def _plan(M: int, N: int, K: int, fmt: str, G: int, dtype: torch.dtype, device: torch.device,
-          weight: Tensor | None = None, scale: Tensor | None = None, zero: Tensor | None = None) -> Config:
-    n_sm = sm_count(device)
-    if device.type != "cuda":  # the interpreter
-        return _heuristic(M, N, K, fmt, G, dtype, n_sm)
-    key = plan_key(M, N, K, fmt, G, dtype, device)
-    entry = _load_plans().get(key)
-    if entry is not None:
-        cfg = _from_entry(entry)
-        if _valid(cfg, M, K, fmt, G, dtype):
-            return cfg
-    if not _tuning_allowed(device):
-        return _heuristic(M, N, K, fmt, G, dtype, n_sm)
-    if weight is None:  # asked at compile time: time on a random weight of the shape
-        weight, scale, zero = _random_weight(N, K, fmt, G, device)
-    bucket = m_bucket(M)
-    best, times = tune(bucket, N, K, fmt, G, dtype, weight, scale, zero)
-    us = dict((c, t) for c, t in times)[best]
-    log.info("fusepass: dequant_matmul %s -> %s (%.1f µs)", key, best.label(), us)
-    _save_plan(key, best, us)
-    return best
+def tune_and_save(p: Problem) -> tuple[Config, float]:
+    """Tune ``p`` on the current GPU and keep the fastest plan in the user cache; (plan, µs per call)."""
+    best, times = tune(p)
+    us = dict(times)[best]
+    log.info("fusepass: dequant_matmul %s -> %s (%.1f µs)", p.key, best.label(), us)
+    save(p, best, us)
+    return best, us
 
 
 def _random_weight(N: int, K: int, fmt: str, G: int, device: torch.device):
@@ -271,21 +260,3 @@ def _random_weight(N: int, K: int, fmt: str, G: int, device: torch.device):
     if fmt == "int8":
         return torch.randint(-128, 128, (N, K), dtype=torch.int8, device=device), s, None
     return torch.randn(N, K, device=device).to(torch.float8_e4m3fn), s, None
-
-
-_PLAN_NAMES = {"gemv": "gemv", "mm": "tensor-core", "mmt": "tensor-core", "cublas": "dequant+cublas"}
-
-
-def dequant_matmul_plan(M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype,
-                        device: torch.device | str) -> str:
-    """How the op runs this shape: "gemv" or "tensor-core" (fused kernels),
-    "dequant+cublas" (the weight dequantised, then ``torch.mm``: kept where it
-    measures faster), or "reference" (fp64 and other dtypes, non-CUDA devices
-    run plain torch).  Looks the plan up and, on a CUDA device with no plan
-    yet, measures it (a few Triton compiles and timings, once per key)."""
-    device = torch.device(device)
-    if dtype not in _KERNEL_DTYPES:
-        return "reference"
-    if device.type != "cuda":
-        return "reference"
-    return _PLAN_NAMES[_plan(max(1, M), N, K, fmt, group_size, dtype, device).kind]

@@ -1,4 +1,11 @@
-"""Launchers: the chunked pipeline (three launches) and the recurrent kernel (one)."""
+"""Launches: the chunked pipeline (two or three launches) and the recurrent kernel (one).
+
+One builder per kernel returns a :class:`~fusepass.kernels._common.Launch`;
+``gdn_chunk_fwd`` / ``gdn_recurrent_fwd`` run them (the ops' CUDA bodies),
+``op.gdn_chunk_traced`` / ``op.gdn_recurrent_traced`` put the same launches
+into a graph (:func:`~fusepass.kernels._common.trace_all`).  Pointers a
+launch does not use are given ``g``: read by every launch, written by none.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,14 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv, interpreting, on_device, sm_count
-from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_state_kernel
+from fusepass.kernels._common import Launch, cdiv, interpreting, on_device, run_all, sm_count
+from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_scan_kernel, _gdn_state_kernel
 from fusepass.kernels.gdn.recurrent_kernel import _gdn_recurrent_kernel
+from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels.gdn.reference import CHUNK, L2NORM_EPS
+from fusepass.match import hint
 
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # Widest key head held in registers: the state pass keeps a [BK, BV] fp32
 # state slice and [64, BK] tiles of w, k (and q); 256 covers every GDN model.
@@ -23,6 +31,8 @@ _MAX_DK = 256
 # B1 T4096 H16 (64 vs 32 programs) 371 µs at 64, 345 at 32; B4 T4096 Hv32
 # 1704 at 64, 1823 at 32; B8 T512 H32 465 at 64, 491 at 32.
 _STATE_BV = (64, 32)
+# Programs per SM from which the fused scan is the default (see chunk_launches).
+_FUSE_MIN_WAVES = 2
 # Tokens the chunked op hands to the recurrent kernel instead (decode, short
 # speculative runs): one launch, no scratch.
 RECURRENT_MAX_T = 16
@@ -65,88 +75,113 @@ def _empty(initial_state: Tensor | None, out: Tensor, final_state: Tensor) -> tu
     return out, final_state
 
 
-def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-                  use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
-                  final_state: Tensor | None = None, fuse_output: bool | None = None,
-                  block_v: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, output_tf32: bool | None = None,
-                  precompute_kd: bool | None = None) -> tuple[Tensor, Tensor]:
-    """The chunked pipeline: prep kernel, state pass, (output kernel).
+def _strides(name: str, t: Tensor) -> dict[str, int]:
+    """A [B, T, H, ...] operand's batch, token and head strides, as the kernels name them."""
+    return {f"s_{name}b": t.stride(0), f"s_{name}t": t.stride(1), f"s_{name}h": t.stride(2)}
 
-    ``out`` / ``final_state`` receive the results when given (tests poison
-    them); the keywords after them override the launch choices (tests, sweeps)."""
+
+def _dots(dt: torch.dtype) -> dict:
+    """The dots' operand dtype and precision: bf16/fp16 operands with fp32
+    accumulation for half-precision inputs, ieee fp32 for fp32."""
+    DT, PREC = _TL_DTYPES[dt], ("ieee" if dt == torch.float32 else "tf32")
+    return dict(DT=DT, PREC=PREC, EMU=dt == torch.bfloat16 and interpreting())
+
+
+def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
+                   final_state: Tensor, use_qk_l2norm: bool, scale: float, *, fuse_output: bool | None = None,
+                   block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   precompute_kd: bool | None = None, output_block_v: int | None = None) -> list[Launch]:
+    """The chunked pipeline's launches, in order (prep, then the fused scan or
+    the state pass and the output kernel), with their scratch allocated here;
+    q, k, v with unit last stride, h0 contiguous, B, T, H_v > 0.  The
+    keywords override the launch choices (tests, sweeps)."""
     B, T, HK, DK = q.shape
     HV, DV = v.shape[-2:]
-    out, final_state = _outputs(q, v, out, final_state)
-    if B == 0 or T == 0 or HV == 0:
-        return _empty(initial_state, out, final_state)
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    h0 = None if initial_state is None else initial_state.contiguous()
     dt = q.dtype
-    DT, PREC = _TL_DTYPES[dt], ("ieee" if dt == torch.float32 else "tf32")
-    emu = dt == torch.bfloat16 and interpreting()
-    # The output's dots in bf16/fp16 (default) or on fp32 operands in tf32
-    # (output_tf32).  H100, real sizes, bf16, relative error norm against the
-    # fp64 recurrence: 4.1e-3 in bf16 against 3.2e-3 in tf32 (FLA 0.6: 4.4e-3);
-    # the tf32 dots cost 345 against 289 µs at B1 T4096 H16, 2153 against 1593
-    # at B1 T16384 H32 (CUDA-graph time).
-    out_dots = dict(ODT=DT, OPREC=PREC, OEMU=emu)
-    if output_tf32:
-        out_dots = dict(ODT=tl.float32, OPREC="tf32", OEMU=False)
+    dots = _dots(dt)
     BK = _pow2(DK)
     NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
-    w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
-    u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
     if block_v is None:
         block_v = _STATE_BV[-1]
         for bv in _STATE_BV:
-            if B * HV * cdiv(DV, bv) >= n_sm:
+            if hint(B) * HV * cdiv(DV, bv) >= n_sm:
                 block_v = bv
                 break
     BV = min(block_v, _pow2(DV))
     NV = cdiv(DV, BV)
     if fuse_output is None:
-        # The output in the state pass (one launch and the per-chunk states
-        # fewer) lengthens the sequential loop: it lost at every shape of
-        # issue 8 on an H100, 428 vs 289 µs at B1 T4096 H16, 368 vs 354 at
-        # B8 T512 H32, 1947 vs 1593 at B1 T16384 H32 (CUDA-graph time).
-        fuse_output = False
+        # The fused scan writes o alone where the split pass writes and the
+        # output kernel reads every chunk's state and new values, but its
+        # loop is longer: it wins where programs queue for the SMs and loses
+        # where each has an SM of its own.  H100, CUDA-graph time of the op:
+        # B16 T1024 H32 (1024 programs) 1101 µs fused against 1295 split; B8
+        # T512 H32 (512) 314 (two stages) against 340 (an earlier run); B1
+        # T16384 H32 (128) 1592 against 1554.
+        fuse_output = hint(B) * HV * NV >= _FUSE_MIN_WAVES * n_sm
     if precompute_kd is None:
-        # exp(Gamma_last - Gamma) k~ formed in the prep kernel and read by the
-        # state pass, rather than normalised and decayed inside its loop:
-        # 259 vs 278 µs at B1 T4096 H16, 1562 vs 1580 at B1 T16384 H32, 342
-        # vs 333 at B8 T512 H32 (H100, CUDA-graph time).
         precompute_kd = not fuse_output
-    kd = torch.empty_like(w) if precompute_kd else w
-    hs = final_state if fuse_output else torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
-    strides = (*q.stride()[:3], *k.stride()[:3], *g.stride())
+    w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
+    u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
+    kd = torch.empty_like(w) if precompute_kd else g
+    aq = torch.empty((B, HV, NT, CHUNK, CHUNK), dtype=dt, device=q.device) if fuse_output else g
+    h_in = g if h0 is None else h0
+    sizes = dict(T=T, NT=NT, HV=HV, GROUP=HV // HK, DK=DK, DV=DV, BK=BK, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS)
+    prep = Launch(_gdn_prep_kernel, (NT * B * HV,),
+                  dict(q=q, k=k, v=v, g=g, beta=beta, w=w, u=u, kd=kd, aq=aq, scale=scale, **_strides("q", q),
+                       **_strides("k", k), **_strides("v", v), **_strides("g", g), **_strides("b", beta), **sizes,
+                       BV=min(64, _pow2(DV)), **dots, PRE_KD=precompute_kd, AQK=fuse_output,
+                       INV_PRODUCT=dt != torch.float32),
+                  ("w", "u") + (("kd",) if precompute_kd else ()) + (("aq",) if fuse_output else ()), 4)
+    qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
+    if fuse_output:
+        # One pipeline stage: 1101 µs at B16 T1024 H32 against 1141 with
+        # two and 1409 with three; 8 warps 1411 (H100, CUDA-graph time).
+        # The next chunk's loads issued by hand a chunk early spilled at 4
+        # warps (4686 µs) and lost at 8 (1502).
+        scan = Launch(_gdn_scan_kernel, (NV * B * HV,),
+                      dict(q=q, k=k, w=w, u=u, kd=kd, aq=aq, g=g, h0=h_in, o=out, hT=final_state, NV=NV,
+                           scale=scale, **qkg, **sizes, BV=BV, HAS_H0=h0 is not None, PRE_KD=precompute_kd, **dots),
+                      ("o", "hT"), num_warps or 4, num_stages or 1)
+        return [prep, scan]
+    # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
+    # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
+    # tf32 output dots); 3 stages 260 vs 259 at B1 T4096 H16, 368 vs 342 at
+    # B8 T512 H32.
+    hs = torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
+    state = Launch(_gdn_state_kernel, (NV * B * HV,),
+                   dict(k=k, w=w, u=u, kd=kd, g=g, h0=h_in, hT=final_state, hs=hs, NV=NV,
+                        **_strides("k", k), **_strides("g", g), **sizes, BV=BV, HAS_H0=h0 is not None,
+                        PRE_KD=precompute_kd, **dots),
+                   ("u", "hT", "hs"), num_warps or 4, num_stages or 2)
+    BVO = min(output_block_v or 64, _pow2(DV))
+    NVO = cdiv(DV, BVO)
+    output = Launch(_gdn_output_kernel, (NVO * NT * B * HV,),
+                    dict(q=q, k=k, g=g, vn=u, hs=hs, o=out, NV=NVO, scale=scale, **qkg,
+                         **{n: sizes[n] for n in ("T", "NT", "HV", "GROUP", "DK", "DV", "BK", "L2NORM", "EPS")},
+                         BV=BVO, **dots),
+                    ("o",), 4)
+    return [prep, state, output]
+
+
+def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                  use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
+                  final_state: Tensor | None = None, **choices) -> tuple[Tensor, Tensor]:
+    """The chunked pipeline: the prep kernel, then the fused scan or the state
+    pass and the output kernel (by default the scan where its grid fills the
+    GPU twice over).
+
+    ``out`` / ``final_state`` receive the results when given (tests poison
+    them); ``choices`` are :func:`chunk_launches`' overrides (tests, sweeps)."""
+    B, T = q.shape[:2]
+    HV = v.shape[-2]
+    out, final_state = _outputs(q, v, out, final_state)
+    if B == 0 or T == 0 or HV == 0:
+        return _empty(initial_state, out, final_state)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    h0 = None if initial_state is None else initial_state.contiguous()
     with on_device(q):
-        _gdn_prep_kernel[(NT * B * HV,)](
-            k, v, g, beta, w, u, kd, T, NT, HV, HV // HK,
-            *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-            DK=DK, DV=DV, BK=BK, BV=min(64, _pow2(DV)), L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu,
-            PRE_KD=precompute_kd, EPS=L2NORM_EPS, num_warps=4,
-        )
-        # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
-        # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
-        # tf32 output dots); 3 stages 260 vs 259 at B1 T4096 H16, 368 vs 342 at
-        # B8 T512 H32.
-        _gdn_state_kernel[(NV * B * HV,)](
-            q, k, w, u, kd, g, final_state if h0 is None else h0, out, final_state, hs,
-            T, NT, HV, HV // HK, NV, scale, *strides,
-            DK=DK, DV=DV, BK=BK, BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None, FUSE_OUT=fuse_output,
-            PRE_KD=precompute_kd, DT=DT, PREC=PREC, EMU=emu, **out_dots, EPS=L2NORM_EPS,
-            num_warps=num_warps or 4, num_stages=num_stages or 2,
-        )
-        if not fuse_output:
-            BVO = min(64, _pow2(DV))
-            NVO = cdiv(DV, BVO)
-            _gdn_output_kernel[(NVO * NT * B * HV,)](
-                q, k, g, u, hs, out, T, NT, HV, HV // HK, NVO, scale, *strides,
-                DK=DK, DV=DV, BK=BK, BV=BVO, L2NORM=use_qk_l2norm, DT=DT, PREC=PREC, EMU=emu, **out_dots,
-                EPS=L2NORM_EPS, num_warps=4,
-            )
+        run_all(chunk_launches(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale, **choices))
     return out, final_state
 
 
@@ -163,27 +198,34 @@ def _recurrent_block_v(B: int, HV: int, DV: int, n_sm: int) -> int:
     return bv
 
 
+def recurrent_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
+                     final_state: Tensor, use_qk_l2norm: bool, scale: float, block_v: int | None = None,
+                     num_warps: int | None = None) -> Launch:
+    """The token loop in one launch; operands as for :func:`chunk_launches`."""
+    B, T, HK, DK = q.shape
+    HV, DV = v.shape[-2:]
+    BV = min(block_v or _recurrent_block_v(hint(B), HV, DV, sm_count(q.device)), _pow2(DV))
+    NV = cdiv(DV, BV)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, h0=g if h0 is None else h0, o=out, hT=final_state,
+                T=T, HV=HV, GROUP=HV // HK, NV=NV, scale=scale, **_strides("q", q), **_strides("k", k),
+                **_strides("v", v), **_strides("g", g), **_strides("b", beta),
+                DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
+                EMU=q.dtype == torch.bfloat16 and interpreting(), EPS=L2NORM_EPS)
+    return Launch(_gdn_recurrent_kernel, (NV * B * HV,), args, ("o", "hT"), num_warps or 4)
+
+
 def gdn_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                       use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
                       final_state: Tensor | None = None, block_v: int | None = None,
                       num_warps: int | None = None) -> tuple[Tensor, Tensor]:
     """The token loop in one launch; arguments as :func:`gdn_chunk_fwd`."""
-    B, T, HK, DK = q.shape
-    HV, DV = v.shape[-2:]
+    B, T = q.shape[:2]
+    HV = v.shape[-2]
     out, final_state = _outputs(q, v, out, final_state)
     if B == 0 or T == 0 or HV == 0:
         return _empty(initial_state, out, final_state)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     h0 = None if initial_state is None else initial_state.contiguous()
-    BV = min(block_v or _recurrent_block_v(B, HV, DV, sm_count(q.device)), _pow2(DV))
-    NV = cdiv(DV, BV)
     with on_device(q):
-        _gdn_recurrent_kernel[(NV * B * HV,)](
-            q, k, v, g, beta, final_state if h0 is None else h0, out, final_state,
-            T, HV, HV // HK, NV, scale,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-            DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
-            EMU=q.dtype == torch.bfloat16 and interpreting(), EPS=L2NORM_EPS,
-            num_warps=num_warps or 4,
-        )
+        recurrent_launch(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale, block_v, num_warps).run()
     return out, final_state

@@ -1,13 +1,24 @@
 """The ops ``fusepass::gdn_chunk`` and ``fusepass::gdn_recurrent``: fake, CUDA
-(Triton) and CPU (plain torch) implementations."""
+(Triton) and CPU (plain torch) implementations, and their inlined forms (the
+same launches put into a graph)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fusepass.kernels._common import run_kernel
-from fusepass.kernels.gdn.launch import RECURRENT_MAX_T, gdn_chunk_fwd, gdn_recurrent_fwd, kernel_supported
+from fusepass.kernels._common import inline_enabled, register_inline, run_kernel, trace_all
+from fusepass.kernels.gdn.launch import (
+    RECURRENT_MAX_T,
+    _outputs,
+    _unit_last,
+    chunk_launches,
+    gdn_chunk_fwd,
+    gdn_recurrent_fwd,
+    kernel_supported,
+    recurrent_launch,
+)
 from fusepass.kernels.gdn.reference import _compute_dtype, _fp32_state, gdn_chunk_torch, gdn_reference
 
 
@@ -87,3 +98,41 @@ def _gdn_recurrent_cuda(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
     if not kernel_supported(q, k, v, g, beta, initial_state):
         return fallback()
     return run_kernel("gdn_recurrent", lambda: gdn_recurrent_fwd(*args), fallback)
+
+
+# ------------------------------------------------------- calls in graphs ----
+
+
+def gdn_recurrent_traced(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
+    """``gdn_recurrent``'s launch as a node of the graph (:meth:`Launch.traced`)."""
+    out, final_state = _outputs(q, v, None, None)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    h0 = None if initial_state is None else initial_state.contiguous()
+    res = recurrent_launch(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale).traced()
+    return res["o"], res["hT"]
+
+
+def gdn_chunk_traced(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
+    """``gdn_chunk``'s launches as nodes of the graph: the recurrent kernel for
+    up to RECURRENT_MAX_T tokens, as the op does, else the chunked pipeline,
+    its scratch allocated in the graph."""
+    if q.shape[1] <= RECURRENT_MAX_T:
+        return gdn_recurrent_traced(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    out, final_state = _outputs(q, v, None, None)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    h0 = None if initial_state is None else initial_state.contiguous()
+    values = trace_all(chunk_launches(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale))
+    return values[id(out)], values[id(final_state)]
+
+
+def _inline_ok(q, k, v, g, beta, initial_state, use_qk_l2norm, scale) -> bool:
+    # The token count picks the kernels (recurrent or chunked) and the chunk
+    # count: a symbolic T (dynamic=True) goes through the op, which picks per call.
+    return (inline_enabled(q) and kernel_supported(q, k, v, g, beta, initial_state)
+            and q.dim() == 4 and v.dim() == 4 and isinstance(q.shape[1], int)
+            and all(isinstance(s, int) for t in (q, k, v) for s in t.stride()[-1:])
+            and q.shape[1] > 0 and statically_known_true(v.numel() != 0))
+
+
+register_inline(torch.ops.fusepass.gdn_chunk.default, _inline_ok, gdn_chunk_traced)
+register_inline(torch.ops.fusepass.gdn_recurrent.default, _inline_ok, gdn_recurrent_traced)

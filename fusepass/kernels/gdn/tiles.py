@@ -62,6 +62,36 @@ def _inv16x4(b_A0, b_A1, b_A2, b_A3):
 
 
 @triton.jit
+def _inv16_product(b_A):
+    """(I + N)^-1 of a strictly lower [16, 16] N as (I - N)(I + N^2)(I + N^4)(I + N^8)
+    (N^16 = 0): six 16x16x16 ieee dots instead of fourteen dependent row steps.
+
+    The powers grow before they cancel: on keys with correlation 0.99 and
+    beta up to 2, relative error 3.3e-4 in fp32 where forward substitution
+    keeps 2.6e-7 (fp64 reference, 2000 blocks).  Below bf16's rounding, not
+    below fp32's: for half-precision inputs only."""
+    o_c = tl.arange(0, 16)
+    b_I = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    b_N2 = _dot_ieee(b_A, b_A)
+    b_N4 = _dot_ieee(b_N2, b_N2)
+    b_N8 = _dot_ieee(b_N4, b_N4)
+    b_X = _dot_ieee(b_I - b_A, b_I + b_N2)
+    b_X = b_X + _dot_ieee(b_X, b_N4)
+    return b_X + _dot_ieee(b_X, b_N8)
+
+
+@triton.jit
+def _qk_block(b_qi, b_kj, b_Gi, b_Gj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """[16, 16] block of the output's causal matrix: q~_i.k~_j exp(Gamma_i - Gamma_j), j <= i."""
+    b_a = _dot(b_qi, tl.trans(b_kj), DT, PREC, EMU)
+    b_d = b_Gi[:, None] - b_Gj[None, :]
+    if DIAG:
+        o_c = tl.arange(0, 16)
+        b_d = tl.where(o_c[:, None] >= o_c[None, :], b_d, float("-inf"))
+    return b_a * tl.exp(b_d)
+
+
+@triton.jit
 def _rne_bf16(x):
     """x rounded to the nearest bf16 (ties to even), as fp32."""
     b = x.to(tl.uint32, bitcast=True)
