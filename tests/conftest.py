@@ -30,3 +30,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _process_group():
+    """Rules whose forms hold collectives (all_reduce_rms_norm) run them on the
+    default group: a single gloo rank in this process (tests/test_tp.py spawns
+    several)."""
+    from fusepass.testing import single_rank_group
+
+    single_rank_group()
