@@ -74,8 +74,22 @@ def _boundaries(model) -> int:
     return 1 + 2 * config.num_hidden_layers - gdn
 
 
+def _torch_plan(model) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(model.config.num_hidden_layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
 def _check(rank: int, world: int, folder: str) -> dict:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
 
     import fusepass
     from fusepass import models
@@ -110,6 +124,14 @@ def _check(rank: int, world: int, folder: str) -> dict:
             with torch.no_grad():
                 row["vs_unsharded"] = _error(eager, whole(ids).logits)
         out["quantized"][fmt] = row
+    # torch's own API: parallelize_module with Colwise/RowwiseParallel, then int8.
+    model = models.build("llama", size="tiny")  # the same seed, the same weights on every rank
+    ids = models.input_ids(model)
+    parallelize_module(model, init_device_mesh("cpu", (world,)), _torch_plan(model))
+    quantized = fusepass.quantize(model, fmt="int8")
+    eager, compiled, summary = _compile(model, ids)
+    out["torch_int8"] = dict(summary, error=_error(compiled, eager), converted=len(quantized.converted),
+                             boundaries=_boundaries(model) - 1)  # the embedding is not sharded here
     # int4 groups of 64 straddle o_proj's K shards (64 = 2 x 32): refused with the reason.
     model = tp.load("llama", f"{folder}/llama")
     out["straddle"] = fusepass.quantize(model, fmt="int4", group_size=64).skipped
@@ -181,3 +203,78 @@ def test_int4_groups_straddling_a_shard_are_refused(ranks):
         skipped = dict(r["straddle"])
         assert set(skipped) == {"model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"}, skipped
         assert all("straddle a shard" in why for why in skipped.values()), skipped
+
+
+def test_torch_parallelize_module_int8(ranks):
+    for rank, r in enumerate(ranks):
+        row = r["torch_int8"]
+        assert row["error"] is None, f"rank {rank}: {row['error']}"
+        assert row["hits"].get("dequant_matmul") == row["converted"] == 14, (rank, row["hits"], row["refusals"])
+        assert row["hits"].get("all_reduce_rms_norm") == row["boundaries"], (rank, row["hits"])
+        assert not row["refusals"], row["refusals"]
+
+
+# -- one rank, in this process (conftest's single-rank gloo group) --------------------------------
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 128)
+        self.down = torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _mesh(*shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantize_keeps_parallelize_module_hooks(fmt):
+    """A Colwise/Rowwise pair on one rank: the sharded layers quantized, their
+    DTensor hooks kept, the result the unsharded quantized model's."""
+    import fusepass
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model, ref = _MLP(), _MLP()
+    ref.load_state_dict(model.state_dict())
+    parallelize_module(model, _mesh(1), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    everything = {"filter": lambda name, m: True, "group_size": 32}
+    assert len(fusepass.quantize(model, fmt=fmt, **everything).converted) == 2
+    fusepass.quantize(ref, fmt=fmt, **everything)
+    assert type(model.up).__name__.startswith("Sharded") and model.up._forward_pre_hooks
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        y = model(x)
+        assert not isinstance(y, torch.distributed.tensor.DTensor)
+        torch.testing.assert_close(y, ref(x))
+
+
+def test_quantize_refuses_other_layouts():
+    import fusepass
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    flat, square = _mesh(1), _mesh(1, 1)
+    for mesh, placements, reason in ((square, [Shard(0), Shard(0)], "2-D device mesh"),
+                                     (flat, [_StridedShard(0, split_factor=2)], "packed or strided")):
+        model = _MLP()
+        model.up.weight = torch.nn.Parameter(distribute_tensor(model.up.weight.detach(), mesh, placements))
+        skipped = dict(fusepass.quantize(model, filter=lambda name, m: True).skipped)
+        assert list(skipped) == ["up"] and reason in skipped["up"], skipped
+
+
+def test_quantized_model_cannot_be_sharded_after():
+    """torch's parallel styles take nn.Linear only: a quantized layer (its
+    weight a buffer the style would not shard) is refused, not half-sharded."""
+    import fusepass
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = _MLP()
+    fusepass.quantize(model, filter=lambda name, m: True)
+    with pytest.raises(NotImplementedError, match="nn.Linear"):
+        parallelize_module(model, _mesh(1), {"up": ColwiseParallel()})

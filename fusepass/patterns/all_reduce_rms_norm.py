@@ -63,26 +63,22 @@ def all_reduced(x, op="sum"):
     return c10d.wait_tensor(c10d.all_reduce(x, op, _world()))
 
 
-def _forms():
-    forms = []
-    for name, (search_norm, flags) in add_norm._FORMS.items():
-        def search(x, residual, weight, eps, _norm=search_norm):
-            h = all_reduced(x) + residual
-            return _norm(h, weight, eps), h
+def _form(name, search_norm, flags):
+    def search(x, residual, weight, eps):
+        h = all_reduced(x) + residual
+        return search_norm(h, weight, eps), h
 
-        def search_alone(x, weight, eps, _norm=search_norm):
-            h = all_reduced(x)
-            return _norm(h, weight, eps), h
+    def search_alone(x, weight, eps):
+        h = all_reduced(x)
+        return search_norm(h, weight, eps), h
 
-        def replace(x, residual, weight, eps, _flags=flags):
-            return _call(_flags, x.shape, _world(), x, residual, weight, eps)
+    def replace(x, residual, weight, eps):
+        return _call(flags, x.shape, _world(), x, residual, weight, eps)
 
-        def replace_alone(x, weight, eps, _flags=flags):
-            return _call(_flags, x.shape, _world(), x, None, weight, eps)
+    def replace_alone(x, weight, eps):
+        return _call(flags, x.shape, _world(), x, None, weight, eps)
 
-        forms += [Form(name, search, replace),
-                  Form(f"{name}_no_residual", search_alone, replace_alone, _alone_inputs)]
-    return forms
+    return [Form(name, search, replace), Form(f"{name}_no_residual", search_alone, replace_alone, _alone_inputs)]
 
 
 def _call(flags, shape, group_name, x, residual, weight, eps):
@@ -267,7 +263,7 @@ def _mixed_inputs(dtype):
 
 RULE = Rule(
     name="all_reduce_rms_norm",
-    forms=_forms(),
+    forms=[f for name, (search, flags) in add_norm._FORMS.items() for f in _form(name, search, flags)],
     example_inputs=example_inputs,
     check=check,
     scalars={"eps": 1e-6},
