@@ -278,3 +278,39 @@ def test_quantized_model_cannot_be_sharded_after():
     fusepass.quantize(model, filter=lambda name, m: True)
     with pytest.raises(NotImplementedError, match="nn.Linear"):
         parallelize_module(model, _mesh(1), {"up": ColwiseParallel()})
+
+
+# -- several GPUs: NCCL ranks, bf16, the CUDA paths (kernels inlined into Inductor's code) -------------
+
+def _check_cuda(rank: int, world: int, folder: str) -> dict:
+    import torch.distributed as dist
+
+    import fusepass
+    from fusepass import models
+    from fusepass.testing import tp
+
+    if rank == 0:
+        tp.save("llama", f"{folder}/llama", dtype=torch.bfloat16)
+    dist.barrier()
+    out = {}
+    for fmt in (None, "int8", "int4"):
+        model = tp.load("llama", f"{folder}/llama", dtype=torch.bfloat16)
+        if fmt:
+            fusepass.quantize(model, fmt=fmt, group_size=32)
+        eager, compiled, summary = _compile(model, models.input_ids(model).cuda())
+        out[fmt or "bf16"] = dict(summary, error=_error(compiled, eager), boundaries=_boundaries(model))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp_on_gpus():
+    from fusepass.testing import tp
+
+    with tempfile.TemporaryDirectory() as folder:
+        results = tp.spawn(_check_cuda, world_size=2, timeout=600, args=(folder,), backend="nccl")
+    for rank, r in enumerate(results):
+        for case, row in r.items():
+            assert row["error"] is None, f"rank {rank} {case}: {row['error']}"
+            assert row["hits"].get("all_reduce_rms_norm") == row["boundaries"], (rank, case, row["hits"])
+            assert not row["refusals"], (rank, case, row["refusals"])
