@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Case, compiled  # noqa: E402
 from fusepass.kernels import dequant_matmul as dm  # noqa: E402  - registers fusepass::dequant_matmul
+from fusepass.kernels.dequant_matmul import config, plans  # noqa: E402
 from fusepass.kernels._common import TOLERANCES  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K)
@@ -285,7 +287,7 @@ def check_paths(log) -> int:
             for M, dtype, bias, three_d in ((1, torch.bfloat16, True, False), (5, torch.float16, False, True),
                                             (77, torch.bfloat16, True, True), (300, torch.float16, True, False),
                                             (3, torch.float32, True, False), (40, torch.float32, False, False)):
-                if not dm._valid(cfg, M, K, base, qw["group"], dtype):
+                if not config._valid(cfg, M, K, base, qw["group"], dtype):
                     continue
                 x = torch.randn(M, K, device="cuda", dtype=dtype)
                 if three_d:
@@ -326,8 +328,8 @@ def tune_all(ms, log, deadline: float, formats=FORMATS, shapes=SHAPES) -> dict:
                                       qw["scale"], qw["zero"])
                 key = dm.plan_key(M, N, K, fmt, qw["group"], torch.bfloat16, torch.device("cuda"))
                 us = dict(times)[best]
-                table[key] = {**dm.asdict(best), "us": round(us, 2)}
-                dm._save_plan(key, best, us)
+                table[key] = {**dataclasses.asdict(best), "us": round(us, 2)}
+                plans._save_plan(key, best, us)
                 ranked = sorted(times, key=lambda t: t[1])
                 log(f"tune {fmt} M{M} N{N} K{K}: " + "  ".join(f"{c.label()} {t:.1f}" for c, t in ranked[:6])
                     + f"  ({len(times)} cands, {time.time() - t0:.1f} s)")
@@ -440,7 +442,7 @@ def main(argv=None) -> int:
         summary.append(f"checks: {fails} failing ({time.time() - t0:.0f} s)")
     if args.tune:
         t0 = time.time()
-        dm._load_plans()
+        plans._load_plans()
         shapes = ([tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")] if args.shapes
                   else SHAPES)
         table = tune_all(ms, log, t_start + args.budget * 0.75, args.formats.split(","), shapes)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from fusepass.kernels import dequant_matmul as dm
+from fusepass.kernels.dequant_matmul import launch
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))
 CONFIGS = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3))  # BN BM BK warps stages
@@ -123,8 +124,8 @@ def main(argv=None) -> int:
 
             out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             bench("cublas-bf16", "", lambda: x @ wd.t())
-            bench("dequant+cublas", "", lambda: (dm._launch(x, q, s, None, None, out, "int8", 0, dm.CUBLAS), out)[1])
-            bench("mm", "BM128-BN256-BK64", lambda: (dm._launch(
+            bench("dequant+cublas", "", lambda: (launch._launch(x, q, s, None, None, out, "int8", 0, dm.CUBLAS), out)[1])
+            bench("mm", "BM128-BN256-BK64", lambda: (launch._launch(
                 x, q, s, None, None, out, "int8", 0, dm.Config("mm", BM=128, BN=256, BK=64, warps=8, stages=3)), out)[1])
             for bn, bm, bk, warps, stages in CONFIGS:
                 label = f"{bn}x{bm}x{bk}-w{warps}-s{stages}"

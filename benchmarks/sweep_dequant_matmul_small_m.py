@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.dequant_matmul import _gemlite, quantize  # noqa: E402
 from fusepass.kernels import dequant_matmul as dm  # noqa: E402
+from fusepass.kernels.dequant_matmul import launch, tuner  # noqa: E402
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K)
 GROUP = 128
@@ -53,7 +54,7 @@ MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 def configs(fmt: str, M: int, N: int, K: int, smoke: bool) -> list[dm.Config]:
     if M <= 8:
-        return [] if smoke else dm._candidates(M, N, K, fmt, GROUP if fmt == "int4" else 0, torch.bfloat16,
+        return [] if smoke else tuner._candidates(M, N, K, fmt, GROUP if fmt == "int4" else 0, torch.bfloat16,
                                                torch.cuda.get_device_properties(0).multi_processor_count)
     bm = min(128 if M > 64 else 64, max(16, triton.next_power_of_2(M)))
     if smoke:
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
                 break
             qw = quantize(torch.randn(N, K, device=device) * 0.02, fmt, GROUP)
             q, s, z = qw["weight"], qw["scale"], qw["zero"]
-            ring = dm._cold_ring(q, s, z, MAX_COPIES) if cold else [(q, s, z)]
+            ring = tuner._cold_ring(q, s, z, MAX_COPIES) if cold else [(q, s, z)]
             n_q = len(ring)
             wd = None if smoke else dm.dequantize(q, s, z, fmt, G, torch.bfloat16)
             n_b = dm.cold_copies(wd.numel() * 2, wd.device, MAX_COPIES) if cold else 1
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
                 if not smoke:
                     bench("cublas-bf16", "", lambda i: x @ ring_bf16[i].t(), n_b)
                     plan = dm.dequant_matmul_plan(M, N, K, fmt, GROUP, torch.bfloat16, x.device)
-                    cfg = dm._plan(M, N, K, fmt, G, torch.bfloat16, x.device)
+                    cfg = tuner._plan(M, N, K, fmt, G, torch.bfloat16, x.device)
                     bench("fusepass-plan", f"{plan} {cfg.label()}",
                           lambda i: torch.ops.fusepass.dequant_matmul(x, *ring[i], None, fmt, GROUP), n_q, cfg)
                     if gem is not None:
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
                     for sum_here in (True, False) if args.both_sums and cfg.split > 1 else (True,):
                         def run(i, cfg=cfg, outs=outs, sum_here=sum_here):
                             out = outs[i % 2]
-                            dm._launch(x, *ring[i], None, out, fmt, G, cfg, sum_here=sum_here)
+                            launch._launch(x, *ring[i], None, out, fmt, G, cfg, sum_here=sum_here)
                             return out
 
                         if sum_here:

@@ -554,7 +554,7 @@ _PACKAGE = Path(__file__).resolve().parent
 
 def _source_hash(options: Options) -> str:
     h = hashlib.sha256()
-    for path in sorted(itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/*.py"),
+    for path in sorted(itertools.chain(_PACKAGE.glob("*.py"), _PACKAGE.glob("kernels/**/*.py"),
                                        _PACKAGE.glob("patterns/_*.py"))):
         h.update(path.name.encode())
         h.update(path.read_bytes())

@@ -1,4 +1,4 @@
-"""dequant_matmul kernels (fusepass/kernels/dequant_matmul.py) against the fp32
+"""dequant_matmul kernels (fusepass/kernels/dequant_matmul/) against the fp32
 dequantize-then-matmul reference.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 on CPU tensors, so
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from fusepass.kernels import dequant_matmul as dm
+from fusepass.kernels.dequant_matmul import config, counters, launch, op, plans, tuner
 from fusepass.kernels._common import TOLERANCES
 from fusepass.testing import differential
 
@@ -77,14 +78,14 @@ def _run(x, w, s, z, b, fmt, group, cfg):
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     out = torch.full((x2.shape[0], w.shape[0]), float("nan"), dtype=x.dtype)
-    dm._launch(x2, w, s, z, b, out, fmt, group if fmt == "int4" else 0, cfg)
+    launch._launch(x2, w, s, z, b, out, fmt, group if fmt == "int4" else 0, cfg)
     return out.view(*x.shape[:-1], w.shape[0])
 
 
 @pytest.fixture(autouse=True)
 def _poisoned_workspace(monkeypatch):
-    real = dm._workspace
-    monkeypatch.setattr(dm, "_workspace", lambda *a: real(*a).fill_(float("nan")))
+    real = launch._workspace
+    monkeypatch.setattr(launch, "_workspace", lambda *a: real(*a).fill_(float("nan")))
 
 
 def _cases():
@@ -147,7 +148,7 @@ def test_k_not_a_multiple_of_the_tile(fmt):
     group = 32 if fmt == "int4" else 0
     for cfg in (dm.Config("gemv", BN=8, BK=64, split=1), dm.Config("gemv", BN=8, BK=64, split=2),
                 dm.Config("mm", BM=16, BN=16, BK=32, split=2), dm.Config("mmt", BM=16, BN=16, BK=64, split=2)):
-        if not dm._valid(cfg, 5, 96, fmt, group, torch.bfloat16):
+        if not config._valid(cfg, 5, 96, fmt, group, torch.bfloat16):
             assert cfg.kind == "mmt" and fmt == "int4"  # BK 64 spans two groups of 32
             continue
         x, w, s, z, b = _inputs(5, 24, 96, fmt, group, True, torch.bfloat16)
@@ -161,13 +162,13 @@ SPLIT_PATHS = {k: v for k, v in PATHS.items() if v.split > 1}
 def launched(monkeypatch):
     """The kernels the launcher runs, in order."""
     kernels = []
-    real_run = dm._run
+    real_run = launch._run
 
     def run(kernel, *a, **k):
         kernels.append(kernel)
         return real_run(kernel, *a, **k)
 
-    monkeypatch.setattr(dm, "_run", run)
+    monkeypatch.setattr(launch, "_run", run)
     return kernels
 
 
@@ -186,26 +187,26 @@ def test_split_k_sums_in_the_kernel_or_a_second_one(monkeypatch, launched, path,
         handed.append(tiles)
         return counters[:tiles]
 
-    monkeypatch.setattr(dm, "_split_counters", fake_counters)
+    monkeypatch.setattr(launch, "_split_counters", fake_counters)
     fmt, group, asym = FORMATS["int4-g32"] if cfg.kind != "mmt" else FORMATS["int8"]
     K = 384 if cfg.split == 3 else 128
     for seed in (0, 1):
         x, w, s, z, b = _inputs(3 if cfg.kind == "gemv" else 17, 24, K, fmt, group, asym, torch.bfloat16, seed=seed)
         out = torch.full((x.shape[0], 24), float("nan"), dtype=x.dtype)
-        dm._launch(x, w, s, z, b, out, fmt, group, cfg, sum_here=sum_here)
+        launch._launch(x, w, s, z, b, out, fmt, group, cfg, sum_here=sum_here)
         _assert_close(out, x, w, s, z, b, fmt, group)
         assert not counters.any(), "the last program leaves its tile's counter at zero"
-    assert (dm._splitk_reduce_kernel in launched) != sum_here
+    assert (launch._splitk_reduce_kernel in launched) != sum_here
     assert bool(handed) == sum_here
     tiles = -(-24 // cfg.BN) * (1 if cfg.kind == "gemv" else -(-17 // cfg.BM))
     assert not handed or handed[0] == tiles
 
 
 def test_split_k_without_counters_falls_back_to_the_second_kernel(monkeypatch, launched):
-    monkeypatch.setattr(dm, "_split_counters", lambda device, tiles: None)
+    monkeypatch.setattr(launch, "_split_counters", lambda device, tiles: None)
     x, w, s, z, b = _inputs(3, 24, 384, "int8", 0, False, torch.float16)
     _assert_close(_run(x, w, s, z, b, "int8", 0, PATHS["gemv-splitk"]), x, w, s, z, b, "int8", 0)
-    assert launched[-1] is dm._splitk_reduce_kernel
+    assert launched[-1] is launch._splitk_reduce_kernel
 
 
 # -- the op: layouts, dtypes and sizes the launcher sees through dequant_matmul_fwd --------
@@ -273,33 +274,33 @@ def test_every_candidate_and_default_is_runnable(fmt, group):
     for M in (1, 2, 3, 8, 9, 64, 300, 5000):
         for dtype in DTYPES.values():
             for K in (4096, 14336):
-                cands = dm._candidates(M, 4096, K, fmt, group, dtype, 132)
-                assert cands and all(dm._valid(c, M, K, fmt, group, dtype) for c in cands)
-                assert dm._valid(dm._heuristic(M, 4096, K, fmt, group, dtype, 132), M, K, fmt, group, dtype)
+                cands = tuner._candidates(M, 4096, K, fmt, group, dtype, 132)
+                assert cands and all(config._valid(c, M, K, fmt, group, dtype) for c in cands)
+                assert config._valid(plans._heuristic(M, 4096, K, fmt, group, dtype, 132), M, K, fmt, group, dtype)
 
 
 def test_shipped_plans_are_valid():
-    plans = dm._read(dm._SHIPPED)
-    for key, entry in plans.items():
+    shipped = plans._read(plans._SHIPPED)
+    for key, entry in shipped.items():
         gpu, fmt_g, prec, m, n, k = key.split("|")
         fmt, g = fmt_g.split("-")
         group = int(g[1:]) if fmt == "int4" else 0
         dtype = torch.float32 if prec == "fp32" else torch.bfloat16
-        cfg = dm._from_entry(entry)
-        assert dm._valid(cfg, int(m[1:]), int(k[1:]), fmt, group, dtype), key
+        cfg = plans._from_entry(entry)
+        assert config._valid(cfg, int(m[1:]), int(k[1:]), fmt, group, dtype), key
 
 
 def test_plan_file_round_trip(tmp_path, monkeypatch):
     path = tmp_path / "plans.json"
     monkeypatch.setenv("FUSEPASS_DEQUANT_MATMUL_CACHE", str(path))
-    monkeypatch.setattr(dm, "_plans", None)
-    dm._load_plans()
+    monkeypatch.setattr(plans, "_plans", None)
+    plans._load_plans()
     cfg = dm.Config("mm", BM=16, BN=64, BK=64, split=4, stages=3, perm=1)
-    dm._save_plan("GPU|int4-g128|16bit|M16|N8|K64", cfg, 12.5)
+    plans._save_plan("GPU|int4-g128|16bit|M16|N8|K64", cfg, 12.5)
     saved = json.loads(path.read_text())["plans"]["GPU|int4-g128|16bit|M16|N8|K64"]
-    assert dm._from_entry(saved) == cfg and saved["us"] == 12.5
-    monkeypatch.setattr(dm, "_plans", None)
-    assert dm._from_entry(dm._load_plans()["GPU|int4-g128|16bit|M16|N8|K64"]) == cfg
+    assert plans._from_entry(saved) == cfg and saved["us"] == 12.5
+    monkeypatch.setattr(plans, "_plans", None)
+    assert plans._from_entry(plans._load_plans()["GPU|int4-g128|16bit|M16|N8|K64"]) == cfg
 
 
 def test_plan_query_off_cuda():
@@ -326,12 +327,12 @@ def test_gpu_real_sizes_every_path(fmt, group, asym):
              dm.CUBLAS]
     for cfg in paths:
         for M, dtype in ((1, torch.bfloat16), (5, torch.float16), (77, torch.bfloat16), (3, torch.float32)):
-            if not dm._valid(cfg, M, K, fmt, group, dtype):
+            if not config._valid(cfg, M, K, fmt, group, dtype):
                 continue
             x, w, s, z, b = (t.cuda() if t is not None else None
                              for t in _inputs(M, N, K, fmt, group, asym, dtype))
             out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-            dm._launch(x, w, s, z, b, out, fmt, group, cfg)
+            launch._launch(x, w, s, z, b, out, fmt, group, cfg)
             _assert_close(out, x, w, s, z, b, fmt, group)
     # and through the op with its measured plan, inside a CUDA graph
     x, w, s, z, b = (t.cuda() if t is not None else None for t in _inputs(16, N, K, fmt, group, asym, torch.bfloat16))
@@ -360,7 +361,7 @@ def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(launched, cfg
                                                                       seed=i)) for i in range(4)]
 
     def launch(i, out):
-        dm._launch(ins[i][0], ins[i][1], ins[i][2], None, ins[i][4], out, fmt, 0, cfg)
+        launch._launch(ins[i][0], ins[i][1], ins[i][2], None, ins[i][4], out, fmt, 0, cfg)
         return out
 
     for _ in range(3):  # eager, one after another on the same counters
@@ -400,10 +401,10 @@ def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(launched, cfg
         torch.cuda.synchronize()
         for i in (2, 3):
             _assert_close(outs[i], *ins[i], fmt, 0)
-    assert dm._splitk_reduce_kernel not in launched
-    for ctr in dm._stream_counters.values():
+    assert launch._splitk_reduce_kernel not in launched
+    for ctr in counters._stream_counters.values():
         assert not ctr.any()
-    pool, used = dm._capture_pools[torch.cuda.current_device()]
+    pool, used = counters._capture_pools[torch.cuda.current_device()]
     assert used > 0 and not pool[:used].any()
 
 
@@ -416,9 +417,9 @@ def test_gpu_split_k_in_torch_compile_cuda_graphs(monkeypatch):
     a warm-up.  (Before, Llama-3-8B at batch 8 failed in generate with "tensor(s)
     in the cudagraph pool not tracked as outputs".)"""
     cfg = dm.Config("mmt", BM=16, BN=64, BK=128, split=8, stages=3)
-    monkeypatch.setattr(dm, "_plan", lambda *a, **k: cfg)
-    monkeypatch.setattr(dm, "_stream_counters", {})
-    monkeypatch.setattr(dm, "_capture_pools", {})
+    monkeypatch.setattr(op, "_plan", lambda *a, **k: cfg)
+    monkeypatch.setattr(counters, "_stream_counters", {})
+    monkeypatch.setattr(counters, "_capture_pools", {})
     torch._dynamo.reset()
     _, w, s, _, b = (t.cuda() if t is not None else None
                      for t in _inputs(8, 4096, 4096, "int8", 0, False, torch.bfloat16, seed=7))
@@ -428,7 +429,7 @@ def test_gpu_split_k_in_torch_compile_cuda_graphs(monkeypatch):
         x = _inputs(8, 4096, 4096, "int8", 0, False, torch.bfloat16, seed=seed)[0].cuda()
         out = fn(x).clone()
         _assert_close(out / 2, x, w, s, None, b, "int8", 0)
-    assert dm._capture_pools and dm._stream_counters  # the counters were in use
+    assert counters._capture_pools and counters._stream_counters  # the counters were in use
     torch._dynamo.reset()
 
 
@@ -446,14 +447,14 @@ def test_gpu_int4_gemv_non_finite_and_odd_row_stride(fid):
         x[0, 5] = float("inf")
         x[2, 1001] = float("-inf")
         out = torch.full((3, 512), float("nan"), dtype=dtype, device="cuda")
-        dm._launch(x, w, s, z, b, out, fmt, group, cfg)
+        launch._launch(x, w, s, z, b, out, fmt, group, cfg)
         ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group)
         assert torch.isinf(ref).any()
         torch.testing.assert_close(out, ref, equal_nan=True, atol=TOLERANCES[dtype].atol, rtol=TOLERANCES[dtype].rtol)
         wide = torch.randn(3, 2049, device="cuda").to(dtype)
         xo = wide[:, 1:]  # row stride 2049, offset 1: odd in elements
         out = torch.full((3, 512), float("nan"), dtype=dtype, device="cuda")
-        dm._launch(xo, w, s, z, b, out, fmt, group, cfg)
+        launch._launch(xo, w, s, z, b, out, fmt, group, cfg)
         _assert_close(out, xo, w, s, z, b, fmt, group)
 
 
@@ -491,7 +492,7 @@ def test_tuner_timer_waits_for_the_host(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: state["sleeps"].append(cycles))
     host_per_call_s = 0.0003  # 3 ms for ten calls: longer than the first 1 ms sleep
-    us = dm._time_us(lambda: time.sleep(host_per_call_s))
+    us = tuner._time_us(lambda: time.sleep(host_per_call_s))
     assert us == pytest.approx(5.0)
     assert state["sleeps"][0] == 1_000_000 and max(state["sleeps"]) >= 4_000_000
     assert len(state["sleeps"]) >= 5  # at least two rounds thrown away, then three kept
@@ -510,10 +511,10 @@ def test_tuner_times_a_ring_of_weight_copies_larger_than_the_l2(monkeypatch, l2_
     w = torch.randint(0, 256, (1024, 512), dtype=torch.uint8)  # 0.5 MiB
     s = torch.rand(1024, 8, dtype=torch.bfloat16)
     z = torch.rand(1024, 8, dtype=torch.bfloat16)
-    ring = dm._cold_ring(w, s, z)
+    ring = tuner._cold_ring(w, s, z)
     assert len(ring) == expect
     assert ring[0][0] is w and ring[0][1] is s and ring[0][2] is z
     for wc, sc, zc in ring[1:]:  # copies: equal values, their own memory
         assert torch.equal(wc, w) and wc.data_ptr() != w.data_ptr()
         assert torch.equal(sc, s) and torch.equal(zc, z) and zc.data_ptr() != z.data_ptr()
-    assert dm._cold_ring(w, s, None)[-1][2] is None
+    assert tuner._cold_ring(w, s, None)[-1][2] is None

@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels (fusepass/kernels/gdn.py) against an fp64 run of the token recurrence.
+"""Gated DeltaNet kernels (fusepass/kernels/gdn/) against an fp64 run of the token recurrence.
 
 Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors,
 so shapes stay tiny (the interpreter runs one program at a time in Python).
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepass.kernels import gdn
+from fusepass.kernels.gdn.reference import _l2norm
 from fusepass.kernels._common import clear_kernel_fallbacks, kernel_fallbacks
 from fusepass.testing import differential
 
@@ -51,7 +52,7 @@ def make_inputs(B, T, Hk, Hv, dk, dv, dtype, *, state=True, beta_max=1.0, layout
         g = F.logsigmoid(torch.randn(B, T, Hv, generator=gen) + 2)  # log decay <= 0, fp32 as models compute it
         beta = (torch.rand(B, T, Hv, generator=gen) * beta_max).to(dtype)
     if not l2norm:  # callers that normalise before the op
-        q, k = gdn._l2norm(q.float()).to(dtype), gdn._l2norm(k.float()).to(dtype)
+        q, k = _l2norm(q.float()).to(dtype), _l2norm(k.float()).to(dtype)
     s0 = torch.randn(B, Hv, dk, dv, generator=gen) * 0.1 if state else None
     to = lambda x: None if x is None else x.to(device)  # noqa: E731
     return [to(x) for x in (q, k, v, g, beta, s0)]

@@ -124,6 +124,31 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("B1-T3-H2-D16-fp32", lambda: _gdn_inputs(1, 3, 2, 2, 16, 16, torch.float32, False)),
         ("B1-T2-H1-D8-state-fp64", lambda: _gdn_inputs(1, 2, 1, 1, 8, 8, torch.float64, True)),
     ],
+    "moe_router": [
+        ("T5-E8-softmax-renorm-bf16", lambda: (_t(5, 32, dtype=torch.bfloat16), _t(8, 32, dtype=torch.bfloat16), None,
+                                               None, "softmax", 2, True, 1, 1, 1.0, torch.bfloat16, torch.bfloat16)),
+        ("T3-E16-sigmoid-groups-fp32-weight", lambda: (_t(3, 32, dtype=torch.bfloat16), _t(16, 32), None,
+                                                       torch.rand(16), "sigmoid", 4, True, 4, 2, 2.5, torch.float32,
+                                                       torch.float32)),
+        ("T4-E6-topk_softmax-bias-fp16", lambda: (_t(4, 24, dtype=torch.float16), _t(6, 24, dtype=torch.float16),
+                                                  _t(6, dtype=torch.float16), None, "topk_softmax", 3, False, 1, 1,
+                                                  1.0, torch.float16, torch.float16)),
+        ("T0-bf16", lambda: (_t(0, 32, dtype=torch.bfloat16), _t(8, 32, dtype=torch.bfloat16), None, None, "softmax",
+                             2, False, 1, 1, 1.0, torch.bfloat16, torch.float32)),
+        ("fp64", lambda: (_t(3, 16, dtype=torch.float64), _t(8, 16, dtype=torch.float64), None, None, "softmax", 2,
+                          True, 1, 1, 1.0, torch.float64, torch.float64)),
+    ],
+    "moe_experts": [
+        # fp16 first (the Triton-path tests take the first entry): the
+        # interpreter truncates fp32 -> bf16, and the block rounds ten times.
+        ("T3-E4-k2-silu-fp16", lambda: _moe_experts_inputs(3, 4, 2, 32, 16, torch.float16)),
+        ("T3-E4-k2-silu-bf16", lambda: _moe_experts_inputs(3, 4, 2, 32, 16, torch.bfloat16)),
+        ("T2-E4-k2-gpt_oss-transposed-bias-fp32", lambda: _moe_experts_inputs(
+            2, 4, 2, 32, 16, torch.float32, act="gpt_oss", layout="interleaved", transposed=True, bias=True)),
+        ("T3-E4-k2-int8-bf16", lambda: _moe_experts_inputs(3, 4, 2, 32, 16, torch.bfloat16, fmt="int8")),
+        ("T0-bf16", lambda: _moe_experts_inputs(0, 4, 2, 32, 16, torch.bfloat16)),
+        ("fp64", lambda: _moe_experts_inputs(3, 4, 2, 16, 8, torch.float64)),
+    ],
     "dequant_matmul": [
         ("int8-M3-N24-K32-bias-bf16", lambda: (_t(3, 32, dtype=torch.bfloat16),
                                                torch.randint(-128, 128, (24, 32), dtype=torch.int8),
@@ -140,6 +165,29 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
                                           torch.rand(8, 2, dtype=torch.bfloat16), None, None, "int4", 16)),
     ],
 }
+
+
+def _moe_experts_inputs(T, E, k, H, I, dtype, act="silu", layout="halves", transposed=False, bias=False,
+                        fmt="none"):
+    """fusepass::moe_experts arguments: T tokens routed to k of E experts (two tokens share one)."""
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    if T > 1:
+        ids[1, 0] = ids[0, 0]
+    w1, w2 = _t(E, 2 * I, H) * 0.2, _t(E, H, I) * 0.2
+    s1 = s2 = None
+    if fmt == "int8":
+        s1, s2 = w1.abs().amax(-1) / 127, w2.abs().amax(-1) / 127
+        w1 = (w1 / s1[..., None]).round().to(torch.int8)
+        w2 = (w2 / s2[..., None]).round().to(torch.int8)
+        s1, s2 = s1.to(dtype), s2.to(dtype)
+    else:
+        w1, w2 = w1.to(dtype), w2.to(dtype)
+        if transposed:
+            w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    b1, b2 = (_t(E, 2 * I, dtype=dtype), _t(E, H, dtype=dtype)) if bias else (None, None)
+    alpha, limit = (1.702, 7.0) if act == "gpt_oss" else (0.0, 0.0)
+    return (_t(T, H, dtype=dtype), ids, torch.rand(T, k, dtype=dtype), w1, w2, b1, b2, s1, None, s2, None, act,
+            layout, transposed, fmt, 0, alpha, limit)
 
 
 def _gdn_inputs(B, T, Hk, Hv, Dk, Dv, dtype, state):

@@ -5,7 +5,7 @@ implementations. Importing a module registers its ops."""
 import importlib
 
 OP_MODULES = ("fusepass.kernels.rms_norm", "fusepass.kernels.rms_norm_gated", "fusepass.kernels.gated_act",
-              "fusepass.kernels.gdn", "fusepass.kernels.dequant_matmul",
+              "fusepass.kernels.gdn", "fusepass.kernels.dequant_matmul", "fusepass.kernels.moe",
               "fusepass.kernels.all_reduce_rms_norm")
 
 

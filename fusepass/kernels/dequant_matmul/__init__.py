@@ -1,0 +1,62 @@
+"""Weight-only quantized linear: y = x @ dequant(W)^T (+ bias), in one op.
+
+    x      [..., K]  fp32 / fp16 / bf16 activations
+    weight            int8 [N, K]                    fmt "int8"
+                      uint8 [N, K // 2]              fmt "int4": two 4-bit values per byte
+                                                     along K, low nibble = even column,
+                                                     high nibble = odd column
+                      float8_e4m3fn [N, K]           fmt "fp8"
+    scale             [N] (int8, fp8) or [N, K // group_size] (int4)
+    zero              int4 only: [N, K // group_size] (asymmetric), or None for the
+                      symmetric form with a fixed offset of 8
+    W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]      (int4)
+    W[n, k] = q[n, k] * scale[n]                                  (int8, fp8)
+    y [..., N] in x's dtype
+
+The product accumulates in fp32 with the scale applied to the fp32 result
+(or to the dequantised tile), so it agrees within the dtype table with both
+source forms the rules match: scale before the matmul (``x @ (q * s).T``) and
+after (``(x @ q.T) * s``).
+
+Four ways to run it on CUDA, chosen per (GPU, format, group, M bucket, N, K)
+by timing them once (``dequant_matmul_plan``):
+
+- ``gemv``: one row (two for int4, a few on small weights).  A weight
+  stream: each program owns BN output rows and a slice of K, loads the weight
+  tile once, dequantises in registers and multiplies it into every row of x
+  with fp32 FMAs.
+- ``mmt``: from two rows to a few hundred.  Tensor cores on the product
+  transposed, out^T = W x^T: the dequantised weight tile is the dot's A
+  operand, x^T (rows padded to 16) the B operand.
+- ``mm``: the same with x as the A operand, where it measured faster.
+- ``cublas``: large M, where the product is compute-bound: one Triton pass
+  writes the dequantised weight in x's dtype, then ``torch.mm``.  Fused
+  tensor-core kernels measured slower there on an H100 (1.24-2.1x cuBLAS's
+  time at M = 1024-4096, against 1.03-1.33x for this; Triton's own bf16 dot
+  reached 1.16-1.39x): ``benchmarks/sweep_dequant_matmul_large_m.py``.
+
+Where N alone gives too few programs to fill the SMs, K is split over
+several (split-K); each tile's last program to arrive sums the slices, so a
+split costs no second launch (``_finish`` and the counters in the launcher).
+
+The op receives the user's weight on every call (a functional op cannot keep
+a repacked copy), so every kernel reads the layouts above as they are.
+"""
+
+from fusepass.kernels.dequant_matmul.config import BUCKETS, CUBLAS, Config, m_bucket
+from fusepass.kernels.dequant_matmul.op import (
+    FORMATS,
+    WEIGHT_DTYPES,
+    dequant_matmul,
+    dequant_matmul_fwd,
+    dequant_matmul_reference,
+    dequantize,
+    unpack_int4,
+)
+from fusepass.kernels.dequant_matmul.plans import plan_key
+from fusepass.kernels.dequant_matmul.tuner import cold_copies, dequant_matmul_plan, tune
+
+__all__ = [
+    "BUCKETS", "CUBLAS", "Config", "FORMATS", "WEIGHT_DTYPES", "cold_copies", "dequant_matmul", "dequant_matmul_fwd",
+    "dequant_matmul_plan", "dequant_matmul_reference", "dequantize", "m_bucket", "plan_key", "tune", "unpack_int4",
+]

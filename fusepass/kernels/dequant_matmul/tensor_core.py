@@ -1,0 +1,186 @@
+"""The tensor-core kernels: ``mm`` (x as the dot's A operand) and ``mmt`` (the
+product transposed, the dequantised weight tile as the A operand)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fusepass.kernels.dequant_matmul.tiles import _dot, _finish, _int8_to_f32, _nibbles_to_f32
+
+
+@triton.jit
+def _dequant_mm_kernel(
+    x, w, scale, zero, bias, out, part, ctr,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+    PERM: tl.constexpr,
+):
+    # Tiles in groups of GROUP_M row blocks, so that consecutive programs
+    # share weight tiles in L2 when M spans several blocks.
+    i_mn, i_s = tl.program_id(0), tl.program_id(1)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    width = GROUP_M * n_n
+    first_m = (i_mn // width) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    i_m = first_m + (i_mn % width) % size_m
+    i_n = (i_mn % width) // size_m
+
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_m = o_m < M
+    m_n = o_n < N
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    p_xm = x + o_m.to(tl.int64) * stride_xm
+    p_wn = w + o_n.to(tl.int64) * stride_wn
+    dt = x.dtype.element_ty
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+
+    if FMT == "int4":
+        # BK divides G: one scale (and zero) per output row per tile.  The
+        # low nibbles multiply the even columns of x and the high nibbles the
+        # odd ones: two dots of depth BK / 2, x split in registers, the
+        # weight tile never interleaved.
+        BKP: tl.constexpr = BK // 2
+        o_kp = tl.arange(0, BKP)
+        o_t = tl.arange(0, 2)
+        # PERM: one dot of depth BK with the tile's K order permuted, which a
+        # dot does not see: position p holds byte p % BKP, nibble p // BKP
+        # (low nibbles first, then high), and x is gathered in that order.  The
+        # weight bytes are read twice (the second time from L1), no registers
+        # are shuffled.
+        o_p = tl.arange(0, BK)
+        o_pb = o_p % BKP
+        o_ps = (o_p // BKP) * 4
+        o_px = 2 * o_pb + o_p // BKP
+        for k0 in range(k_lo, k_hi, BK):
+            if PERM:
+                if EVEN_K:
+                    b_x = tl.load(p_xm[:, None] + (k0 + o_px)[None, :], mask=m_m[:, None], other=0)
+                else:
+                    b_x = tl.load(p_xm[:, None] + (k0 + o_px)[None, :],
+                                  mask=m_m[:, None] & (k0 + o_px < k_hi)[None, :], other=0)
+                b_q = tl.load(p_wn[None, :] + (k0 // 2 + o_pb)[:, None], mask=m_n[None, :], other=0)  # [BK, BN]
+                b_v = (((b_q.to(tl.int32) >> o_ps[:, None]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                if HAS_ZERO:
+                    b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                else:
+                    b_z = 8.0
+                b_w = ((b_v - 8388608.0) * b_s - b_z * b_s).to(dt)
+                acc = _dot(b_x, b_w, acc, DOT_F32)
+            else:
+                o_x = k0 + 2 * o_kp[None, :, None] + o_t[None, None, :]  # [1, BKP, 2]
+                if EVEN_K:
+                    b_x = tl.load(p_xm[:, None, None] + o_x, mask=m_m[:, None, None], other=0)
+                else:
+                    b_x = tl.load(p_xm[:, None, None] + o_x, mask=m_m[:, None, None] & (o_x < k_hi), other=0)
+                b_xe, b_xo = tl.split(b_x)  # [BM, BKP]
+                # [BKP, BN]: the transposed tile, loaded along K (unit stride).  A
+                # group never straddles k_hi (G | K_SPLIT), so no K mask is needed.
+                b_q = tl.load(p_wn[None, :] + (k0 // 2 + o_kp)[:, None], mask=m_n[None, :], other=0)
+                b_lo, b_hi = _nibbles_to_f32(b_q)
+                b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                if HAS_ZERO:
+                    b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[None, :]
+                else:
+                    b_z = 8.0
+                b_zs = b_z * b_s
+                b_lo = (b_lo * b_s - b_zs).to(dt)
+                b_hi = (b_hi * b_s - b_zs).to(dt)
+                acc = _dot(b_xe, b_lo, acc, DOT_F32)
+                acc = _dot(b_xo, b_hi, acc, DOT_F32)
+    else:
+        # int8 and fp8 values are exact in bf16 and fp16: the dot is exact in
+        # the weight and the per-row scale goes on the fp32 result.
+        o_k = tl.arange(0, BK)
+        for k0 in range(k_lo, k_hi, BK):
+            if EVEN_K:
+                b_x = tl.load(p_xm[:, None] + (k0 + o_k)[None, :], mask=m_m[:, None], other=0)
+                b_q = tl.load(p_wn[None, :] + (k0 + o_k)[:, None], mask=m_n[None, :], other=0)
+            else:
+                m_k = k0 + o_k < k_hi
+                b_x = tl.load(p_xm[:, None] + (k0 + o_k)[None, :], mask=m_m[:, None] & m_k[None, :], other=0)
+                b_q = tl.load(p_wn[None, :] + (k0 + o_k)[:, None], mask=m_n[None, :] & m_k[:, None], other=0)
+            if FMT == "int8":
+                b_w = _int8_to_f32(b_q).to(dt)
+            else:
+                b_w = b_q.to(tl.float8e4nv, bitcast=True).to(dt)
+            acc = _dot(b_x, b_w, acc, DOT_F32)
+        acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+
+    m_o = m_m[:, None] & m_n[None, :]
+    o_o = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_mn, o_o, m_o,
+            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+
+
+@triton.jit
+def _dequant_mmt_kernel(
+    x, w, scale, zero, bias, out, part, ctr,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # Small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
+    # The dequantised weight tile is the dot's A operand, used from registers,
+    # and x^T the B operand as loaded.  int4: the low and high nibbles of each
+    # byte are joined back into K order in place (each thread keeps its own
+    # pairs), so one dot of depth BK covers the tile; on the H100 this ran
+    # 0.61-1.00x gemlite A16W4's time at M = 16-64 where the `mm` kernel (x as
+    # A, two half-depth dots) ran 1.4-2.4x (benchmarks/sweep_dequant_matmul_small_m.py,
+    # commit d5c4001).  int4 tiles lie within one group (BK divides G, G divides
+    # K); int8 / fp8 values are exact in x's 16-bit dtype and the per-row scale
+    # goes on the fp32 sum.
+    i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_n = o_n < N
+    m_m = o_m < M
+    BKP: tl.constexpr = BK // 2
+    o_kp = tl.arange(0, BKP)
+    o_k = tl.arange(0, BK)
+    p_w = w + o_n.to(tl.int64)[:, None] * stride_wn
+    p_x = x + o_m.to(tl.int64)[None, :] * stride_xm
+    dt = x.dtype.element_ty
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        if FMT == "int4":
+            b_q = tl.load(p_w + (k0 // 2 + o_kp)[None, :], mask=m_n[:, None], other=0)  # [BN, BK / 2] bytes
+            b_s = tl.load(scale + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+            if HAS_ZERO:
+                b_z = tl.load(zero + o_n * stride_sn + k0 // G, mask=m_n, other=0).to(tl.float32)[:, None]
+            else:
+                b_z = 8.0
+            b_zs = b_z * b_s
+            b_lo = ((b_q & 0xF).to(tl.float32) * b_s - b_zs).to(dt)
+            b_hi = ((b_q >> 4).to(tl.float32) * b_s - b_zs).to(dt)
+            b_w = tl.reshape(tl.join(b_lo, b_hi), [BN, BK])  # column 2j + t: byte j's nibble t
+            b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :], other=0)  # [BK, BM]
+        else:
+            if EVEN_K:
+                b_q = tl.load(p_w + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :], other=0)
+            else:
+                m_k = k0 + o_k < k_hi
+                b_q = tl.load(p_w + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+                b_x = tl.load(p_x + (k0 + o_k)[:, None], mask=m_m[None, :] & m_k[:, None], other=0)
+            if FMT == "int8":
+                b_w = _int8_to_f32(b_q).to(dt)
+            else:
+                b_w = b_q.to(tl.float8e4nv, bitcast=True).to(dt)
+        acc = _dot(b_w, b_x, acc, DOT_F32)
+    if FMT != "int4":
+        acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
+    m_o = m_n[:, None] & m_m[None, :]
+    o_o = o_m.to(tl.int64)[None, :] * N + o_n[:, None]
+    _finish(acc, out, part, bias + o_n[:, None], m_n[:, None], ctr + i_n * tl.num_programs(1) + i_m, o_o, m_o,
+            i_s, tl.num_programs(2), M, N, HAS_BIAS, PARTIAL, SUM_HERE)

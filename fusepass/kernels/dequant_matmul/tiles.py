@@ -1,0 +1,142 @@
+"""The Triton helpers every dequant_matmul kernel shares: integer -> float
+conversions, the dot, and the store of a tile (whole K or one slice of a split K),
+with the second kernel that sums split-K slices where no counters can be had."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# ------------------------------------------------------------------ kernels ----
+#
+# Integer -> fp32 without I2F: an integer u in [0, 2**23) or'ed (added) into
+# the bits of 2.0**23 is the float 2**23 + u, exactly; one integer op and one
+# FADD instead of a conversion, which Hopper issues at 16 per clock per SM
+# against 128 FADDs.  At 3 TB/s of int8 weights a GEMV converts 23 K values
+# per microsecond per SM, 81% of the I2F rate: the conversion would bound it.
+# int8: v + 128 in [0, 256), so bits = v + 0x4B000080 and 2**23 + 128 comes off.
+
+
+@triton.jit
+def _int8_to_f32(b_q):
+    return (b_q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _nibbles_to_f32(b_q, OFFSET: tl.constexpr = 0.0):
+    """uint8 bytes -> (low nibble, high nibble) as fp32 in [0, 15], minus an
+    integer ``OFFSET`` in the same FADD (2^23 + OFFSET is exact in fp32)."""
+    b_i = b_q.to(tl.int32)
+    b_lo = ((b_i & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    b_hi = (((b_i >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    return b_lo, b_hi
+
+
+@triton.jit
+def _nibbles_128(b_q, ASM: tl.constexpr):
+    """uint8 bytes -> (128 + low nibble, 128 + high nibble) as fp32: the nibble
+    goes into bits 16-19 of 128.0's bits, where the mantissa step is 1.  Then
+    (128 + q) - (128 + z) is q - z exactly for every zero point that is a
+    multiple of 2**-16 (all integers, all bf16 values >= 2**-9).  ASM: on the
+    GPU, one PRMT per value builds the float from a masked 32-bit word (four
+    bytes at a time); elsewhere (the interpreter) shifts and masks."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, u, c;
+            mov.b32 c, 0x43000000;
+            and.b32 t, $8, 0x0F0F0F0F;
+            shr.u32 u, $8, 4;
+            and.b32 u, u, 0x0F0F0F0F;
+            prmt.b32 $0, t, c, 0x7044;
+            prmt.b32 $1, t, c, 0x7144;
+            prmt.b32 $2, t, c, 0x7244;
+            prmt.b32 $3, t, c, 0x7344;
+            prmt.b32 $4, u, c, 0x7044;
+            prmt.b32 $5, u, c, 0x7144;
+            prmt.b32 $6, u, c, 0x7244;
+            prmt.b32 $7, u, c, 0x7344;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[b_q], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        b_i = b_q.to(tl.int32)
+        b_lo = (((b_i & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
+        b_hi = (((b_i & 0xF0) << 12) | 0x43000000).to(tl.float32, bitcast=True)
+        return b_lo, b_hi
+
+
+@triton.jit
+def _pair_to_f32(b_x, DT: tl.constexpr):
+    """Two adjacent values of x in one word (int32 for 16-bit x, int64 for fp32;
+    the lower address in the low half) -> (first, second) as fp32."""
+    if DT == tl.bfloat16:
+        return (b_x << 16).to(tl.float32, bitcast=True), (b_x & -65536).to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        b_e = (b_x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        b_o = (b_x >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return b_e, b_o
+    else:
+        b_e = (b_x & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        b_o = (b_x >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return b_e, b_o
+
+
+@triton.jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    # F32: fp32 activations ("ieee": exact, no TF32), and the interpreter,
+    # whose bf16 dot returns garbage (Triton 3.9, CPU: max error 2e10 on a
+    # 16x16 product); the operands are already rounded to x's dtype, so fp32
+    # products of them are what the tensor cores compute.
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _finish(acc, out, part, p_b, m_b, ctr, o_o, m_o, i_s, n_split, M, N,
+            HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr):
+    """Store one program's fp32 tile ``acc`` (offsets ``o_o`` into out [M, N],
+    mask ``m_o``; bias at ``p_b``, mask ``m_b``, broadcast against it).
+
+    Whole K: the result, cast to out's dtype.  A slice of K (PARTIAL): the
+    partial sum into ``part`` [n_split, M, N]; then, with SUM_HERE, the tile's
+    last program to arrive (its count at ``ctr``) sums the slices in slice
+    order, whichever program that is, and stores the result: no second kernel.
+    The count is released after a barrier, so every thread's partial is in
+    memory before it (the pattern of CUTLASS's split-K semaphore); the last
+    program reads the slices from L2 (.cg), not from a stale L1, and sets the
+    count back to zero for the next launch."""
+    if PARTIAL:
+        tl.store(part + i_s.to(tl.int64) * M * N + o_o, acc, mask=m_o)
+        if SUM_HERE:
+            tl.debug_barrier()
+            if tl.atomic_add(ctr, 1) == n_split - 1:  # acq_rel, gpu scope; one thread, broadcast
+                acc = tl.load(part + o_o, mask=m_o, other=0, cache_modifier=".cg")
+                for s in range(1, n_split):
+                    acc += tl.load(part + (s * M).to(tl.int64) * N + o_o, mask=m_o, other=0, cache_modifier=".cg")
+                _store_result(acc, out, p_b, m_b, o_o, m_o, HAS_BIAS)
+                tl.atomic_xchg(ctr, 0)
+    else:
+        _store_result(acc, out, p_b, m_b, o_o, m_o, HAS_BIAS)
+
+
+@triton.jit
+def _store_result(acc, out, p_b, m_b, o_o, m_o, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(p_b, mask=m_b, other=0).to(tl.float32)
+    tl.store(out + o_o, acc.to(out.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part, bias, out, M, N, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_o = o < M * N
+    acc = tl.load(part + o, mask=m_o, other=0)
+    for i_s in range(1, SPLIT):
+        acc += tl.load(part + (i_s * M).to(tl.int64) * N + o, mask=m_o, other=0)
+    if HAS_BIAS:
+        acc += tl.load(bias + o % N, mask=m_o, other=0).to(tl.float32)
+    tl.store(out + o, acc.to(out.dtype.element_ty), mask=m_o)

@@ -1,0 +1,257 @@
+"""The experts' decode path: few tokens, each active expert's weights streamed once.
+
+Two launches, no routing step before them:
+
+1. ``_moe_decode_up_kernel``, a program per (slot, block of BN intermediate
+   columns), a slot being one (token, choice) pair of the T * k.  The slot
+   reads all T * k expert ids (a few hundred bytes) and goes on only if it is
+   the first slot of its expert: that program gathers every slot routed to
+   the expert (their tokens' rows of x, BM at a time) and multiplies them into
+   the expert's gate and up rows, loaded once; the others return at once.  So
+   an expert chosen by several tokens is read once, and one no token chose
+   costs nothing.  Epilogue: the activation with the models' roundings,
+   stored per slot into h [T * k, I].
+2. ``_moe_decode_down_kernel``, a program per (token, block of BN output
+   columns): for each of the token's k experts, h's row times the expert's
+   down rows, rounded, biased, times the routing weight, summed in fp32 in
+   registers and stored once: the sum over experts is the epilogue, with no
+   atomics and no third launch.  An expert shared by two tokens is read by
+   two programs with adjacent ids (token is the fastest grid axis), the
+   second read served from L2.
+
+Both kernels multiply with fp32 FMAs on register tiles (a GEMV: one to a few
+rows per weight tile), the products accumulated elementwise and reduced
+across K once at the end, or (``defer=False``) every tile, which takes fewer
+registers for deeper tiles.  Weight tiles are laid out with the dim that is
+contiguous in memory fastest ([BN, BK] for [E, N, K] weights, [BK, BN] for
+gpt-oss's [E, K, N]), so every weight load is a 16-byte vector
+(``benchmarks/moe.py --ptx`` checks the PTX for sm90).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fusepass.kernels._common import cdiv
+from fusepass.kernels.moe import _tiles
+from fusepass.kernels.moe._tiles import _round_if, cdiv_pow2, gated_act, proj_epilogue, row_scale, split_pairs, w_tile
+
+
+@triton.jit
+def _fma(b_w, b_x, DEFER: tl.constexpr, TRANS: tl.constexpr):
+    """Partial sums of one weight tile times x rows [BM, BK]: [BM, rows, BK or
+    1] from a [rows, BK] tile, [BM, BK or 1, rows] from a TRANS [BK, rows] one."""
+    if TRANS:
+        b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, :, None]
+        return b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=1), 1)
+    else:
+        b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
+        return b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=2), 2)
+
+
+@triton.jit
+def _moe_decode_up_kernel(
+    x, ids, w, bias, scale, zero, h,
+    S, E, K, I, TOPK,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_hm,
+    ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr,
+    TRANS: tl.constexpr,
+):
+    DT: tl.constexpr = x.dtype.element_ty
+    i_s, i_n = tl.program_id(0), tl.program_id(1)
+    o_s = tl.arange(0, BS)
+    m_s = o_s < S
+    b_ids = tl.load(ids + o_s, mask=m_s, other=-1).to(tl.int32)
+    e = tl.load(ids + i_s).to(tl.int32)
+    match = (b_ids == e) & m_s
+    first = tl.min(tl.where(match, o_s, BS), axis=0)
+    if (e >= 0) & (e < E) & (first == i_s):
+        cnt = tl.sum(match.to(tl.int32), axis=0)
+        rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+        e64 = e.to(tl.int64)
+        p_w = w + e64 * stride_we
+        p_s = scale + e64 * stride_se
+        p_z = zero + e64 * stride_se
+        p_b = bias + e64 * stride_be
+        # Gate and up rows: two blocks of BN (halves), or 2 BN adjacent rows
+        # (interleaved: one contiguous tile, split once in the epilogue).
+        if HALVES:
+            o_g = i_n * BN + tl.arange(0, BN)
+            m_g = o_g < I
+            o_u = o_g + I
+        else:
+            o_g = 2 * i_n * BN + tl.arange(0, 2 * BN)
+            m_g = o_g < 2 * I
+            o_u = o_g
+        o_m = tl.arange(0, BM)
+        for m0 in range(0, cnt, BM):
+            # Rows m0 .. m0 + BM of this expert's slots, in slot order.
+            sel = match[None, :] & (rank[None, :] == (m0 + o_m)[:, None])  # [BM, BS]
+            b_slot = tl.sum(tl.where(sel, o_s[None, :], 0), axis=1)
+            m_m = (m0 + o_m) < cnt
+            p_x = x + (b_slot // TOPK).to(tl.int64)[:, None] * stride_xm
+            # DEFER: products summed elementwise, reduced across K once at the
+            # end (BM * rows * BK registers); else reduced every tile.
+            KD: tl.constexpr = BK if DEFER else 1
+            RG: tl.constexpr = o_g.shape[0]
+            RU: tl.constexpr = BN if HALVES else 1
+            acc_g = tl.zeros([BM, KD, RG] if TRANS else [BM, RG, KD], dtype=tl.float32)
+            acc_u = tl.zeros([BM, KD, RU] if TRANS else [BM, RU, KD], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                o_k = k0 + tl.arange(0, BK)
+                # [BM, BK]
+                b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
+                b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K,
+                             stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                acc_g += _fma(b_w, b_x, DEFER, TRANS)
+                if HALVES:
+                    b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
+                                 stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                    acc_u += _fma(b_w, b_x, DEFER, TRANS)
+            KAX: tl.constexpr = 1 if TRANS else 2
+            b_g = proj_epilogue(tl.sum(acc_g, axis=KAX), row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :],
+                                p_b + o_g[None, :], m_g[None, :], DT, HAS_BIAS)
+            if HALVES:
+                b_u = proj_epilogue(tl.sum(acc_u, axis=KAX), row_scale(p_s + o_u * stride_sn, m_g, FMT)[None, :],
+                                    p_b + o_u[None, :], m_g[None, :], DT, HAS_BIAS)
+            else:
+                b_g, b_u = split_pairs(b_g)
+            b_h = gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
+            o_n = i_n * BN + tl.arange(0, BN)
+            tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
+                     mask=m_m[:, None] & (o_n < I)[None, :])
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    h, ids, tw, w, bias, scale, zero, out,
+    E, K, N, TOPK,
+    stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
+    ROUND_W: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr, TRANS: tl.constexpr,
+):
+    # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
+    # each program keeps k times the bytes of one expert's tile in flight.
+    DT: tl.constexpr = out.dtype.element_ty
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    o_j = tl.arange(0, KP)
+    o_s = i_t * TOPK + o_j
+    b_e = tl.load(ids + o_s, mask=o_j < TOPK, other=-1).to(tl.int32)
+    v_j = (o_j < TOPK) & (b_e >= 0) & (b_e < E)
+    e64 = tl.where(v_j, b_e, 0).to(tl.int64)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    m_r = v_j[:, None] & m_n[None, :]  # [KP, BN]
+    p_w = w + e64[:, None] * stride_we + o_n[None, :] * stride_wn
+    p_s = scale + e64[:, None] * stride_se + o_n[None, :] * stride_sn
+    p_z = zero + e64[:, None] * stride_se + o_n[None, :] * stride_sn
+    p_h = h + o_s.to(tl.int64) * stride_hm
+    KD: tl.constexpr = BK if DEFER else 1
+    KAX: tl.constexpr = 1 if TRANS else 2
+    acc = tl.zeros([KP, KD, BN] if TRANS else [KP, BN, KD], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
+        # [KP, BN, BK], or [KP, BK, BN] (TRANS)
+        b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+        b_p = b_w.to(tl.float32) * (b_h[:, :, None] if TRANS else b_h[:, None, :])
+        acc += b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=KAX), KAX)
+    b_tw = tl.load(tw + o_s, mask=v_j, other=0).to(tl.float32)
+    b_d = proj_epilogue(tl.sum(acc, axis=KAX), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
+                        m_r, DT, HAS_BIAS)
+    b_y = tl.where(m_r, _round_if(b_d * b_tw[:, None], DT, ROUND_W), 0.0)
+    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
+
+
+# ----------------------------------------------------------------- launch ----
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the decode path: gate_up (BM rows, BN columns, BK deep), down (BN2, BK2)."""
+
+    BM: int = 1
+    BN: int = 16
+    BK: int = 256
+    warps: int = 4
+    BN2: int = 16
+    BK2: int = 256
+    warps2: int = 4
+    defer: bool = True  # gate_up: reduce across K at the end (else every tile)
+    defer2: bool = True
+
+
+def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int) -> DecodeConfig:
+    """Tiles for T tokens.  Products are summed elementwise and reduced across K
+    once at the end (defer): on an H100 (benchmarks/moe.py, commit 0890f1a,
+    Qwen3-30B-A3B block at T = 1) that ran 36.4 µs in bf16 and 23.6 in int4,
+    where reducing every tile (8 columns x 1024) ran 1448 and 1047 µs.  A tile
+    holds 4096 fp32 partial products (BM x BN x BK; 32 registers a thread at 4
+    warps).  down: the token's k experts at once, BN2 output columns, fewer
+    until the grid has two programs an SM."""
+    BM = 1 if T == 1 else 2 if T <= 8 else 4
+    KP = cdiv_pow2(k)
+    BN = 16
+    BK = min(4096 // (BN * BM), cdiv_pow2(H))
+    BN2 = 16
+    while BN2 > 4 and T * cdiv(H, BN2) < 2 * n_sm:
+        BN2 //= 2
+    BK2 = min(max(16, 4096 // (KP * BN2)), cdiv_pow2(I))
+    return DecodeConfig(BM=BM, BN=BN, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4, defer=True, defer2=True)
+
+
+def _strides(w: Tensor, transposed: bool) -> tuple[int, int]:
+    """(stride_n, stride_k) of an expert's weight seen as [N, K]."""
+    return (w.stride(2), w.stride(1)) if transposed else (w.stride(1), w.stride(2))
+
+
+def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1, b2, s1, z1, s2, z2,
+                  activation: str, halves: bool, transposed: bool, fmt: str, group: int, alpha: float, limit: float,
+                  cfg: DecodeConfig, out: Tensor) -> None:
+    """out [T, H] = the experts' sum, through the two decode kernels.  Operands
+    as the op checked them; ids and tw contiguous [T, k], x with unit column
+    stride; quantized weights, scales and zeros contiguous."""
+    T, H = x.shape
+    k = ids.shape[1]
+    S = T * k
+    E = w1.shape[0]
+    I = w1.shape[2 if transposed else 1] // 2
+    h = _tiles.workspace((S, I), x.dtype, x.device)
+    if fmt == "fp8":  # read as bytes and bitcast (a masked load's fill value cannot be cast to fp8)
+        w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
+    dummy = x  # an unused pointer argument
+    sn1, sk1 = _strides(w1, transposed)
+    _moe_decode_up_kernel[(S, cdiv(I, cfg.BN))](
+        x, ids, w1, b1 if b1 is not None else dummy, s1 if s1 is not None else dummy,
+        z1 if z1 is not None else dummy, h,
+        S, E, H, I, k,
+        x.stride(0), w1.stride(0), sn1, sk1, s1.stride(0) if s1 is not None else 0,
+        s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
+        ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
+        ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DEFER=cfg.defer,
+        TRANS=transposed,
+        num_warps=cfg.warps,
+    )
+    sn2, sk2 = _strides(w2, transposed)
+    _moe_decode_down_kernel[(T, cdiv(H, cfg.BN2))](
+        h, ids, tw, w2, b2 if b2 is not None else dummy, s2 if s2 is not None else dummy,
+        z2 if z2 is not None else dummy, out,
+        E, I, H, k,
+        h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
+        s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, out.stride(0),
+        ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
+        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, num_warps=cfg.warps2,
+    )
+
+
+def round_w(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """Whether expert output times routing weight rounds to x's dtype (the
+    promoted dtype of the two is x's), or stays fp32 (Mixtral's fp32 weights)."""
+    return torch.promote_types(x_dtype, w_dtype) == x_dtype

@@ -1,0 +1,490 @@
+"""MoE ops (fusepass/kernels/moe/): ``fusepass::moe_router`` and
+``fusepass::moe_experts`` against transformers' MoE blocks and against fp64
+references; their Triton kernels under the interpreter at tiny shapes.
+
+The op bodies are checked against transformers' own blocks (random weights):
+bit for bit in bf16 against its ``grouped_mm`` and ``batched_mm`` experts
+forms, within the dtype table against the per-expert ``eager`` loop (which
+adds experts in x's dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusepass.kernels._common import TOLERANCES
+from fusepass.kernels.moe import experts as ex
+from fusepass.kernels.moe import router as rt
+
+ops = torch.ops.fusepass
+NO_QUANT = (None, None, None, None)
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        for b in module.buffers():
+            if b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+
+
+def _block(model: str, dtype: torch.dtype):
+    """(block, router module, experts module, router kwargs, experts args) of a tiny transformers MoE block."""
+    if model == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        cfg = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+                             norm_topk_prob=True)
+        block = Qwen3MoeSparseMoeBlock(cfg)
+        router = dict(kind="softmax", top_k=3, renormalize=True, logits_dtype=dtype, weights_dtype=dtype)
+        gate, experts, act = block.gate, block.experts, ("silu", "halves", False, "none", 0, 0.0, 0.0)
+    elif model == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        cfg = MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+        block = MixtralSparseMoeBlock(cfg)
+        router = dict(kind="softmax", top_k=2, renormalize=True, logits_dtype=dtype, weights_dtype=torch.float32)
+        gate, experts, act = block.gate, block.experts, ("silu", "halves", False, "none", 0, 0.0, 0.0)
+    elif model == "olmoe":
+        from transformers import OlmoeConfig
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+        cfg = OlmoeConfig(hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                          norm_topk_prob=False)
+        block = OlmoeSparseMoeBlock(cfg)
+        router = dict(kind="softmax", top_k=2, renormalize=False, logits_dtype=dtype, weights_dtype=dtype)
+        gate, experts, act = block.gate, block.experts, ("silu", "halves", False, "none", 0, 0.0, 0.0)
+    elif model == "gpt_oss":
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+        cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4)
+        block = GptOssMLP(cfg)
+        router = dict(kind="topk_softmax", top_k=4, renormalize=False, logits_dtype=dtype, weights_dtype=dtype)
+        gate, experts = block.router, block.experts
+        act = ("gpt_oss", "interleaved", True, "none", 0, cfg.swiglu_alpha, cfg.swiglu_limit)
+    else:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+        cfg = DeepseekV3Config(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                               n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1)
+        block = DeepseekV3MoE(cfg)
+        router = dict(kind="sigmoid", top_k=4, renormalize=True, n_group=4, topk_group=2, scaling=2.5,
+                      logits_dtype=torch.float32, weights_dtype=torch.float32)
+        gate, experts, act = block.gate, block.experts, ("silu", "halves", False, "none", 0, 0.0, 0.0)
+    _randomize(block, 0)
+    block.to(dtype)
+    if model == "deepseek_v3":  # its router weight and correction bias stay fp32, as the model keeps them
+        gate.float()
+        router["correction_bias"] = gate.e_score_correction_bias
+    return block, gate, experts, router, act
+
+
+def _router(x, gate, kind, top_k, renormalize, logits_dtype, weights_dtype, correction_bias=None, n_group=1,
+            topk_group=1, scaling=1.0):
+    return ops.moe_router(x, gate.weight, getattr(gate, "bias", None), correction_bias, kind, top_k, renormalize,
+                          n_group, topk_group, scaling, logits_dtype, weights_dtype)
+
+
+def _experts_op(x, ids, w, experts, act):
+    return ops.moe_experts(x, ids, w, experts.gate_up_proj, experts.down_proj,
+                           getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None),
+                           *NO_QUANT, *act)
+
+
+MODELS = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model", MODELS)
+def test_ops_match_transformers_blocks(model, dtype):
+    """Router and experts ops reproduce transformers' blocks: ids, weights
+    (dtype too) and logits exactly; the block output bit for bit in bf16
+    against grouped_mm and batched_mm, within the dtype table against eager."""
+    block, gate, experts, router, act = _block(model, dtype)
+    x = torch.randn(17, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        logits_ref, w_ref, ids_ref = gate(x)
+        w, ids, logits = _router(x, gate, **router)
+        assert ids.dtype == torch.int64 and w.dtype == w_ref.dtype and logits.dtype == logits_ref.dtype
+        assert torch.equal(logits, logits_ref)
+        # DeepSeek-V3's topk(sorted=False) leaves the order unspecified: compare as sets.
+        order_ref, order = ids_ref.argsort(-1), ids.argsort(-1)
+        assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
+        # (Its renormalising sum then adds in another order: an ulp of fp32 apart.)
+        exact = 1e-6 if model == "deepseek_v3" else 0
+        torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), atol=exact, rtol=exact)
+        # The experts on transformers' own routing (the order of DeepSeek-V3's ids included).
+        out = _experts_op(x, ids_ref, w_ref, experts, act)
+        for impl in ("grouped_mm", "batched_mm", "eager"):
+            experts.config._experts_implementation = impl
+            ref = experts(x, ids_ref, w_ref)
+            tol = TOLERANCES[dtype]
+            if impl == "eager":
+                # index_add_ rounds the running sum to x's dtype after each
+                # expert: errors scale with the partial sums, not with the
+                # (possibly cancelled) result.
+                torch.testing.assert_close(out, ref, atol=tol.rtol * ref.abs().max().item(), rtol=tol.rtol)
+            elif dtype == torch.float32:
+                torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol)
+            else:
+                assert torch.equal(out, ref), impl
+
+
+def test_router_ties_go_to_the_lower_index():
+    x = torch.ones(2, 4)
+    weight = torch.tensor([[0.0, 0, 0, 1], [1, 0, 0, 0], [0.25, 0.25, 0.25, 0.25], [1, 0, 0, 0], [0, 0, 0, 0],
+                           [0.5, 0.5, 0, 0]])
+    # logits per token: [1, 1, 1, 1, 0, 1]: five equal, the top 3 are experts 0, 1, 2.
+    w, ids, _ = ops.moe_router(x, weight, None, None, "softmax", 3, False, 1, 1, 1.0, torch.float32, torch.float32)
+    assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    w, ids, _ = ops.moe_router(x, weight, None, None, "topk_softmax", 5, False, 1, 1, 1.0, torch.float32,
+                               torch.float32)
+    assert ids.tolist() == [[0, 1, 2, 3, 5]] * 2
+
+
+@pytest.mark.parametrize("T", [0, 5])
+def test_ops_under_compile_with_dynamic_tokens(T):
+    """The fakes give the shapes and dtypes of the bodies, with a symbolic T."""
+    block, gate, experts, router, act = _block("qwen3_moe", torch.float32)
+
+    def f(x):
+        w, ids, logits = _router(x, gate, **router)
+        return _experts_op(x, ids, w, experts, act), logits
+
+    compiled = torch.compile(f, backend="eager", dynamic=True, fullgraph=True)
+    for t in (T, T + 3):
+        x = torch.randn(t, 64)
+        out, logits = compiled(x)
+        ref, ref_logits = f(x)
+        assert out.shape == (t, 64) and logits.shape == (t, 8)
+        torch.testing.assert_close(out, ref)
+
+
+def test_experts_pairs_outside_the_experts_add_nothing():
+    _, _, experts, _, act = _block("qwen3_moe", torch.float32)
+    x = torch.randn(3, 64)
+    ids = torch.tensor([[0, 8, 2], [-1, 5, 5], [7, 100, 1]])
+    w = torch.rand(3, 3)
+    out = _experts_op(x, ids, w, experts, act)
+    keep = (ids >= 0) & (ids < 8)
+    ref = _experts_op(x, ids.clamp(0, 7), w * keep, experts, act)
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("case,message", [
+    (dict(top_k=9), "top_k = 9 outside"),
+    (dict(kind="softmax_topk"), "kind must be one of"),
+    (dict(kind="sigmoid", n_group=3), "do not split into 3 groups"),
+    (dict(kind="sigmoid", n_group=4, topk_group=1, top_k=3), "exceeds the 2 experts"),
+    (dict(correction_bias=torch.zeros(8)), "belongs to the sigmoid router"),
+    (dict(n_group=2, topk_group=1), "group-limited top-k belongs to the sigmoid router"),
+])
+def test_router_refuses_bad_arguments(case, message):
+    args = dict(kind="softmax", top_k=2, renormalize=True, n_group=1, topk_group=1, correction_bias=None)
+    args.update(case)
+    with pytest.raises(RuntimeError, match=message):
+        ops.moe_router(torch.randn(3, 16), torch.randn(8, 16), None, args["correction_bias"], args["kind"],
+                       args["top_k"], args["renormalize"], args["n_group"], args["topk_group"], 1.0, torch.float32,
+                       torch.float32)
+
+
+@pytest.mark.parametrize("case,message", [
+    (dict(activation="relu"), "activation must be one of"),
+    (dict(w_down=torch.randn(4, 16, 9)), "w_down must be"),
+    (dict(w_gate_up=torch.randn(4, 16, 16, dtype=torch.bfloat16)), "x's dtype"),
+    (dict(ids=torch.zeros(3, 2)), "topk_ids must be integer"),
+    (dict(fmt="int4"), "int4 expert weights must be torch.uint8"),
+])
+def test_experts_refuse_bad_arguments(case, message):
+    args = dict(w_gate_up=torch.randn(4, 16, 16), w_down=torch.randn(4, 16, 8), ids=torch.zeros(3, 2, dtype=torch.long),
+                activation="silu", fmt="none")
+    args.update(case)
+    with pytest.raises(RuntimeError, match=message):
+        ops.moe_experts(torch.randn(3, 16), args["ids"], torch.rand(3, 2), args["w_gate_up"], args["w_down"], None,
+                        None, *NO_QUANT, args["activation"], "halves", False, args["fmt"], 0, 0.0, 0.0)
+
+
+# ------------------------------------------------------------ the kernels ----
+#
+# Launched directly on CPU tensors under the interpreter (on a GPU, on CUDA
+# tensors).  Workspaces and outputs are poisoned (NaN, or a huge index) so an
+# element a kernel forgets to write shows.  The Triton 3.9 interpreter
+# converts fp32 to bf16 by truncation, not to nearest (the GPU rounds to
+# nearest): under it the bf16 references round by truncation too, so every
+# dtype is checked at the kernels' own roundings.
+
+from fusepass.kernels.moe import _tiles, decode, prefill  # noqa: E402
+from fusepass.kernels.dequant_matmul import unpack_int4  # noqa: E402
+
+INTERPRET = __import__("os").environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    real = _tiles.workspace
+
+    def poisoned_workspace(shape, dtype, device):
+        t = real(shape, dtype, device)
+        return t.fill_(float("nan") if dtype.is_floating_point else 2**30)
+
+    monkeypatch.setattr(_tiles, "workspace", poisoned_workspace)
+    if INTERPRET:
+        real_rounder = ex._rounder
+
+        def truncating(dtype, cd):
+            if dtype != torch.bfloat16:
+                return real_rounder(dtype, cd)
+            return lambda t: (t.to(torch.float32).view(torch.int32) & -65536).view(torch.float32).to(cd)
+
+        monkeypatch.setattr(ex, "_rounder", truncating)
+
+
+def _quantize(w: torch.Tensor, fmt: str, group: int, asym: bool):
+    """[E, N, K] float weights -> (stored weight, scale, zero) in dequant_matmul's formats."""
+    E, N, K = w.shape
+    if fmt == "int8":
+        s = w.abs().amax(-1) / 127
+        return torch.round(w / s[..., None]).clamp(-127, 127).to(torch.int8), s, None
+    if fmt == "fp8":
+        s = w.abs().amax(-1) / 448
+        return (w / s[..., None]).to(torch.float8_e4m3fn), s, None
+    wg = w.view(E, N, K // group, group)
+    if asym:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        s = (hi - lo) / 15
+        z = torch.round(-lo / s)
+    else:
+        s, z = wg.abs().amax(-1) / 7, None
+    q = torch.round(wg / s[..., None] + (z[..., None] if asym else 8)).clamp(0, 15).to(torch.uint8).view(E, N, K)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
+    assert torch.equal(unpack_int4(packed), q)
+    return packed, s, z
+
+
+def _experts_inputs(T, E, H, I, k, dtype, *, trans=False, bias=False, fmt="none", group=0, asym=False, twdt=None,
+                    ids=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+    ids = ids.long()
+    tw = torch.rand(T, k, generator=gen).to(twdt or dtype)
+    w1 = torch.randn(E, 2 * I, H, generator=gen) * 0.2
+    w2 = torch.randn(E, H, I, generator=gen) * 0.2
+    s1 = z1 = s2 = z2 = None
+    if fmt != "none":
+        w1, s1, z1 = _quantize(w1, fmt, group, asym)
+        w2, s2, z2 = _quantize(w2, fmt, group, asym)
+        s1, s2 = s1.to(dtype), s2.to(dtype)
+        if asym:
+            z1, z2 = z1.to(dtype), z2.to(dtype)
+    else:
+        w1, w2 = w1.to(dtype), w2.to(dtype)
+        if trans:
+            w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    b1 = torch.randn(E, 2 * I, generator=gen).to(dtype) if bias else None
+    b2 = torch.randn(E, H, generator=gen).to(dtype) if bias else None
+    t = lambda v: None if v is None else v.to(DEVICE)  # noqa: E731
+    return tuple(t(v) for v in (x, ids, tw, w1, w2, b1, b2, s1, z1, s2, z2))
+
+
+def _run_experts(plan, inputs, act, layout, trans, fmt, group, cfg=None):
+    alpha, limit = (1.702, 7.0) if act == "gpt_oss" else (0.0, 0.0)
+    out = ex.experts_fwd(*inputs, act, layout, trans, fmt, group, alpha, limit, plan=plan, cfg=cfg)
+    ref = ex.moe_experts_reference(*inputs, act, layout, trans, fmt, group, alpha, limit, torch.float64)
+    return out, ref
+
+
+def _assert_experts_close(out, ref, loose=False):
+    assert not out.isnan().any(), "an output element was never written"
+    tol = TOLERANCES[out.dtype]
+    # loose: errors relative to the largest output (the sorted path's tl.dot
+    # takes int4 weights dequantised and rounded to x's dtype)
+    scale = 2 * ref.abs().max().item() if loose else 1.0
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol.atol * scale, rtol=tol.rtol)
+
+
+DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# id -> (T, E, H, I, k, dtype, activation, layout, transposed, bias, fmt, group, asym, routing weights' dtype)
+EXPERT_CASES = {
+    "T1-E8-k2-fp16-silu": (1, 8, 64, 32, 2, "fp16", "silu", "halves", False, False, "none", 0, False, None),
+    "T3-E4-k3-fp32-gelu-interleaved-bias-H48-I40": (3, 4, 48, 40, 3, "fp32", "gelu", "interleaved", False, True,
+                                                    "none", 0, False, None),
+    "T3-E8-k2-bf16-gpt_oss-transposed-bias-fp32w": (3, 8, 64, 32, 2, "bf16", "gpt_oss", "interleaved", True, True,
+                                                    "none", 0, False, "fp32"),
+    "T3-E8-k2-fp16-gelu_tanh-transposed": (3, 8, 64, 32, 2, "fp16", "gelu_tanh", "halves", True, False, "none", 0,
+                                           False, None),
+    "T3-E6-k3-bf16-int4-g16-asym": (3, 6, 64, 32, 3, "bf16", "silu", "halves", False, False, "int4", 16, True, None),
+    "T3-E8-k2-fp16-int4-g32-sym": (3, 8, 64, 32, 2, "fp16", "silu", "halves", False, False, "int4", 32, False, None),
+    "T3-E8-k2-fp16-int8": (3, 8, 64, 32, 2, "fp16", "silu", "halves", False, False, "int8", 0, False, None),
+    "T3-E8-k2-bf16-fp8-interleaved": (3, 8, 64, 32, 2, "bf16", "silu", "interleaved", False, False, "fp8", 0, False,
+                                      None),
+    "T17-E8-k3-bf16-silu": (17, 8, 64, 32, 3, "bf16", "silu", "halves", False, False, "none", 0, False, None),
+    "T5-E5-k1-fp32-odd-H37-I19": (5, 5, 37, 19, 1, "fp32", "silu", "interleaved", False, True, "none", 0, False,
+                                  None),
+    "T5-E5-k1-fp16-odd-H37-I19-transposed": (5, 5, 37, 19, 1, "fp16", "gpt_oss", "halves", True, True, "none", 0,
+                                             False, None),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+@pytest.mark.parametrize("plan", ["decode", "sorted"])
+def test_experts_kernels_match_reference(poisoned, plan, case):
+    T, E, H, I, k, dt, act, layout, trans, bias, fmt, group, asym, twdt = EXPERT_CASES[case]
+    if plan == "sorted" and T == 3 and fmt == "none" and act != "gpt_oss":
+        pytest.skip("covered by the decode path; the sorted path runs the other cases")  # interpreter time
+    inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
+                             twdt=DT.get(twdt))
+    out, ref = _run_experts(plan, inputs, act, layout, trans, fmt, group)
+    _assert_experts_close(out, ref, loose=plan == "sorted" and fmt == "int4")
+
+
+@pytest.mark.parametrize("plan", ["decode", "sorted"])
+def test_experts_shared_unused_and_outside_experts(poisoned, plan):
+    """Experts chosen by several tokens (read once by the decode path), most
+    experts chosen by none, ids outside [0, E) (transformers' expert-parallel
+    sentinels) adding nothing, and an expert with more tokens than a block
+    (BM = 16 rows: 20 tokens on expert 2)."""
+    T, E = 20, 8
+    ids = torch.full((T, 2), 2)
+    ids[:, 1] = torch.tensor([5, 8, -1, 5, 3] * 4)
+    inputs = _experts_inputs(T, E, 32, 16, 2, torch.float16, ids=ids)
+    cfg = prefill.SortedConfig(BM=16, BN=16, BK=32, BN2=32, BK2=16) if plan == "sorted" else \
+        decode.DecodeConfig(BM=4, BN=8, BK=32, BN2=16, BK2=16, defer=False, defer2=False)
+    out, ref = _run_experts(plan, inputs, "silu", "halves", False, "none", 0, cfg)
+    _assert_experts_close(out, ref)
+
+
+def test_experts_zero_tokens():
+    inputs = _experts_inputs(0, 8, 32, 16, 2, torch.bfloat16)
+    for plan in ("decode", "sorted"):
+        out, _ = _run_experts(plan, inputs, "silu", "halves", False, "none", 0)
+        assert out.shape == (0, 32)
+
+
+def test_alignment_pads_every_expert_to_the_block(poisoned):
+    ids = torch.tensor([[3, 1], [3, 0], [9, 3], [1, 3]], device=DEVICE)  # 9: outside the 4 experts
+    a = prefill.align(ids, 4, 4)
+    slots = a.sorted_slots.tolist()
+    # expert 0: slot 3; expert 1: slots 1, 6; expert 3: slots 0, 2, 5, 7 -- each padded to 4 rows, in slot order
+    assert slots[:12] == [3, -1, -1, -1, 1, 6, -1, -1, 0, 2, 5, 7]
+    assert all(s == -1 for s in slots[12:])
+    assert a.block_expert.tolist()[:3] == [0, 1, 3] and all(b == -1 for b in a.block_expert.tolist()[3:])
+    assert a.expert_end.tolist() == [4, 8, 8, 12]
+    assert a.pos_of_slot.tolist() == [8, 4, 9, 0, -1, 10, 5, 11]
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm missing")
+@pytest.mark.parametrize("act,layout,trans,bias", [("silu", "halves", False, False),
+                                                   ("gpt_oss", "interleaved", True, True)])
+def test_grouped_mm_plan(poisoned, act, layout, trans, bias):
+    inputs = _experts_inputs(9, 8, 64, 32, 2, torch.bfloat16, trans=trans, bias=bias)
+    try:
+        out, ref = _run_experts("grouped_mm", inputs, act, layout, trans, "none", 0)
+    except (RuntimeError, NotImplementedError) as exc:  # a torch build without a CPU grouped_mm
+        pytest.skip(f"torch._grouped_mm: {exc}")
+    # Under the interpreter torch's GEMMs round to nearest, the Triton kernels
+    # between them truncate: the two kinds of rounding mix.
+    _assert_experts_close(out, ref, loose=INTERPRET)
+
+
+def test_plan_names():
+    cuda = torch.device("cuda", 0)
+    assert ex.moe_experts_plan(1, 128, 2048, 768, 8, torch.float64, device=cuda) == "reference"
+    assert ex.moe_experts_plan(1, 128, 2048, 768, 8, torch.bfloat16, device="cpu") == "reference"
+    assert ex.moe_experts_plan(1, 128, 2048, 768, 8, torch.bfloat16) == "decode"
+    assert ex.moe_experts_plan(512, 128, 2048, 768, 8, torch.bfloat16) == "sorted"
+
+
+# ----------------------------------------------------------------- router ----
+
+ROUTER_CASES = {
+    # id -> (T, E, H, kind, k, renormalize, n_group, topk_group, scaling, x dtype, logits dtype, weights dtype,
+    #        bias, correction bias, router weight dtype)
+    "T1-E8-softmax-renorm-bf16": (1, 8, 64, "softmax", 2, True, 1, 1, 1.0, "bf16", "bf16", "bf16", False, False, None),
+    "T3-E6-softmax-fp16-fp32w": (3, 6, 40, "softmax", 3, False, 1, 1, 1.0, "fp16", "fp16", "fp32", False, False, None),
+    "T17-E8-softmax-fp32": (17, 8, 48, "softmax", 1, True, 1, 1, 1.0, "fp32", "fp32", "fp32", False, False, None),
+    "T3-E8-topk_softmax-bias-bf16": (3, 8, 64, "topk_softmax", 4, False, 1, 1, 1.0, "bf16", "bf16", "bf16", True,
+                                     False, None),
+    "T17-E16-sigmoid-groups-fp32logits": (17, 16, 32, "sigmoid", 4, True, 4, 2, 2.5, "bf16", "fp32", "fp32", False,
+                                          True, "fp32"),
+    "T3-E12-sigmoid-nogroups-scaled": (3, 12, 32, "sigmoid", 3, False, 1, 1, 1.5, "fp16", "fp16", "fp16", False, True,
+                                       None),
+}
+ROUTER_CONFIGS = {
+    "split": lambda T: rt.RouterConfig(BT=4, BE=2, BK=16, dot=False),
+    "whole": lambda T: rt.RouterConfig(BT=4, BE=32, BK=16, dot=False),
+    "dot": lambda T: rt.RouterConfig(BT=16, BE=32, BK=16, dot=True),
+}
+
+
+def _router_inputs(T, E, H, xdt, bias, cb, wdt, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(DT[xdt])
+    w = (torch.randn(E, H, generator=gen) * 0.3).to(DT[wdt or xdt])
+    b = torch.randn(E, generator=gen).to(DT[xdt]) if bias else None
+    c = torch.randn(E, generator=gen) * 0.1 if cb else None
+    return tuple(None if v is None else v.to(DEVICE) for v in (x, w, b, c))
+
+
+@pytest.mark.parametrize("config", list(ROUTER_CONFIGS))
+@pytest.mark.parametrize("case", list(ROUTER_CASES))
+def test_router_kernel_matches_reference(poisoned, case, config):
+    T, E, H, kind, k, renorm, ng, tg, sc, xdt, ldt, wdt, bias, cb, rwdt = ROUTER_CASES[case]
+    x, w, b, c = _router_inputs(T, E, H, xdt, bias, cb, rwdt)
+    cfg = ROUTER_CONFIGS[config](T)
+    if config != "split":
+        cfg = rt.RouterConfig(BT=cfg.BT, BE=_tiles.cdiv_pow2(E), BK=cfg.BK, dot=cfg.dot)
+    args = (x, w, b, c, kind, k, renorm, ng, tg, sc, DT[ldt], DT[wdt])
+    tw, tid, logits = rt.router_fwd(*args, cfg=cfg)
+    ref_logits = rt.moe_router_reference(*args, compute_dtype=torch.float64)[2]
+    tol = TOLERANCES[DT[ldt]]
+    torch.testing.assert_close(logits.double(), ref_logits.double(), atol=tol.atol, rtol=tol.rtol)
+    # The selection, exactly, from the kernel's own logits.
+    ref_w, ref_ids = rt.router_select_reference(logits, c, kind, k, renorm, ng, tg, sc, DT[wdt], torch.float64)
+    assert torch.equal(tid, ref_ids)
+    tol = TOLERANCES[DT[wdt]]
+    torch.testing.assert_close(tw.double(), ref_w.double(), atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("config", ["split", "whole"])
+def test_router_kernel_ties_go_to_the_lower_index(poisoned, config):
+    x = torch.ones(2, 4, device=DEVICE)
+    weight = torch.tensor([[0.0, 0, 0, 1], [1, 0, 0, 0], [0.25, 0.25, 0.25, 0.25], [1, 0, 0, 0], [0, 0, 0, 0],
+                           [0.5, 0.5, 0, 0]], device=DEVICE)
+    cfg = rt.RouterConfig(BT=2, BE=2 if config == "split" else 8, BK=4, dot=False)
+    for kind, k, expected in (("softmax", 3, [0, 1, 2]), ("topk_softmax", 5, [0, 1, 2, 3, 5]),
+                              ("sigmoid", 4, [0, 1, 2, 3])):
+        _, ids, _ = rt.router_fwd(x, weight, None, None, kind, k, False, 1, 1, 1.0, torch.float32, torch.float32,
+                                  cfg=cfg)
+        assert ids.tolist() == [expected] * 2, kind
+
+
+def test_router_kernel_zero_tokens():
+    x, w, _, _ = _router_inputs(0, 8, 32, "bf16", False, False, None)
+    tw, tid, logits = rt.router_fwd(x, w, None, None, "softmax", 2, True, 1, 1, 1.0, torch.bfloat16, torch.bfloat16)
+    assert tw.shape == (0, 2) and tid.shape == (0, 2) and logits.shape == (0, 8)
+
+
+def test_decode_kernels_compile_for_sm90_with_vector_loads():
+    """The decode kernels built for an H100 without one (Triton's ptxas): no
+    spills, and weights read as 16-byte vectors, not element by element
+    (``benchmarks/moe.py --ptx``; a subprocess: the interpreter's kernels cannot be
+    compiled)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "moe.py"), "--ptx", "decode"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("spill    0") >= 12, proc.stdout
