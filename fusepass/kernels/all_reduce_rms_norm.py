@@ -35,12 +35,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusepass.kernels._common import eps_args, op_eps
+from fusepass.kernels._common import eps_args, op_eps, run_kernel
 from fusepass.kernels.rms_norm import (
-    _add_rms_norm_cuda,
     _check_residual,
-    _rms_norm_cuda,
+    _kernel_handles,
+    add_rms_norm_fwd,
     add_rms_norm_reference,
+    rms_norm_fwd,
     rms_norm_reference,
 )
 
@@ -98,10 +99,18 @@ def _all_reduce_rms_norm_cuda(x, residual, weight, eps, weight_offset, cast_befo
                               eps_tensor=None):
     eps = op_eps(eps, eps_tensor)
     h = all_reduce_sum(x, group_name)
-    if residual is None:
-        # h is the collective's own fresh buffer: it is the op's second output as it is.
-        return _rms_norm_cuda(h, weight, eps, weight_offset, cast_before_weight, out_dtype), h
-    return _add_rms_norm_cuda(h, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    args = (h, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    if not _kernel_handles(h, weight, out_dtype, residual):
+        return _reference(*args)
+
+    def launch():
+        if residual is None:
+            # h is the collective's own fresh buffer: the op's second output as it is.
+            return rms_norm_fwd(h, weight, eps, weight_offset, cast_before_weight, out_dtype), h
+        return add_rms_norm_fwd(h, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
+
+    # The collective has run: a failing kernel falls back to the reference on its result.
+    return run_kernel("all_reduce_rms_norm", launch, lambda: _reference(*args))
 
 
 # ------------------------------------------------------- calls in graphs ----
