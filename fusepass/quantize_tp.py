@@ -34,7 +34,6 @@ import inspect
 from typing import Callable
 
 import torch
-import torch.nn.functional as F  # noqa: F401 - the quantized forwards' module, for readers
 from torch import nn
 
 COLWISE, ROWWISE, REPLICATED = "colwise", "rowwise", "replicated"
