@@ -390,7 +390,7 @@ def where(node: torch.fx.Node) -> tuple[str, str]:
     if stack:
         path = list(stack.values())[-1][0]
         path = path.replace("L['self'].", "").replace("L['self']", "")
-        for prefix in ("L__self___", "L['fn']."):
+        for prefix in ("L__self___", "L['fn'].", "L['args'][0]."):
             path = path.replace(prefix, "")
     source = ""
     trace = node.meta.get("stack_trace") or ""

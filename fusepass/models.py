@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5")
+MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5", "qwen3_moe")
 
 # What importing and running transformers' models prints around fusepass:
 # torchao (imported by transformers for its quantizer) trying C++ extensions
@@ -108,6 +108,11 @@ def _base_config(tf: Any, name: str, hidden: int, heads: int, layers: int, commo
             **common, head_dim=hidden // heads, linear_num_value_heads=4, linear_num_key_heads=2,
             linear_key_head_dim=16, linear_value_head_dim=16,
             layer_types=["linear_attention", "full_attention"] * (layers // 2))
+    if name == "qwen3_moe":
+        # Every layer sparse: 4 experts of 32, 2 per token, as Qwen3-30B-A3B's 128 of 768, 8 per token.
+        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, head_dim=hidden // heads, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 

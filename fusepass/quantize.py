@@ -25,6 +25,7 @@ K does not split into groups.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import quantize_tp as _tp
 from .formats import FORMATS, FP8_MAX
 from .formats import GROUP_SIZES as INT4_GROUP_SIZES
 from .formats import dequantize_int4 as _dequantize_int4
@@ -133,7 +135,11 @@ class QuantizeSummary:
 
 
 def _nbytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    return _tp.local_nbytes(module)  # a sharded layer's bytes on this rank
+
+
+def _quantized(linear: nn.Linear, fmt: str, group_size: int) -> nn.Module:
+    return {"int8": Int8Linear, "fp8": Fp8Linear}[fmt](linear) if fmt != "int4" else Int4Linear(linear, group_size)
 
 
 def _default_filter(name: str, module: nn.Linear) -> bool:
@@ -174,13 +180,16 @@ def quantize(model: nn.Module, fmt: str = "int8", group_size: int = 128,
             reason = f"weight shared with {', '.join(others)} (tied): quantizing it would change them too"
         elif not w.dtype.is_floating_point or w.dtype == torch.float64:
             reason = f"weight dtype {w.dtype}: fusepass quantizes fp32/fp16/bf16 layers"
+        elif _tp.is_sharded(w) and (tp_reason := _tp.refusal(module, fmt, group_size)):
+            reason = f"tensor-parallel: {tp_reason}"  # see quantize_tp: each rank quantizes its own shard
         elif fmt == "int4" and module.in_features % group_size:
             reason = f"K = {module.in_features} is not a multiple of group_size {group_size}"
         if reason:
             summary.skipped.append((name, reason))
             continue
+        make = functools.partial(_quantized, fmt=fmt, group_size=group_size)
         with torch.no_grad():
-            new = {"int8": Int8Linear, "fp8": Fp8Linear}[fmt](module) if fmt != "int4" else Int4Linear(module, group_size)
+            new = _tp.convert(module, make) if _tp.is_sharded(w) else make(module)
         new.to(w.device)
         summary.bytes_before += _nbytes(module)
         summary.bytes_after += _nbytes(new)

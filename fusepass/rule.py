@@ -158,6 +158,7 @@ class Rule:
 
 BUILTIN_RULE_MODULES = (
     "fusepass.patterns.rms_norm_gated",
+    "fusepass.patterns.all_reduce_rms_norm",
     "fusepass.patterns.add_rms_norm",
     "fusepass.patterns.rms_norm",
     "fusepass.patterns.swiglu",

@@ -30,3 +30,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return "cuda" if HAS_CUDA else "cpu"
+
+
+
+def pytest_configure(config):
+    """Rules whose forms hold collectives (all_reduce_rms_norm) run them on the
+    default group: a single gloo rank in this process (tests/test_tp.py spawns
+    several).  Before collection: tests/test_ops.py runs every rule's
+    replacement to list the ops' cases."""
+    from fusepass.testing import single_rank_group
+
+    single_rank_group()

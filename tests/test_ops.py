@@ -64,6 +64,10 @@ def _t(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=dtype)
 
 
+def _group():
+    return torch.distributed.group.WORLD.group_name
+
+
 def _eps64():
     """eps as dynamic=True passes it: a 0-dim fp64 CPU tensor (the ops' ``eps_tensor``)."""
     return torch.tensor(1e-5, dtype=torch.float64)
@@ -104,6 +108,17 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
                           _t(9, dtype=torch.float64), 1e-6, 0.0, False, torch.float64)),
         ("eps-tensor-bf16", lambda: (_t(4, 16, dtype=torch.bfloat16), _t(4, 16, dtype=torch.bfloat16),
                                      _t(16, dtype=torch.bfloat16), 0.0, 0.0, True, torch.bfloat16, _eps64())),
+    ],
+    "all_reduce_rms_norm": [  # the default group: one gloo rank (conftest), whose all-reduce is the identity
+        ("3d-bf16-residual", lambda: (_t(2, 3, 33, dtype=torch.bfloat16), _t(2, 3, 33, dtype=torch.bfloat16),
+                                      _t(33, dtype=torch.bfloat16), 1e-5, 0.0, True, torch.bfloat16, _group())),
+        ("transposed-fp32-no-residual", lambda: (_t(7, 5).t(), None, _t(7), 1e-6, 1.0, False, torch.float32,
+                                                 _group())),
+        ("fp64", lambda: (_t(3, 9, dtype=torch.float64), _t(3, 9, dtype=torch.float64), _t(9, dtype=torch.float64),
+                          1e-6, 0.0, False, torch.float64, _group())),
+        ("empty-rows", lambda: (_t(0, 8), _t(0, 8), _t(8), 1e-6, 0.0, False, torch.float32, _group())),
+        ("eps-tensor-fp16", lambda: (_t(4, 16, dtype=torch.float16), _t(4, 16, dtype=torch.float16),
+                                     _t(16, dtype=torch.float16), 0.0, 0.0, True, torch.float16, _group(), _eps64())),
     ],
     "swiglu": [
         ("chunked-halves-bf16", lambda: _t(6, 2 * 33, dtype=torch.bfloat16).chunk(2, -1)),

@@ -87,9 +87,21 @@ def registered(rule: Rule) -> Iterator[None]:
             registry.register_rule(previous, replace=True)
 
 
+def single_rank_group() -> None:
+    """Make sure the process has a default process group, for rules whose forms
+    hold collectives (``all_reduce_rms_norm``): the one it has, else a
+    single-rank gloo group over an in-process store (no network), whose
+    all-reduce is the identity."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 def check_rule(rule: Rule, dtypes: Sequence[torch.dtype] | None = None, device: str | torch.device | None = None,
                near_miss_dtype: torch.dtype = torch.float32) -> list[CheckResult]:
     """Check a rule end to end; returns one row per case, raises AssertionError on the first failure."""
+    single_rank_group()
     with registered(rule):
         return _check_rule(rule, dtypes, device, near_miss_dtype)
 

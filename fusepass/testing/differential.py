@@ -647,6 +647,9 @@ def _scale(t: torch.Tensor) -> torch.Tensor:
 
 def build(spec: ProgramSpec, device: str | torch.device = "cpu") -> Program:
     """Build ``spec`` and run it eagerly; drawn variants eager rejects are simplified."""
+    from . import single_rank_group
+
+    single_rank_group()  # blocks of all_reduce_rms_norm hold a collective
     b = _Builder(spec, torch.device(device))
     for block in spec.blocks:
         b.block(block)

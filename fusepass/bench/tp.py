@@ -1,0 +1,307 @@
+"""Tensor-parallel models, fusepass against Inductor at the same world size.
+
+    torchrun --nproc-per-node 2 -m fusepass.bench.tp --model llama3-70b --layers 2 --out DIR   # GPUs, NCCL
+    python -m fusepass.bench.tp --cpu-smoke --out DIR                                          # 2 gloo ranks, tiny
+
+Every rank builds the same random-weight model from a real checkpoint's
+config (seeded on its device, truncated to ``--layers`` decoder layers:
+a 70B model's whole depth does not fit one rank before sharding) and shards
+it with the model's own ``transformers`` plan (the ``tp_plan="auto"``
+styles, applied in memory: nothing is saved or loaded), ``--quantize``
+quantizes each rank's shards (``fusepass.quantize``), then per backend:
+
+- ``prefill``: one forward over a B=1 prompt of ``--prompt`` tokens
+  (``use_cache=False``, ``logits_to_keep=1``); the logits checked against
+  the sharded model run eagerly first;
+- ``decode``: one token per sequence at each ``--batch``, on a static cache
+  filled with the prompt; on CUDA the step is captured in a CUDA graph and
+  replayed a fixed number of times between two events (the same count on
+  every rank: a collective in a graph replays in lockstep);
+- ``op``: on CUDA, ``fusepass::all_reduce_rms_norm`` (NCCL all-reduce +
+  the add_rms_norm kernel) against a one-shot all-reduce over symmetric
+  memory + the same kernel, at decode and prefill token counts: the
+  baseline a fused one-shot kernel must beat.
+
+Times are rank 0's (every rank waits on the others at each all-reduce);
+the table is printed last, the rows saved as JSON in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama3-70b": ("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "tiny-llama": ("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)),
+    "tiny-qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096)),
+}
+BACKENDS = ("inductor", "fusepass")
+
+
+def build(name: str, layers: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The model, random weights drawn on ``device`` from one seed (the same on every rank)."""
+    import transformers as tf
+
+    cls, config_cls, fields = MODELS[name]
+    config = getattr(tf, config_cls)(**{**fields, "num_hidden_layers": min(layers, fields["num_hidden_layers"])})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(tf, cls)._from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                module.weight.normal_(1.0, 0.1)
+    return model.eval()
+
+
+def shard(model: torch.nn.Module, world: int, device_type: str) -> torch.nn.Module:
+    """``model`` sharded over the default group by its own plan, as ``from_pretrained(tp_plan="auto")``
+    does before it loads weights; every rank holds the same full weights, each keeps its shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("tp",))
+    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world, tp_plan="auto"))
+    model = apply_tensor_parallelism(model, mesh, plan)
+    model._tp_size = world
+    return model
+
+
+def _time(fn, cuda: bool, calls: int) -> float:
+    """ms per call, the same number of calls on every rank (collectives inside)."""
+    import torch.distributed as dist
+
+    fn()
+    dist.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph (after warm-up on a side stream); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) -> list[dict[str, Any]]:
+    import fusepass
+    from transformers import StaticCache
+
+    from fusepass.testing import assert_close
+
+    cuda = device.startswith("cuda")
+    model = shard(build(args.model, args.layers, dtype, device), world, "cuda" if cuda else "cpu")
+    if args.quantize:
+        summary = fusepass.quantize(model, fmt=args.quantize, group_size=args.group_size)
+        if rank == 0:
+            print(summary, file=sys.stderr)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, args.prompt), generator=g).to(device)
+    rows = []
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+        for backend in BACKENDS:
+            torch._dynamo.reset()
+            fusepass.reset_reports()
+            fn = torch.compile(model, backend=backend, fullgraph=True)
+            t0 = time.perf_counter()
+            got = fn(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+            compile_s = time.perf_counter() - t0
+            try:
+                assert_close(got.float(), expected.float(), dtype=dtype)
+                ok = "ok"
+            except AssertionError as exc:
+                ok = f"MISMATCH {str(exc).splitlines()[0][:80]}"
+            ms = _time(lambda: fn(input_ids=ids, use_cache=False, logits_to_keep=1), cuda, args.calls)
+            rewrites = _rewrites(fusepass.last_report()) if backend == "fusepass" else ""
+            rows.append(dict(phase="prefill", workload=f"B1 T{args.prompt}", backend=backend, ms=ms,
+                             compile_s=compile_s, check=ok, rewrites=rewrites))
+            for batch in args.batch:
+                fusepass.reset_reports()  # the step's graph alone
+                cache = StaticCache(config=model.config, max_cache_len=args.prompt + 8)
+                model(input_ids=ids.expand(batch, -1), past_key_values=cache, use_cache=True)  # fill the cache
+                step_ids = torch.randint(0, vocab, (batch, 1), generator=g).to(device)
+                pos = torch.tensor([args.prompt], device=device)
+                counters = [layer.cumulative_length for layer in getattr(cache, "layers", [])
+                            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+
+                def step():
+                    for c in counters:  # the cache's write position, back to the prompt's end
+                        c.fill_(args.prompt)
+                    return fn(input_ids=step_ids, past_key_values=cache, position_ids=pos.expand(batch, 1),
+                              cache_position=pos, use_cache=True).logits
+
+                run, how = step, "plain calls"
+                if cuda:
+                    try:
+                        run, how = _graphed(step), "CUDA graph replays"
+                    except Exception as exc:  # noqa: BLE001 - a capture every rank refuses alike: time plain calls
+                        how = f"plain calls (capture failed: {type(exc).__name__})"
+                ms = _time(run, cuda, args.calls * 10)
+                rows.append(dict(phase="decode", workload=f"B{batch} at {args.prompt}", backend=backend, ms=ms,
+                                 check=how, rewrites=_rewrites(fusepass.last_report()) if backend == "fusepass"
+                                 else ""))
+    return rows
+
+
+def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The all-reduce + add + RMSNorm op against a symmetric-memory one-shot all-reduce + add_rms_norm."""
+    import torch.distributed as dist
+
+    from fusepass.kernels.all_reduce_rms_norm import all_reduce_rms_norm_call
+
+    group = dist.group.WORLD.group_name
+    hidden = MODELS[args.model][2]["hidden_size"]
+    rows = []
+    for tokens in (1, 8, 32, 128, 2048):
+        x, res = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+        w = torch.randn(hidden, device=device, dtype=dtype)
+        contenders = {"nccl + add_rms_norm (the op)": lambda: all_reduce_rms_norm_call(
+            x, res, w, 1e-5, 0.0, True, dtype, group)}
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buf = symm_mem.empty(tokens, hidden, device=device, dtype=dtype)
+            symm_mem.rendezvous(buf, group)
+            buf.copy_(x)
+
+            def one_shot():
+                h = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)
+                return torch.ops.fusepass.add_rms_norm(h, res, w, 1e-5, 0.0, True, dtype)
+
+            contenders["symm-mem one-shot + add_rms_norm"] = one_shot
+        except Exception as exc:  # noqa: BLE001 - no symmetric memory here: the op's row alone
+            print(f"symmetric memory unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        ref = contenders["nccl + add_rms_norm (the op)"]()
+        for name, fn in contenders.items():
+            row = dict(phase="op", workload=f"{tokens}x{hidden}", backend=name)
+            try:
+                got = fn()
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
+                rows.append(dict(row, ms=_time(_graphed(fn), True, 200), check=f"max diff {err:.3g}"))
+            except Exception as exc:  # noqa: BLE001 - one contender failing must not lose the others
+                rows.append(dict(row, ms=float("nan"), check=f"FAILED {type(exc).__name__}: {exc}"[:100]))
+    return rows
+
+
+def _rewrites(report) -> str:
+    from collections import Counter
+
+    counts = Counter(h.rule for h in report.hits)
+    return ", ".join(f"{r}×{n}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One rank's rows (the process group is up)."""
+    cuda = torch.cuda.is_available() and not args.cpu_smoke
+    device = f"cuda:{rank}" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        torch.cuda.set_device(rank)
+    rows = _rows_model(args, rank, world, device, dtype) if "model" in args.phases else []
+    if cuda and "op" in args.phases:
+        rows += _rows_op(args, world, device, dtype)
+    for row in rows:
+        row.update(model=args.model, layers=args.layers, quantize=args.quantize or "", world=world)
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    from tabulate import tabulate
+
+    base = {(r["phase"], r["workload"]): r["ms"] for r in rows if r["backend"] == "inductor"}
+    table = [[r["phase"], r["workload"], r["backend"], f"{r['ms'] * 1e3:.1f}",
+              f"{base[(r['phase'], r['workload'])] / r['ms']:.2f}x" if (r["phase"], r["workload"]) in base else "",
+              r.get("check", ""), r.get("rewrites", "")] for r in rows]
+    return tabulate(table, headers=["phase", "workload", "backend", "µs", "vs inductor", "check", "rewrites"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fusepass.bench.tp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default=None)
+    p.add_argument("--layers", type=int, default=2, help="decoder layers kept (default 2)")
+    p.add_argument("--quantize", choices=("int8", "int4"), default=None)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--prompt", type=int, default=2048, help="prefill tokens (default 2048)")
+    p.add_argument("--batch", type=lambda s: [int(b) for b in s.split(",")], default=[1, 32])
+    p.add_argument("--calls", type=int, default=10, help="timed prefill calls (decode: 10x)")
+    p.add_argument("--phases", default="model,op")
+    p.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes")
+    p.add_argument("--out", default=None, help="folder for rows.json")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.model = args.model or "tiny-llama"
+        args.prompt, args.batch, args.calls = min(args.prompt, 16), [2], 2
+        from fusepass.testing import tp
+
+        per_rank = tp.spawn(run_rank, world_size=2, timeout=600, args=(args,))
+    else:  # under torchrun: this process is one rank
+        import torch.distributed as dist
+
+        args.model = args.model or "llama3-70b"
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(minutes=10))
+        try:
+            per_rank = [run_rank(dist.get_rank(), dist.get_world_size(), args)]
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+    rows = per_rank[0]
+    out = Path(args.out or tempfile.mkdtemp(prefix="fusepass-tp-"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    print(render(rows))
+    print(f"rows: {out / 'rows.json'}")
+    bad = [r for r in rows if r.get("check", "").startswith(("MISMATCH", "FAILED"))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
