@@ -35,10 +35,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusepass.kernels._common import eps_args, op_eps, run_kernel
+from fusepass.kernels._common import call, eps_args, op_eps, register_inline, run_kernel
 from fusepass.kernels.rms_norm import (
     _check_residual,
+    _inline_ok,
     _kernel_handles,
+    _traced,
     add_rms_norm_fwd,
     add_rms_norm_reference,
     rms_norm_fwd,
@@ -114,11 +116,30 @@ def _all_reduce_rms_norm_cuda(x, residual, weight, eps, weight_offset, cast_befo
 
 
 # ------------------------------------------------------- calls in graphs ----
+#
+# Inlined, the op is the functional collective (which Inductor schedules as
+# its own, as it would the model's all-reduce) followed by the norm kernel's
+# launch: no dispatcher trip for the norm, the same kernel as the op's CUDA body.
+
+
+def _op_inline_ok(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, group_name,
+                  eps_tensor=None):
+    return eps_tensor is None and _inline_ok(x, weight, eps, out_dtype, residual)
+
+
+def _op_inline(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, group_name, eps_tensor=None):
+    h = all_reduce_sum(x, group_name)
+    out = _traced(h, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    return out if residual is not None else (out, h)
+
+
+register_inline(torch.ops.fusepass.all_reduce_rms_norm.default, _op_inline_ok, _op_inline)
 
 
 def all_reduce_rms_norm_call(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, group_name):
-    """What the rule puts in a graph: the op (a collective is not inlined).
-    ``eps`` is a number or a 0-dim tensor (see :func:`fusepass.match.scalar_input`)."""
+    """What the rule puts in a graph: the collective and the norm kernel's launch
+    when the engine inlines kernels for a CUDA graph, else the op.  ``eps`` is a
+    number or a 0-dim tensor (see :func:`fusepass.match.scalar_input`)."""
     eps, eps_tensor = eps_args(eps)
-    return torch.ops.fusepass.all_reduce_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight,
-                                                  out_dtype, group_name, eps_tensor)
+    return call(torch.ops.fusepass.all_reduce_rms_norm.default, x, residual, weight, eps, weight_offset,
+                cast_before_weight, out_dtype, group_name, eps_tensor)
