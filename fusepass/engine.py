@@ -622,9 +622,10 @@ def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") ->
     normalize(graph)
     active = [r for r in rules() if options.enabled(r.name)]
     refused: dict[tuple[str, torch.fx.Node], Refusal] = {}
-    for rule in active:
+    for rule in rules():  # every op node the pre-trace path put here is in the report, whoever routed it
         if rule.pretraced:
             _count_pretraced(rule, graph, report)
+    for rule in active:
         if rule.find is not None:
             _run_finder(rule, gm, options, report, refused)
             continue

@@ -22,8 +22,10 @@ nothing of it to compile.
 - **How.** ``torch._dynamo.substitute_in_graph`` (keyed on the function
   object; registration cannot be undone).  The substitute decides at trace
   time: it calls the op only when the compile being traced uses the fusepass
-  backend with ``pretrace`` on, and otherwise traces an exact copy of the
-  original (so ``backend="inductor"`` in the same process is unaffected).
+  backend with ``pretrace`` on and options that select the op's rule (the
+  rule whose ``pretraced`` names the op: ``rules``/``disable_rules`` switch
+  the route as they switch the rule), and otherwise traces an exact copy of
+  the original (so ``backend="inductor"`` in the same process is unaffected).
 - **How the option reaches trace time.** Dynamo traces before any backend is
   called, but ``torch.compile(..., backend="fusepass", options=...)`` keeps
   the options on the compiler function the tracer holds
@@ -254,7 +256,7 @@ def _substitute(fn: types.FunctionType, op_name: str) -> Callable[..., Any]:
     op = getattr(torch.ops.fusepass, op_name)
 
     def substitute(*args: Any, **kwargs: Any) -> Any:
-        if not enabled():
+        if op_name not in routed():
             return original(*args, **kwargs)
         bound = dict(defaults)
         bound.update(zip(names, args))
@@ -283,7 +285,7 @@ def _substitute_conv(fn: types.FunctionType, op_name: str) -> Callable[..., Any]
     update = op_name == "causal_conv1d_update"
 
     def substitute(*args: Any, **kwargs: Any) -> Any:
-        if not enabled():
+        if op_name not in routed():
             return original(*args, **kwargs)
         bound = dict(defaults)
         bound.update(zip(names, args))
@@ -328,8 +330,19 @@ def traced_options() -> Any:
     return None
 
 
+def owners() -> dict[str, str]:
+    """op name -> the rule whose ``pretraced`` names it: the rule a pre-trace route belongs to."""
+    from .rule import rules
+
+    return {op._schema.name.split("::")[-1]: rule.name for rule in rules() for op in rule.pretraced}
+
+
 @torch._dynamo.assume_constant_result
-def enabled() -> bool:
-    """Run by Dynamo while tracing a substitute: route to the op in this compile?"""
+def routed() -> tuple[str, ...]:
+    """Run by Dynamo while tracing a substitute: the ops this compile routes calls to -- none unless it
+    uses the fusepass backend with ``pretrace`` on, and only those whose rule its options select
+    (``rules``, ``disable_rules``)."""
     options = traced_options()
-    return options is not None and options.pretrace
+    if options is None or not options.pretrace:
+        return ()
+    return tuple(sorted(op for op, rule in owners().items() if options.enabled(rule)))
