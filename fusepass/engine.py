@@ -55,6 +55,7 @@ from torch.utils import _pytree as pytree
 from .kernels import fingerprint as kernel_data_fingerprint
 from .kernels._common import inline_kernels
 from .match import MatchInfo, concrete, hint, scalar_input
+from .guards import outside_use, replacement_mismatch, unwritten_argument
 from .matvec import decompose_kept_matvecs
 from .options import Options
 from .regions import inline_op_nodes, region_match
@@ -99,6 +100,9 @@ class CompiledForm:
     variant: str  # "" or "swapped"
     pattern: PatternExpr
     argnames: list[str]
+    # The dtype of each tensor argument as traced (None: not a tensor): the
+    # pattern's casts are constants that mean what they mean at these dtypes.
+    arg_dtypes: tuple[torch.dtype | None, ...] = ()
 
     @property
     def root_target(self) -> Any:
@@ -217,21 +221,105 @@ def _trace_rule(rule: Rule) -> list[CompiledForm]:
         for dtype in rule.dtypes:
             argnames, args, workaround = _trace_inputs(rule, form, dtype)
             for variant in ("", "swapped") if rule.commutative_root else ("",):
-                gm = fwd_only(form.search, args)
-                _functional(gm)
-                normalize(gm.graph)
-                if variant and not _swap_last_commutative(gm):
+                pattern = _trace_form(form, variant, argnames, args, workaround, rule.any_reshape)
+                if pattern is None:
                     continue
-                _reshapes(gm, rule.any_reshape)  # last: the graph no longer runs after it
-                pattern = fx_to_pattern(gm, argnames=argnames, scalar_workaround=workaround,
-                                        ignore_types=(_AnySize,))
                 key = repr(pattern)
                 if key in seen:  # e.g. fp32 traces of forms that differ only in casts
                     continue
                 seen.add(key)
-                _relax_users(pattern)
-                out.append(CompiledForm(rule, form, dtype, variant, pattern, argnames))
+                out.append(CompiledForm(rule, form, dtype, variant, pattern, argnames, _dtypes(args)))
     return out
+
+
+def _dtypes(args: list[Any]) -> tuple[torch.dtype | None, ...]:
+    return tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args)
+
+
+def _trace_form(form: Form, variant: str, argnames: list[str], args: list[Any], workaround: dict[str, float],
+                any_reshape: bool) -> PatternExpr | None:
+    """``form.search`` traced on ``args`` into a pattern (None: the variant does not exist for it)."""
+    gm = fwd_only(form.search, args)
+    _functional(gm)
+    normalize(gm.graph)
+    if variant and not _swap_last_commutative(gm):
+        return None
+    _reshapes(gm, any_reshape)  # last: the graph no longer runs after it
+    pattern = fx_to_pattern(gm, argnames=argnames, scalar_workaround=workaround, ignore_types=(_AnySize,))
+    _relax_users(pattern)
+    return pattern
+
+
+# -- matching at the graph's own dtypes ------------------------------------------------
+#
+# A pattern traced at bf16 holds its casts as constants (to fp32 and back to
+# bf16); an fp16 graph that casts to bf16 matches it node for node, yet the
+# rule's form -- and its replacement -- round to the input's own dtype.  So a
+# match whose tensors are not of the dtypes the pattern was traced at is
+# re-matched against the form traced at the graph's dtypes: only a graph that
+# is the form at its own dtypes is rewritten.  Models have few dtype mixes;
+# each trace is kept for the process.
+
+_retraced: dict[tuple[int, int, str, tuple[Any, ...]], PatternExpr | str] = {}
+
+
+def _graph_dtypes(cf: CompiledForm, m: Match) -> tuple[torch.dtype | None, ...]:
+    out = []
+    for name, traced in zip(cf.argnames, cf.arg_dtypes):
+        val = m.kwargs.get(name)
+        val = val.meta.get("val") if isinstance(val, torch.fx.Node) else val
+        out.append(val.dtype if isinstance(val, torch.Tensor) and traced is not None else traced)
+    return tuple(out)
+
+
+def _retrace(cf: CompiledForm, dtypes: tuple[torch.dtype | None, ...]) -> PatternExpr | str:
+    key = (id(cf.rule), id(cf.form), cf.variant, dtypes)
+    got = _retraced.get(key)
+    if got is None:
+        argnames, args, workaround = _trace_inputs(cf.rule, cf.form, cf.dtype)
+        args = [a.to(d) if isinstance(a, torch.Tensor) and d is not None and a.dtype != d else a
+                for a, d in zip(args, dtypes)]
+        try:
+            got = _trace_form(cf.form, cf.variant, argnames, args, workaround, cf.rule.any_reshape)
+            if got is None:
+                got = "its operands do not commute at these dtypes"
+        except Exception as exc:  # noqa: BLE001 - a form that cannot run at these dtypes computes nothing here
+            got = f"the form does not trace at these dtypes ({type(exc).__name__}: {str(exc)[:100]})"
+        _retraced[key] = got
+    return got
+
+
+def _casts(nodes: list[torch.fx.Node]) -> list[str]:
+    casts = []
+    for n in nodes:
+        if n.target == torch.ops.prims.convert_element_type.default and len(n.args) > 1:
+            casts.append(str(n.args[1]).replace("torch.", ""))
+    return sorted(set(casts))
+
+
+def match_form(cf: CompiledForm, node: torch.fx.Node) -> tuple[Match | None, str | None]:
+    """``cf``'s pattern matched at ``node``: (None, None) where it does not match; else the match and, if it
+    must be refused whatever the rule's check says, why -- a node carrying an argument the pattern does not
+    write, or roundings that differ from the form's at the graph's own dtypes."""
+    m = cf.pattern.match(node)
+    if not is_match(m):
+        return None, None
+    reason = unwritten_argument(m)
+    if reason:
+        return m, reason
+    dtypes = _graph_dtypes(cf, m)
+    if dtypes == tuple(cf.arg_dtypes):
+        return m, None
+    pattern = _retrace(cf, dtypes)
+    at = ", ".join(f"{n}: {str(d).replace('torch.', '')}" for n, d in zip(cf.argnames, dtypes) if d is not None)
+    if isinstance(pattern, str):
+        return m, f"at the graph's dtypes ({at}) {pattern}"
+    m2 = pattern.match(node)
+    if not is_match(m2):
+        casts = ", ".join(_casts(m.nodes)) or "none"
+        return m, (f"the graph rounds differently from the rule's form at its own dtypes ({at}): the form "
+                   f"traced at {str(cf.dtype).replace('torch.', '')} matched, with casts to {casts}")
+    return m2, unwritten_argument(m2)
 
 
 # -- the pattern cache ---------------------------------------------------------
@@ -245,7 +333,7 @@ def _trace_rule(rule: Rule) -> list[CompiledForm]:
 # search function calls) and the torch version (its decompositions).  A file
 # that fails to load is ignored and the rule traced again.
 
-_PATTERN_FORMAT = "fusepass-patterns-1"
+_PATTERN_FORMAT = "fusepass-patterns-2"
 _package_digest: str | None = None
 
 
@@ -354,8 +442,8 @@ def _load_patterns(rule: Rule, key: str) -> list[CompiledForm] | None:
             # The patterns' pytree specs unpickle through LeafSpec's deprecated constructor.
             warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
             entries = _PatternUnpickler(f).load()
-        return [CompiledForm(rule, rule.forms[i], dtype, variant, pattern, list(argnames))
-                for i, dtype, variant, pattern, argnames in entries]
+        return [CompiledForm(rule, rule.forms[i], dtype, variant, pattern, list(argnames), tuple(arg_dtypes))
+                for i, dtype, variant, pattern, argnames, arg_dtypes in entries]
     except Exception as exc:  # noqa: BLE001 - a stale or broken file: trace again
         log.debug("fusepass: pattern cache %s not used (%s: %s)", path, type(exc).__name__, exc)
         return None
@@ -366,7 +454,7 @@ def _store_patterns(rule: Rule, key: str, forms: list[CompiledForm]) -> None:
     if path is None:
         return
     index = {id(form): i for i, form in enumerate(rule.forms)}
-    entries = [(index[id(cf.form)], cf.dtype, cf.variant, cf.pattern, cf.argnames) for cf in forms]
+    entries = [(index[id(cf.form)], cf.dtype, cf.variant, cf.pattern, cf.argnames, cf.arg_dtypes) for cf in forms]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
@@ -432,30 +520,6 @@ def _io_bytes(nodes: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> int:
     inside = set(nodes)
     external = {a for n in nodes for a in n.all_input_nodes if a not in inside}
     return sum(_nbytes(a.meta.get("val")) for a in external) + sum(_nbytes(o.meta.get("val")) for o in outputs)
-
-
-# -- refusals that every rule shares -------------------------------------------
-
-def _describe(node: torch.fx.Node) -> str:
-    target = getattr(node.target, "__name__", str(node.target))
-    return f"{target.split('.')[0]} ({node.name})"
-
-
-def outside_use(m: Match) -> str | None:
-    inside = set(m.nodes)
-    outputs = {o for o in m.output_nodes() if o is not None}
-    for n in m.nodes:
-        if n in outputs:
-            continue
-        if not any(isinstance(getattr(a, "meta", {}).get("val"), torch.Tensor) for a in n.all_input_nodes):
-            continue  # a constant (zeros, a mask) the graph may share: it stays for its other users
-        for user in n.users:
-            if user not in inside:
-                if user.op == "output":
-                    return (f"intermediate {_describe(n)} is also used outside the pattern: it is a "
-                            "graph output (in training, saved for backward)")
-                return f"intermediate {_describe(n)} is also used outside the pattern, by {user.name}"
-    return None
 
 
 def _verify(cf: CompiledForm, m: Match, args: list[Any]) -> str | None:
@@ -552,10 +616,23 @@ def _run_finder(rule: Rule, gm: torch.fx.GraphModule, options: Options, report: 
     except Exception as exc:  # noqa: BLE001 - a broken finder must not break the compile
         report.notes.append(f"rule {rule.name}: find raised {type(exc).__name__}: {exc}")
         return
+    # Last region first: a region may read what an earlier one computes (a
+    # convolution of a convolution's output), and replacing the earlier one
+    # first would leave the later one's arguments pointing at erased nodes.
+    # Replaced in this order, the later region's op reads the earlier region's
+    # nodes, which the earlier replacement then rewires to its own op.
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    regions.sort(key=lambda r: -pos.get(r.anchor, -1))
     for region in regions:
         if region.reason:
             path, source = where(region.anchor)
             refused.setdefault((rule.name, region.anchor), Refusal(rule.name, region.reason, path, source))
+            continue
+        stale = [n for n in (*region.nodes, *region.args) if isinstance(n, torch.fx.Node) and n._erased]
+        if stale:  # overlapping regions: the first one replaced took these nodes
+            path, source = where(region.anchor)
+            refused.setdefault((rule.name, region.anchor), Refusal(
+                rule.name, f"its nodes overlap a region replaced before it ({stale[0].name})", path, source))
             continue
         m = region_match(gm.graph, region)
         info = MatchInfo(rule.name, region.form, _region_dtype(region),
@@ -565,13 +642,16 @@ def _run_finder(rule: Rule, gm: torch.fx.GraphModule, options: Options, report: 
 
 def _apply(rule: Rule, m: Match, info: MatchInfo, anchor: torch.fx.Node, form: str, replace: Any, args: list[Any],
            options: Options, report: GraphReport, refused: dict[tuple[str, torch.fx.Node], Refusal],
-           verify: Any = None) -> bool:
-    """Accept or refuse one match (a pattern's or a found region's): the
-    outside-use refusal, the rule's ``check``, ``verify`` mode, then the
+           verify: Any = None, refusal: str | None = None) -> bool:
+    """Accept or refuse one match (a pattern's or a found region's): ``refusal``
+    (what :func:`match_form` found), the outside-use refusal, the rule's
+    ``check``, the replacement's dtypes and shapes, ``verify`` mode, then the
     replacement and the report's hit.  True when the match was replaced."""
     path, source = where(anchor)
     try:
-        reason = outside_use(m) or rule.check(info)
+        reason = refusal or outside_use(m) or rule.check(info)
+        if reason is None:
+            reason = replacement_mismatch(replace, args, [o for o in m.output_nodes()])
         if reason is None and verify is not None:
             reason = verify()
     except Exception as exc:  # noqa: BLE001
@@ -642,8 +722,8 @@ def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") ->
             for cf in by_target[node.target]:
                 if node._erased:
                     break
-                m = cf.pattern.match(node)
-                if not is_match(m):
+                m, refusal = match_form(cf, node)
+                if m is None:
                     continue
                 # A scalar Dynamo made a graph input: the input, not its convert.
                 args = [scalar_input(m.kwargs[name]) if name in rule.scalars else m.kwargs[name]
@@ -653,7 +733,7 @@ def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") ->
                 verify = (lambda cf=cf, m=m, args=args: _verify(cf, m, args)) if options.verify else None
                 label = cf.form.name + (f" ({cf.variant})" if cf.variant else "")
                 if _apply(rule, m, info, _anchor_of(rule, m), label, cf.form.replace, args, options, report,
-                          refused, verify=verify):
+                          refused, verify=verify, refusal=refusal):
                     break
     # Near-misses: anchors no rule consumed and no check already explained.
     for rule in active:

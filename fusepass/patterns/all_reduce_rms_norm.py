@@ -36,6 +36,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 
+from fusepass.guards import nondefault_argument
 from fusepass.kernels.all_reduce_rms_norm import all_reduce_rms_norm_call
 from fusepass.match import MatchInfo, same, scalar_input, shape_str
 from fusepass.patterns import add_rms_norm as add_norm
@@ -91,23 +92,25 @@ def _call(flags, shape, group_name, x, residual, weight, eps):
 
 # -- finding the boundaries ------------------------------------------------------------------
 
-def _norms(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[Any, Any]]:
-    """Every RMSNorm the ``rms_norm`` rule's patterns match, by its input node: (compiled form, match)."""
-    from fusepass.engine import compile_rule  # the engine loads the rules; imported when a graph is searched
-    from torch._inductor.pattern_matcher import is_match
+def _norms(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[Any, Any, str | None]]:
+    """Every RMSNorm the ``rms_norm`` rule's patterns match, by its input node: (compiled form, match, why it
+    must be refused or None) -- matched as the engine matches patterns, every argument and rounding checked."""
+    from fusepass.engine import compile_rule, match_form  # the engine loads the rules: imported at search time
 
     by_target: dict[Any, list[Any]] = {}
     for cf in compile_rule(get_rule("rms_norm")):
         by_target.setdefault(cf.root_target, []).append(cf)
-    found: dict[torch.fx.Node, tuple[Any, Any]] = {}
+    found: dict[torch.fx.Node, tuple[Any, Any, str | None]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in by_target:
             continue
         for cf in by_target[node.target]:
-            m = cf.pattern.match(node)
-            if is_match(m) and isinstance(m.kwargs.get("x"), torch.fx.Node):
-                found.setdefault(m.kwargs["x"], (cf, m))
-                break
+            m, refusal = match_form(cf, node)
+            if m is not None and isinstance(m.kwargs.get("x"), torch.fx.Node):
+                if refusal is None or m.kwargs["x"] not in found:
+                    found[m.kwargs["x"]] = (cf, m, refusal)
+                if refusal is None:
+                    break
     return found
 
 
@@ -132,7 +135,7 @@ def find(gm: torch.fx.GraphModule) -> Iterator[Region]:
             yield region
 
 
-def _boundary(ar: torch.fx.Node, norms: dict[torch.fx.Node, tuple[Any, Any]]) -> Region | None:
+def _boundary(ar: torch.fx.Node, norms: dict[torch.fx.Node, tuple[Any, Any, str | None]]) -> Region | None:
     """The region from ``ar`` to the norm it feeds, a refusal, or None where it feeds no norm."""
     waits = [u for u in ar.users if u.target == c10d.wait_tensor.default]
     if len(ar.users) != 1 or not waits:
@@ -163,8 +166,8 @@ def _anchor(m: Any) -> torch.fx.Node:
 
 
 def _region(ar: torch.fx.Node, chain: list[torch.fx.Node], add: torch.fx.Node | None,
-            matched: tuple[Any, Any]) -> Region:
-    cf, m = matched
+            matched: tuple[Any, Any, str | None]) -> Region:
+    cf, m, refusal = matched
     x, op, group = ar.args[:3]
     reduced = chain[-1]
     name = cf.form.name + ("" if add is not None else "_no_residual")
@@ -172,7 +175,7 @@ def _region(ar: torch.fx.Node, chain: list[torch.fx.Node], add: torch.fx.Node | 
     residual = None
     if add is not None:
         residual = add.args[1] if add.args[0] is reduced else add.args[0]
-    reason = _refusal(op, group, x, reduced, residual)
+    reason = refusal or _refusal(op, group, x, reduced, residual, add)
     if reason:
         return Region(name, anchor, reason=reason)
     h = add if add is not None else reduced
@@ -192,7 +195,8 @@ def _replace(flags, shape, group_name, has_residual, x, *rest):
     return _call(flags, shape, group_name, x, residual, weight, eps)
 
 
-def _refusal(op: Any, group: Any, x: torch.fx.Node, reduced: torch.fx.Node, residual: Any) -> str | None:
+def _refusal(op: Any, group: Any, x: torch.fx.Node, reduced: torch.fx.Node, residual: Any,
+             add: torch.fx.Node | None) -> str | None:
     if op != "sum":
         return f"all-reduce op {op!r}, not a sum"
     if not isinstance(group, str):
@@ -207,6 +211,10 @@ def _refusal(op: Any, group: Any, x: torch.fx.Node, reduced: torch.fx.Node, resi
     if not isinstance(xv, torch.Tensor) or not isinstance(rv, torch.Tensor) or xv.dtype != rv.dtype:
         what = f"{xv.dtype} to {rv.dtype}" if isinstance(xv, torch.Tensor) and isinstance(rv, torch.Tensor) else ""
         return f"the all-reduced value is cast ({what}) before the add and the norm: mixed dtypes"
+    if add is not None:
+        reason = nondefault_argument(add)
+        if reason:
+            return reason
     if residual is not None:
         if residual is reduced:
             return "the residual is the all-reduced value itself"
