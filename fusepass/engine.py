@@ -224,8 +224,12 @@ def _trace_rule(rule: Rule) -> list[CompiledForm]:
                 pattern = _trace_form(form, variant, argnames, args, workaround, rule.any_reshape)
                 if pattern is None:
                     continue
-                key = repr(pattern)
-                if key in seen:  # e.g. fp32 traces of forms that differ only in casts
+                # One pattern traced from two forms at the same dtypes means the
+                # same computation: kept once.  At other dtypes it is kept again
+                # (the fp32 trace of the upcasting form and the fp16 trace of the
+                # one without casts are one pattern; each is right at its dtypes).
+                key = f"{pattern!r} at {_dtypes(args)}"
+                if key in seen:
                     continue
                 seen.add(key)
                 out.append(CompiledForm(rule, form, dtype, variant, pattern, argnames, _dtypes(args)))
