@@ -32,7 +32,7 @@ import os
 import pickle
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,10 @@ class CompiledForm:
     # The dtype of each tensor argument as traced (None: not a tensor): the
     # pattern's casts are constants that mean what they mean at these dtypes.
     arg_dtypes: tuple[torch.dtype | None, ...] = ()
+    # Other forms whose trace at these dtypes is this very pattern (each with
+    # its argument names): at other dtypes they may differ (one upcasts, one
+    # does not), so a match at other dtypes is re-checked against each.
+    aliases: list[tuple[Form, tuple[str, ...]]] = field(default_factory=list)
 
     @property
     def root_target(self) -> Any:
@@ -216,7 +220,7 @@ def compile_rule(rule: Rule) -> list[CompiledForm]:
 
 def _trace_rule(rule: Rule) -> list[CompiledForm]:
     out: list[CompiledForm] = []
-    seen: set[str] = set()
+    seen: dict[str, CompiledForm] = {}
     for form in rule.forms:
         for dtype in rule.dtypes:
             argnames, args, workaround = _trace_inputs(rule, form, dtype)
@@ -230,9 +234,12 @@ def _trace_rule(rule: Rule) -> list[CompiledForm]:
                 # one without casts are one pattern; each is right at its dtypes).
                 key = f"{pattern!r} at {_dtypes(args)}"
                 if key in seen:
+                    first = seen[key]
+                    if first.form is not form and all(f is not form for f, _ in first.aliases):
+                        first.aliases.append((form, tuple(argnames)))
                     continue
-                seen.add(key)
-                out.append(CompiledForm(rule, form, dtype, variant, pattern, argnames, _dtypes(args)))
+                seen[key] = CompiledForm(rule, form, dtype, variant, pattern, argnames, _dtypes(args))
+                out.append(seen[key])
     return out
 
 
@@ -301,29 +308,34 @@ def _casts(nodes: list[torch.fx.Node]) -> list[str]:
     return sorted(set(casts))
 
 
-def match_form(cf: CompiledForm, node: torch.fx.Node) -> tuple[Match | None, str | None]:
-    """``cf``'s pattern matched at ``node``: (None, None) where it does not match; else the match and, if it
-    must be refused whatever the rule's check says, why -- a node carrying an argument the pattern does not
-    write, or roundings that differ from the form's at the graph's own dtypes."""
+def match_form(cf: CompiledForm, node: torch.fx.Node) -> tuple[Match | None, str | None, CompiledForm]:
+    """``cf``'s pattern matched at ``node``: (None, None, cf) where it does not match; else the match, why it
+    must be refused whatever the rule's check says (a node carrying an argument the pattern does not write,
+    roundings that differ from the form's at the graph's own dtypes) or None, and the form it is a match of
+    (``cf`` or one of its aliases)."""
     m = cf.pattern.match(node)
     if not is_match(m):
-        return None, None
+        return None, None, cf
     reason = unwritten_argument(m)
     if reason:
-        return m, reason
+        return m, reason, cf
     dtypes = _graph_dtypes(cf, m)
     if dtypes == tuple(cf.arg_dtypes):
-        return m, None
-    pattern = _retrace(cf, dtypes)
+        return m, None, cf
     at = ", ".join(f"{n}: {str(d).replace('torch.', '')}" for n, d in zip(cf.argnames, dtypes) if d is not None)
-    if isinstance(pattern, str):
-        return m, f"at the graph's dtypes ({at}) {pattern}"
-    m2 = pattern.match(node)
-    if not is_match(m2):
-        casts = ", ".join(_casts(m.nodes)) or "none"
-        return m, (f"the graph rounds differently from the rule's form at its own dtypes ({at}): the form "
-                   f"traced at {str(cf.dtype).replace('torch.', '')} matched, with casts to {casts}")
-    return m2, unwritten_argument(m2)
+    first = None
+    for form, argnames in [(cf.form, tuple(cf.argnames)), *cf.aliases]:
+        candidate = cf if form is cf.form else replace(cf, form=form, argnames=list(argnames), aliases=[])
+        pattern = _retrace(candidate, dtypes)
+        if isinstance(pattern, str):
+            first = first or f"at the graph's dtypes ({at}) {pattern}"
+            continue
+        m2 = pattern.match(node)
+        if is_match(m2):
+            return m2, unwritten_argument(m2), candidate
+    casts = ", ".join(_casts(m.nodes)) or "none"
+    return m, first or (f"the graph rounds differently from the rule's form at its own dtypes ({at}): the form "
+                        f"traced at {str(cf.dtype).replace('torch.', '')} matched, with casts to {casts}"), cf
 
 
 # -- the pattern cache ---------------------------------------------------------
@@ -337,7 +349,7 @@ def match_form(cf: CompiledForm, node: torch.fx.Node) -> tuple[Match | None, str
 # search function calls) and the torch version (its decompositions).  A file
 # that fails to load is ignored and the rule traced again.
 
-_PATTERN_FORMAT = "fusepass-patterns-2"
+_PATTERN_FORMAT = "fusepass-patterns-3"
 _package_digest: str | None = None
 
 
@@ -446,8 +458,9 @@ def _load_patterns(rule: Rule, key: str) -> list[CompiledForm] | None:
             # The patterns' pytree specs unpickle through LeafSpec's deprecated constructor.
             warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
             entries = _PatternUnpickler(f).load()
-        return [CompiledForm(rule, rule.forms[i], dtype, variant, pattern, list(argnames), tuple(arg_dtypes))
-                for i, dtype, variant, pattern, argnames, arg_dtypes in entries]
+        return [CompiledForm(rule, rule.forms[i], dtype, variant, pattern, list(argnames), tuple(arg_dtypes),
+                             [(rule.forms[j], tuple(names)) for j, names in aliases])
+                for i, dtype, variant, pattern, argnames, arg_dtypes, aliases in entries]
     except Exception as exc:  # noqa: BLE001 - a stale or broken file: trace again
         log.debug("fusepass: pattern cache %s not used (%s: %s)", path, type(exc).__name__, exc)
         return None
@@ -458,7 +471,8 @@ def _store_patterns(rule: Rule, key: str, forms: list[CompiledForm]) -> None:
     if path is None:
         return
     index = {id(form): i for i, form in enumerate(rule.forms)}
-    entries = [(index[id(cf.form)], cf.dtype, cf.variant, cf.pattern, cf.argnames, cf.arg_dtypes) for cf in forms]
+    entries = [(index[id(cf.form)], cf.dtype, cf.variant, cf.pattern, cf.argnames, cf.arg_dtypes,
+                [(index[id(f)], names) for f, names in cf.aliases]) for cf in forms]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
@@ -726,7 +740,7 @@ def run_rules(gm: torch.fx.GraphModule, options: Options, graph_id: str = "") ->
             for cf in by_target[node.target]:
                 if node._erased:
                     break
-                m, refusal = match_form(cf, node)
+                m, refusal, cf = match_form(cf, node)
                 if m is None:
                     continue
                 # A scalar Dynamo made a graph input: the input, not its convert.

@@ -105,10 +105,10 @@ def _norms(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[Any, Any, str 
         if node.op != "call_function" or node.target not in by_target:
             continue
         for cf in by_target[node.target]:
-            m, refusal = match_form(cf, node)
+            m, refusal, form = match_form(cf, node)
             if m is not None and isinstance(m.kwargs.get("x"), torch.fx.Node):
                 if refusal is None or m.kwargs["x"] not in found:
-                    found[m.kwargs["x"]] = (cf, m, refusal)
+                    found[m.kwargs["x"]] = (form, m, refusal)
                 if refusal is None:
                     break
     return found

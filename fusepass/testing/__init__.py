@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from ..kernels._common import loosest, tolerance
 from ..report import RewriteReport, last_report, reset_reports
 from ..rule import Rule
+from .tp import single_rank_group
 
 # A scalar the pattern was not traced with, so matching really is by wildcard.
 CHECK_SCALAR = 3.0517578125e-05
@@ -85,17 +86,6 @@ def registered(rule: Rule) -> Iterator[None]:
             registry.unregister_rule(rule.name)
         elif previous is not rule:
             registry.register_rule(previous, replace=True)
-
-
-def single_rank_group() -> None:
-    """Make sure the process has a default process group, for rules whose forms
-    hold collectives (``all_reduce_rms_norm``): the one it has, else a
-    single-rank gloo group over an in-process store (no network), whose
-    all-reduce is the identity."""
-    import torch.distributed as dist
-
-    if dist.is_available() and not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def check_rule(rule: Rule, dtypes: Sequence[torch.dtype] | None = None, device: str | torch.device | None = None,

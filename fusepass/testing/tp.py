@@ -27,6 +27,17 @@ from typing import Any, Callable, Sequence
 import torch
 
 
+def single_rank_group() -> None:
+    """Make sure the process has a default process group, for rules whose forms
+    hold collectives (``all_reduce_rms_norm``): the one it has, else a
+    single-rank gloo group over an in-process store (no network), whose
+    all-reduce is the identity."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

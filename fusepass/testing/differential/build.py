@@ -1,0 +1,478 @@
+"""Building a program from its spec: operands, blocks, the eager run every check compares with."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ...kernels._common import loosest
+from ...rule import Rule, rules
+from ..tp import single_rank_group
+from .mutate import _Invalid, _mutate
+from .spec import FLOATS, MATMUL_K, BlockSpec, Operand, ProgramSpec
+
+aten = torch.ops.aten
+
+
+Ref = tuple[str, int]  # ("a", i): the program's i-th input; ("v", j): the j-th value computed
+
+
+@dataclass
+class Step:
+    fn: Callable[..., tuple[torch.Tensor, ...]]
+    ins: tuple[Ref, ...]
+    outs: tuple[int, ...]
+    text: str
+    checked: bool  # its outputs are returned and compared (views of inputs are not)
+    # The least precise float dtype the step computes in (inputs, intermediates,
+    # outputs): an fp64 output of an fp32 computation is compared as fp32.
+    precision: torch.dtype = torch.float64
+    # An absolute error any order of summation may make: see _Dtypes.
+    floor: float = 0.0
+
+
+@dataclass
+class BuiltBlock:
+    spec: BlockSpec  # what was built (a drawn variant that was not a valid program is simplified)
+    drawn: BlockSpec
+    must_rewrite: bool  # nothing about it stops its rule: it must be rewritten
+    shape: tuple[int, ...] = ()  # of the main operand
+    features: tuple[str, ...] = ()  # what it exercises: layouts, sources, mixed dtypes, special values
+
+
+@dataclass
+class Program:
+    spec: ProgramSpec
+    args: list[torch.Tensor]
+    steps: list[Step]
+    eager: dict[int, torch.Tensor]  # every value, from the eager run
+    returned: list[int]
+    blocks: list[BuiltBlock]
+    dropped: list[str]  # drawn variants that were not valid programs
+    precision: dict[int, torch.dtype]  # per value: the least precise dtype of every step it depends on
+    scale: dict[int, float]  # per value: the largest finite magnitude of every value it depends on
+    floor: dict[int, float]  # per value: the largest summation-order error floor of every step it depends on
+
+    def fn(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+        steps, returned = self.steps, self.returned
+
+        def program(*args):
+            vals: dict[int, torch.Tensor] = {}
+            for step in steps:
+                ins = [args[i] if k == "a" else vals[i] for k, i in step.ins]
+                for j, out in zip(step.outs, step.fn(*ins)):
+                    vals[j] = out
+            return tuple(vals[j] for j in returned)
+
+        return program
+
+    def listing(self) -> str:
+        """The program as text; ``build(spec)`` with the spec it shows rebuilds it exactly."""
+        lines = [f"program seed={self.spec.seed} triton={self.spec.triton}", f"  spec: {self.spec!r}"]
+        for i, a in enumerate(self.args):
+            lines.append(f"  a{i}: {_tstr(a)} stride={tuple(a.stride())}")
+        lines += [f"  {s.text}" for s in self.steps]
+        lines.append("  return " + ", ".join(f"v{j}" for j in self.returned))
+        return "\n".join(lines)
+
+
+def _tstr(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    return repr(t)
+
+
+def _flat(out: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(t for o in out for t in _flat(o))
+    raise TypeError(f"a block returned {type(out).__name__}, not tensors")
+
+
+def _random(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    if dtype.is_floating_point:
+        t = torch.randn(tuple(shape), generator=gen, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        return t.to(dtype=dtype, device=device)
+    if dtype == torch.bool:
+        return (torch.rand(tuple(shape), generator=gen) > 0.5).to(device)
+    low = 0 if dtype == torch.uint8 else -8
+    return torch.randint(low, low + 16, tuple(shape), generator=gen, dtype=dtype).to(device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def default_sized_inputs(rule: Rule, dtype: torch.dtype, shape: tuple[int, ...]) -> list[Any]:
+    """``rule.example_inputs(dtype)`` resized: tensors shaped like the main
+    operand (the first tensor) take ``shape``, other tensors whose last dim is
+    the hidden size take the new hidden size.  Tensors come back as
+    meta tensors (shape and dtype only); anything else as it is."""
+    examples = list(rule.example_inputs(dtype))
+    main = next(t for t in examples if isinstance(t, torch.Tensor))
+    hidden = main.shape[-1] if main.dim() else None
+    out: list[Any] = []
+    for t in examples:
+        if not isinstance(t, torch.Tensor):
+            out.append(t)
+        elif t.shape == main.shape:
+            out.append(torch.empty(shape, dtype=t.dtype, device="meta"))
+        elif t.dim() and t.shape[-1] == hidden:
+            out.append(torch.empty((*t.shape[:-1], shape[-1]), dtype=t.dtype, device="meta"))
+        else:
+            out.append(t)
+    return out
+
+
+class _Builder:
+    def __init__(self, spec: ProgramSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.gen = torch.Generator().manual_seed(spec.seed)
+        self.args: list[torch.Tensor] = []
+        self.steps: list[Step] = []
+        self.vals: dict[int, torch.Tensor] = {}
+        self.precision: dict[int, torch.dtype] = {}  # per value, over every step it depends on
+        self.scale: dict[int, float] = {}  # per value: the largest finite magnitude of every value it depends on
+        self.floor: dict[int, float] = {}  # per value: the summation-order error floor it inherits
+        self.chainable: list[int] = []  # values later blocks may take as operands
+        self.blocks: list[BuiltBlock] = []
+        self.layout = "contiguous"
+        self.dropped: list[str] = []
+
+    # values and steps
+
+    def value(self, ref: Ref) -> torch.Tensor:
+        return self.args[ref[1]] if ref[0] == "a" else self.vals[ref[1]]
+
+    def leaf(self, value: torch.Tensor) -> Ref:
+        self.args.append(value)
+        return ("a", len(self.args) - 1)
+
+    def step(self, fn: Callable[..., Any], ins: Sequence[Ref], text: str, checked: bool = True) -> list[Ref]:
+        values = [self.value(r) for r in ins]
+        try:
+            with _Dtypes() as seen:
+                out = _flat(fn(*values))
+        except Exception as exc:  # noqa: BLE001 - eager refuses the variant
+            raise _Invalid(f"{text}: {type(exc).__name__}: {exc}") from exc
+        precision = loosest([*seen.dtypes, *(t.dtype for t in (*values, *out))]
+                            + [self.precision[r[1]] for r in ins if r[0] == "v"], default=torch.float64)
+        scale = max([_magnitude(t) for t in (*values, *out)] + [self.scale[r[1]] for r in ins if r[0] == "v"],
+                    default=0.0)
+        floor = seen.floor(precision)
+        floor = max([floor] + [self.floor[r[1]] for r in ins if r[0] == "v"])
+        first = len(self.vals)
+        outs = tuple(range(first, first + len(out)))
+        for j, t in zip(outs, out):
+            self.vals[j] = t
+            self.precision[j] = precision
+            self.scale[j] = scale
+            self.floor[j] = floor
+        names = ", ".join(f"v{j}" for j in outs)
+        args = ", ".join(f"{k}{i}" for k, i in ins)
+        self.steps.append(Step(lambda *a, _fn=fn: _flat(_fn(*a)), tuple(ins), outs,
+                               f"{names} = {text.format(args=args)}", checked, loosest(
+                                   [*seen.dtypes, *(t.dtype for t in (*values, *out))], default=torch.float64),
+                               seen.floor(precision)))
+        return [("v", j) for j in outs]
+
+    def snapshot(self) -> tuple[int, int, int, int]:
+        return len(self.args), len(self.steps), len(self.vals), len(self.chainable)
+
+    def restore(self, snap: tuple[int, int, int, int]) -> None:
+        a, s, v, c = snap
+        del self.args[a:], self.steps[s:], self.chainable[c:]
+        for j in [j for j in self.vals if j >= v]:
+            del self.vals[j], self.precision[j], self.scale[j], self.floor[j]
+
+    # operands
+
+    def random_leaf(self, shape: Sequence[int], dtype: torch.dtype, layout: str = "contiguous",
+                    special: str = "", value: torch.Tensor | None = None) -> Ref:
+        shape = tuple(shape)
+        r = len(shape)
+        if layout == "transposed" and r >= 2:
+            base_shape, view, text = (*shape[:-2], shape[-1], shape[-2]), (lambda t: t.transpose(-1, -2)), \
+                "{args}.transpose(-1, -2)"
+        elif layout == "sliced" and r >= 1:
+            n = shape[-1]
+            base_shape, view, text = (*shape[:-1], n + 3), (lambda t: t[..., :n]), f"{{args}}[..., :{n}]"
+        elif layout == "strided" and r >= 1:
+            base_shape, view, text = (2 * shape[0], *shape[1:]), (lambda t: t[::2]), "{args}[::2]"
+        elif layout == "expanded" and r >= 1 and shape[0] != 1:
+            base_shape, view, text = (1, *shape[1:]), (lambda t: t.expand(shape)), f"{{args}}.expand{shape}"
+        else:
+            base_shape, view, text, layout = shape, None, "", "contiguous"
+        self.layout = layout  # the one applied
+        if value is None or view is not None or value.dtype != dtype:
+            value = _random(base_shape, dtype, self.gen, self.device)
+        else:
+            value = value.to(self.device)
+        if special and dtype.is_floating_point and value.numel():
+            flat = value.view(-1)
+            flat[int(torch.randint(0, flat.numel(), (), generator=self.gen))] = float(special)
+        ref = self.leaf(value)
+        if view is None:
+            return ref
+        return self.step(view, [ref], text, checked=False)[0]
+
+    def operand(self, op: Operand, shape: tuple[int, ...], dtype: torch.dtype, value: torch.Tensor | None,
+                special: str, pick: int) -> tuple[Ref, str]:
+        """The operand and the source it came from (a chain without an earlier value of its kind is a leaf)."""
+        if op.source == "chain":
+            fits = [j for j in self.chainable if self.vals[j].shape == shape and self.vals[j].dtype == dtype]
+            if fits:
+                return ("v", fits[-1 - pick % min(3, len(fits))]), "chain"
+        if op.source == "matmul" and shape and dtype in FLOATS:
+            a = self.random_leaf((*shape[:-1], MATMUL_K), dtype, special=special)
+            w = self.leaf(_random((MATMUL_K, shape[-1]), dtype, self.gen, self.device) / math.sqrt(MATMUL_K))
+            return self.step(torch.matmul, [a, w], "matmul({args})")[0], "matmul"
+        if op.source == "add" and dtype in FLOATS:
+            a = self.random_leaf(shape, dtype, op.layout, special=special)
+            b = self.random_leaf(shape, dtype)
+            return self.step(torch.add, [a, b], "add({args})")[0], "add"
+        return self.random_leaf(shape, dtype, op.layout, special=special, value=value), "leaf"
+
+    # blocks
+
+    def block(self, b: BlockSpec) -> None:
+        plain_ops = tuple(Operand() for _ in b.operands)
+        attempts = [
+            b,
+            replace(b, operands=plain_ops, scalar_as_tensor=False),
+            replace(b, mutation=""),
+            replace(b, mutation="", operands=plain_ops, scalar_as_tensor=False, after=""),
+        ]
+        snap = self.snapshot()
+        for i, attempt in enumerate(attempts):
+            try:
+                self._block(attempt, b)
+                return
+            except _Invalid as exc:
+                self.restore(snap)
+                if i == len(attempts) - 1:
+                    raise RuntimeError(f"block {b.label} is not a valid program even plain: {exc}") from exc
+                self.dropped.append(f"{b.label}: {exc}".splitlines()[0][:200])
+
+    def _block(self, b: BlockSpec, drawn: BlockSpec) -> None:
+        rule = next(r for r in rules() if r.name == b.rule)
+        shape = b.shape
+        if b.mutation == "keepdim_off" and len(shape) >= 2:
+            # A row statistic without keepdim broadcasts along rows: a square input keeps it valid.
+            shape = (shape[-1], shape[-1]) if shape[-1] <= 128 else (shape[-1],)
+        seed = int(torch.randint(0, 2**31 - 1, (), generator=self.gen))
+        if b.kind == "near-miss":
+            nm = next(n for n in rule.near_misses if n.name == b.name)
+            fn = nm.fn
+            with _seeded(seed):
+                raw = list(nm.inputs(b.dtype))
+            scalars: dict[str, Any] = {}
+            argnames = [f"arg{i}" for i in range(len(raw))]
+        else:
+            form = next(f for f in rule.forms if f.name == b.name)
+            fn = form.search
+            argnames = list(inspect.signature(fn).parameters)
+            if rule.sized_inputs is not None:
+                with _seeded(seed):
+                    sized = rule.sized_inputs(b.dtype, shape)
+                # A mapping names the inputs: forms whose arguments differ take theirs.
+                raw = [sized[n] for n in argnames if n not in rule.scalars] if isinstance(sized, dict) \
+                    else list(sized)
+            else:
+                raw = default_sized_inputs(rule, b.dtype, shape)
+            scalars = {name: b.scalar for name in rule.scalars}
+            if b.scalar_as_tensor and scalars and not _traces_with_tensor_scalars(
+                    form.search, tuple(rule.scalars), rule.example_inputs):
+                raise _Invalid(f"{b.label}: Dynamo cannot trace it with its scalars as tensors")
+
+        # Operands, in the order of the search function's arguments.
+        template: list[tuple[str, Any]] = []  # ("t", None): the next tensor operand; ("c", value)
+        ins: list[Ref] = []
+        mixed = False  # an operand in another dtype than the rule's inputs give it
+        stored_strided = False  # a stored (integer, fp8) weight not in its own layout
+        broadcast = False
+        features: list[str] = []
+        it = iter(raw)
+        n_tensor = 0
+        main_shape: tuple[int, ...] | None = None
+        for name in argnames:
+            if name in scalars:
+                if b.scalar_as_tensor:
+                    template.append(("t", None))
+                    if b.pick % 2:  # computed in the graph, not an input
+                        leaf = self.leaf(torch.tensor(2 * b.scalar, dtype=torch.float32, device=self.device))
+                        ins.append(self.step(_scale, [leaf], "{args} * 0.5", checked=False)[0])
+                        features.append("scalar computed")
+                    else:
+                        ins.append(self.leaf(torch.tensor(b.scalar, dtype=torch.float32, device=self.device)))
+                else:
+                    template.append(("c", b.scalar))
+                continue
+            item = next(it)
+            if not isinstance(item, torch.Tensor):
+                template.append(("c", item))
+                continue
+            op = b.operands[n_tensor % len(b.operands)]
+            is_main = n_tensor == 0
+            n_tensor += 1
+            dtype, tshape = item.dtype, tuple(item.shape)
+            if is_main:
+                main_shape = tshape
+            elif op.dtype is not None and dtype in FLOATS:
+                dtype = op.dtype
+            if op.layout == "broadcast" and not is_main and tshape:
+                tshape = (*(1,) * (len(tshape) - 1), tshape[-1]) if tshape == main_shape else (1, *tshape)
+                broadcast = True
+            value = item if item.device.type != "meta" else None
+            ref, source = self.operand(op, tshape, dtype, value, b.special if is_main else "", b.pick)
+            ins.append(ref)
+            mixed |= dtype != item.dtype
+            features.append(f"source {source}")
+            if source == "leaf" and self.layout != "contiguous":
+                features.append(f"layout {self.layout}")
+                # Kernels read float operands at any stride; packed weights only as stored.
+                stored_strided |= dtype not in FLOATS
+            if tshape != tuple(item.shape):
+                features.append("layout broadcast")
+            if dtype != item.dtype:
+                features.append("mixed dtypes")
+            template.append(("t", None))
+
+        call = functools.partial(_call, fn, tuple(template))
+        text = f"{b.label}[{str(b.dtype).replace('torch.', '')}]({{args}}"
+        text += "".join(f", {k}={v!r}" for k, v in scalars.items() if not b.scalar_as_tensor) + ")"
+        mutated = ""
+        if b.mutation:
+            gm, mutated = _mutate(call, [self.value(r) for r in ins], b.mutation, b.pick)
+            call = gm
+            text += f"  # {mutated}"
+        outs = self.step(call, ins, text)
+        must = (b.kind == "form" and not b.mutation and not b.scalar_as_tensor and not broadcast
+                and b.dtype in rule.dtypes and not mixed and not stored_strided)
+        if stored_strided:
+            features.append("stored weight strided")
+        if b.special:
+            features.append(f"value {b.special}")
+        if b.scalar_as_tensor and b.kind == "form" and rule.scalars:
+            features.append("scalar as tensor")
+        if 0 in (main_shape or ()):
+            features.append("empty")
+        built = BuiltBlock(b, drawn, must, main_shape or (), tuple(dict.fromkeys(features)))
+        first = self.value(outs[0])
+        self.chainable += [j for _, j in outs if self.vals[j].dtype.is_floating_point]
+        if b.after and first.dim() >= 1 and first.dtype.is_floating_point:
+            self._after(b.after, outs[0], first)
+        self.blocks.append(built)
+
+    def _after(self, kind: str, ref: Ref, val: torch.Tensor) -> None:
+        if kind == "matmul":
+            n = val.shape[-1]
+            w = self.leaf(_random((n, MATMUL_K), val.dtype, self.gen, self.device) / math.sqrt(max(n, 1)))
+            out = self.step(torch.matmul, [ref, w], "matmul({args})")
+        elif kind == "add":
+            other = self.random_leaf(tuple(val.shape), val.dtype)
+            out = self.step(torch.add, [ref, other], "add({args})")
+        elif kind == "relu":
+            out = self.step(torch.relu, [ref], "relu({args})")
+        else:
+            out = self.step(_scale, [ref], "{args} * 0.5")
+        self.chainable.append(out[0][1])
+
+
+# Unit roundoff per dtype, for the summation floor below.
+_UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+class _Dtypes(TorchDispatchMode):
+    """The float dtypes every op computes in, and the size of its contractions.
+
+    A matmul's K-term sums come out differently in another order (a blocked
+    kernel, a scale applied before the sum or after it) by about the unit
+    roundoff times sum_k |a_k b_k|, whatever the output: where the terms
+    cancel, that is far above the table's atol.  A seeded run measured 0.131
+    on an fp32 quantized linear with K = 65537 (sum |a b| ~ 5e6, u * that =
+    0.3).  ``floor`` gives four units of roundoff of the largest such sum; a
+    wrong weight, scale or group is off by the output's own magnitude.
+    """
+
+    _CONTRACTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+        self.terms = 0.0  # the largest sum_k |a_k b_k| of any contraction
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves((args, kwargs, out)):
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
+                self.dtypes.add(t.dtype)
+        if func in self._CONTRACTIONS:
+            a, b = args[-2], args[-1]
+            if a.numel() and b.numel() and a.dtype.is_floating_point:
+                sums = torch.nan_to_num(a.double().abs(), posinf=0.0) @ torch.nan_to_num(b.double().abs(), posinf=0.0)
+                self.terms = max(self.terms, sums.max().item())
+        return out
+
+    def floor(self, precision: torch.dtype) -> float:
+        return 4 * _UNIT_ROUNDOFF.get(precision, 2.0**-8) * self.terms
+
+
+def _magnitude(t: torch.Tensor) -> float:
+    if not t.dtype.is_floating_point or not t.numel():
+        return 0.0
+    finite = t[torch.isfinite(t)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+@functools.lru_cache(maxsize=None)
+def _traces_with_tensor_scalars(search: Callable[..., Any], scalars: tuple[str, ...],
+                                example_inputs: Callable[[torch.dtype], Sequence[Any]]) -> bool:
+    """Whether Dynamo traces the form with its scalars passed as 0-d tensors.
+
+    ``F.rms_norm(x, s, w, eps=tensor)`` runs in eager but not under
+    ``torch.compile`` at all (``eps`` becomes a data-dependent float Dynamo
+    cannot guard on), with or without fusepass: such a program would test
+    nothing.  Asked once per form, Dynamo only (~0.1 s).
+    """
+    fn = functools.partial(search, **{n: torch.tensor(1e-6) for n in scalars})
+    try:
+        torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)(*example_inputs(torch.float32))
+    except Exception:  # noqa: BLE001
+        return False
+    finally:
+        torch._dynamo.reset()
+    return True
+
+
+def _call(fn: Callable[..., Any], template: tuple[tuple[str, Any], ...], *tensors: torch.Tensor) -> Any:
+    it = iter(tensors)
+    return fn(*[next(it) if kind == "t" else value for kind, value in template])
+
+
+def _scale(t: torch.Tensor) -> torch.Tensor:
+    return t * 0.5
+
+
+def build(spec: ProgramSpec, device: str | torch.device = "cpu") -> Program:
+    """Build ``spec`` and run it eagerly; drawn variants eager rejects are simplified."""
+    single_rank_group()  # blocks of all_reduce_rms_norm hold a collective
+    b = _Builder(spec, torch.device(device))
+    for block in spec.blocks:
+        b.block(block)
+    returned = [j for s in b.steps if s.checked for j in s.outs]
+    return Program(spec, b.args, b.steps, dict(b.vals), returned, b.blocks, b.dropped, dict(b.precision),
+                   dict(b.scale), dict(b.floor))

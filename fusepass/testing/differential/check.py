@@ -1,0 +1,238 @@
+"""Compiling a program with fusepass and checking it: values against eager, inputs untouched, the report."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ...kernels._common import clear_kernel_fallbacks, interpreting, kernel_fallbacks, loosest, tolerance
+from ...report import RewriteReport, last_report, reset_reports
+from ...rule import rules
+from .build import Program, Step, _tstr
+from .kernels import triton_on_cpu
+from .spec import BlockSpec, Operand
+
+
+@dataclass
+class Outcome:
+    program: Program
+    report: RewriteReport | None
+    failures: list[str]  # fusepass's: each one a mismatch or a broken report
+    inductor: list[str]  # plain Inductor disagrees with eager the same way (not counted against fusepass)
+    seconds: float
+
+
+def _compare(actual: torch.Tensor, expected: torch.Tensor, precision: torch.dtype, scale: float = 1.0,
+             floor: float = 0.0) -> str | None:
+    """``None`` if ``actual`` is ``expected`` within the table for ``precision``
+    (atol scaled by ``scale``, see _mismatches, and at least ``floor``, see
+    _Dtypes), else what differs."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return f"{_tstr(actual)} vs {_tstr(expected)}"
+    tol = tolerance(loosest([precision, expected.dtype], default=torch.float64))
+    if expected.dtype.is_floating_point:
+        # At the edge of the dtype's range one rounding more or less is the
+        # difference between the largest finite value and an infinity (an fp16
+        # product of K = 65537 terms: 65504 fused where eager's two roundings
+        # gave inf).  An infinity against a finite value of the same sign
+        # within the table of the largest finite one is that, not an error.
+        edge = torch.finfo(expected.dtype).max * (1 - 2 * tol.rtol)
+        both = torch.isinf(actual) ^ torch.isinf(expected)
+        near = both & (torch.sign(actual) == torch.sign(expected)) & (torch.minimum(
+            actual.double().abs(), expected.double().abs()) >= edge)
+        if near.any():
+            actual = torch.where(near, expected, actual)
+    try:
+        torch.testing.assert_close(actual, expected, atol=max(tol.atol * max(1.0, scale), floor), rtol=tol.rtol,
+                                   equal_nan=True)
+    except AssertionError as exc:
+        finite = torch.isfinite(expected) & torch.isfinite(actual)
+        err = (actual.double() - expected.double())[finite].abs().max().item() if finite.any() else float("nan")
+        first = str(exc).strip().splitlines()
+        return f"max abs error {err:.3g} ({'; '.join(first[:2])})"
+    return None
+
+
+# Inductor settings for the programs:
+# - the FX graph cache off: random programs never hit it, the pass runs every
+#   time and nothing piles up on disk;
+# - emulate_precision_casts: by default Inductor keeps fused intermediates in
+#   fp32 where eager rounds them to bf16/fp16; plain Inductor then disagreed
+#   with eager beyond the table in 15 of 20 seeded programs (errors up to
+#   0.047), and an output plain Inductor gets wrong cannot be charged to
+#   fusepass.  With emulation: 0 of 20 (fp64 outputs of fp32 work aside, see
+#   Step.precision);
+# - scalar C++ kernels (simdlen 1): C++ compilation is most of a program's
+#   time on CPU; vector kernels took 12% longer to build (61 s against 54 s
+#   for 8 programs, cold cache, 2 cores).  fusepass's rewrites do not depend
+#   on it.
+INDUCTOR_CONFIG: dict[str, Any] = {"fx_graph_cache": False, "emulate_precision_casts": True, "cpp.simdlen": 1}
+
+
+def _compile_run(program: Program, options: dict[str, Any]) -> tuple[tuple[torch.Tensor, ...], RewriteReport]:
+    torch._dynamo.reset()
+    reset_reports()
+    compiled = torch.compile(program.fn(), backend="fusepass", options=options, fullgraph=True, dynamic=False)
+    with torch._inductor.config.patch(INDUCTOR_CONFIG):
+        out = compiled(*program.args)
+    return out, last_report()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.is_floating_point and a.element_size() in (2, 4, 8):
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    return torch.equal(a, b)
+
+
+def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
+    """Step by step (each step on the compiled values of its inputs), then end to end.
+
+    End to end, a value computed in bf16/fp16 downstream of a rewrite may
+    differ from eager by more than the table without anything being wrong: the
+    fused op rounds once where eager rounds twice (one ulp of its output), and
+    a later add that cancels (y + r with y ~ -r) keeps that absolute
+    difference while the sum shrinks.  A 150-program run measured 0.0625 (one
+    bf16 ulp at 8..16) on sums of magnitude ~0.1, against atol 0.016.  Such
+    values get the table's atol scaled by the largest magnitude that flows
+    into them (two ulps of it); the step-by-step check, which sees each
+    rewrite on its own inputs, keeps the table as it is.
+
+    A step whose eager run overflows in an intermediate (an fp16 matmul's
+    result beyond 65504, scaled back into range after) gives an infinity
+    where the fused op, which keeps the intermediate in fp32, gives the
+    finite value: the step is then held to its own computation in fp64, and
+    the values that depend on it are not compared end to end with eager.
+    """
+    found = []
+    got = dict(zip(program.returned, out))
+    env: dict[int, torch.Tensor] = {}
+    overflowed: set[int] = set()
+    for step in program.steps:
+        ins = [program.args[i] if k == "a" else env[i] for k, i in step.ins]
+        if any(k != "a" and i in overflowed for k, i in step.ins):
+            overflowed.update(step.outs)
+        ref = step.fn(*ins)
+        for j, r in zip(step.outs, ref):
+            if step.checked:
+                err = _compare(got[j], r, step.precision, floor=step.floor)
+                if err and _eager_overflowed(step, ins, got[j], r, list(step.outs).index(j)):
+                    overflowed.add(j)
+                    err = None
+                if err:
+                    found.append(f"v{j} step ({step.text.split(' = ', 1)[1][:80]}): {err}")
+                env[j] = got[j]
+            else:
+                env[j] = r
+    for j in program.returned:
+        if j in overflowed:
+            continue
+        half = program.precision[j] in (torch.float16, torch.bfloat16)
+        err = _compare(got[j], program.eager[j], program.precision[j], program.scale[j] if half else 1.0,
+                       program.floor[j])
+        if err:
+            found.insert(0, f"v{j} end to end: {err}")
+    return found
+
+
+def _eager_overflowed(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, expected: torch.Tensor,
+                      index: int) -> bool:
+    """Whether ``expected`` (the step run eagerly) has infinities where ``actual`` is finite because eager
+    overflowed in an intermediate: the step run in fp64 agrees with ``actual`` within the table."""
+    if not (actual.dtype.is_floating_point and actual.shape == expected.shape):
+        return False
+    if not (torch.isinf(expected) & torch.isfinite(actual)).any():
+        return False
+    try:
+        truth = step.fn(*[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                          for t in ins])[index].double()
+    except Exception:  # noqa: BLE001 - a step that needs its dtypes has no fp64 truth
+        return False
+    tol = tolerance(actual.dtype)
+    a = actual.double()
+    ok = (torch.isclose(a, truth, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+          | (torch.isinf(a) & (truth.abs() > torch.finfo(actual.dtype).max)))
+    return bool(ok.all())
+
+
+def run(program: Program, triton: bool | None = None) -> Outcome:
+    """Compile ``program`` with fusepass, run it once, check it against eager and check the report."""
+    t0 = time.perf_counter()
+    triton = program.spec.triton if triton is None else triton
+    on_cpu = all(a.device.type == "cpu" for a in program.args)
+    # On a GPU the ops' CUDA implementations are the kernels; on CPU they need the interpreter.
+    kernels = triton_on_cpu() if triton and on_cpu and interpreting() else contextlib.nullcontext()
+    failures: list[str] = []
+    inductor: list[str] = []
+    report = None
+    clear_kernel_fallbacks()
+    pristine = [a.clone() for a in program.args]
+    plain_options = {"disable_rules": [r.name for r in rules()]}
+    with kernels:
+        try:
+            out, report = _compile_run(program, {})
+        except Exception:  # noqa: BLE001 - fusepass must not take the program down
+            failed = "compile or run failed:\n" + traceback.format_exc(limit=8)
+            try:
+                _compile_run(program, plain_options)
+            except Exception as exc:  # noqa: BLE001
+                inductor.append(f"plain Inductor fails too ({type(exc).__name__}): {failed}")
+            else:
+                failures.append(failed)
+        else:
+            changed = [f"a{i}" for i, (a, p) in enumerate(zip(program.args, pristine)) if not _same_bits(a, p)]
+            if changed:
+                failures.append(f"the compiled program wrote into its inputs {', '.join(changed)}")
+                for a, p in zip(program.args, pristine):
+                    a.copy_(p)
+            found = _mismatches(program, out)
+            if found:
+                # Whose is it?  Plain Inductor on the same program.
+                try:
+                    plain, _ = _compile_run(program, plain_options)
+                    plain_found = _mismatches(program, plain)
+                except Exception:  # noqa: BLE001
+                    plain_found = []
+                same = {m.split(":")[0] for m in plain_found}
+                inductor += [m for m in found if m.split(":")[0] in same]
+                failures += [m for m in found if m.split(":")[0] not in same]
+            failures += _report_problems(program, report)
+        fallbacks = kernel_fallbacks()
+        if fallbacks:
+            failures.append(f"kernels fell back: {fallbacks}")
+        clear_kernel_fallbacks()
+    return Outcome(program, report, failures, inductor, time.perf_counter() - t0)
+
+
+def _report_problems(program: Program, report: RewriteReport) -> list[str]:
+    problems = []
+    for r in report.refusals:
+        if not (r.reason or "").strip():
+            problems.append(f"refusal without a reason: {r}")
+    for g in report.graphs:
+        problems += [f"note: {n}" for n in g.notes if "could not be traced" in n or "raised" in n]
+    problems += [f"refusal from a crash: {r.rule}: {r.reason}" for r in report.refusals
+                 if r.reason.startswith(("check raised", "explain raised", "replacement failed"))]
+    must = sum(1 for b in program.blocks if b.must_rewrite)
+    if len(report.hits) < must:
+        problems.append(f"{must} block(s) must be rewritten, {len(report.hits)} were; "
+                        f"refusals: {sorted(set(report.reasons()))}")
+    for b in program.blocks:
+        nm_reason = _near_miss_reason(b.spec)
+        plain = not b.spec.mutation and all(o == Operand() for o in b.spec.operands)
+        if nm_reason and plain:
+            if not any(nm_reason in r for r in report.reasons()):
+                problems.append(f"{b.spec.label}: no refusal with {nm_reason!r}; got {sorted(set(report.reasons()))}")
+    return problems
+
+
+def _near_miss_reason(b: BlockSpec) -> str:
+    if b.kind != "near-miss":
+        return ""
+    rule = next(r for r in rules() if r.name == b.rule)
+    return next(n.reason for n in rule.near_misses if n.name == b.name)

@@ -1,0 +1,133 @@
+"""What a generated program is made of: the specs Hypothesis draws (blocks, operands, mutations).
+
+See :mod:`fusepass.testing.differential` for the whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ...rule import rules
+
+
+MUTATIONS = ("returned", "reused", "reduction_dim", "keepdim_off", "constant", "extra_cast", "swap")
+SOURCES = ("leaf", "matmul", "add", "chain")
+LAYOUTS = ("contiguous", "transposed", "sliced", "strided", "expanded", "broadcast")
+AFTER = ("", "matmul", "add", "relu", "scale")
+SPECIALS = ("", "nan", "inf", "-inf")
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Hidden sizes: odd ones (masking), one past a power of two (one more block
+# or chunk), empty; 65537 is the looped kernel's one-past-a-power-of-two.
+HIDDEN = (0, 1, 7, 16, 33, 64, 128, 4097)
+LARGE_HIDDEN = (65537,)
+LEADING = ((), (0,), (1,), (2,), (3,), (5,), (8,), (2, 3), (3, 1), (1, 4))
+# Leading dims for large rows: the CPU time of a program stays under a second.
+LEADING_LARGE = ((), (1,), (2,))
+MATMUL_K = 8
+
+
+@dataclass(frozen=True)
+class Operand:
+    source: str = "leaf"  # SOURCES
+    layout: str = "contiguous"  # LAYOUTS (of a leaf)
+    dtype: torch.dtype | None = None  # another dtype than the block's (not for the main operand)
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    rule: str
+    kind: str  # "form" or "near-miss"
+    name: str  # the form's or the near-miss's name
+    dtype: torch.dtype = torch.float32
+    shape: tuple[int, ...] = (4, 16)  # of the main operand; its last dim is the hidden size
+    scalar: float = 1e-6  # the value of every scalar the rule names (eps)
+    scalar_as_tensor: bool = False
+    operands: tuple[Operand, ...] = (Operand(),)  # per tensor operand, cycled
+    mutation: str = ""  # "" or one of MUTATIONS
+    pick: int = 0  # which node a mutation applies to, which earlier value a chain takes
+    special: str = ""  # SPECIALS, in the main operand
+    after: str = ""  # AFTER, applied to the block's first output
+
+    @property
+    def label(self) -> str:
+        return f"{self.rule}/{self.name}" if self.kind == "form" else f"{self.rule}/near-miss:{self.name}"
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    blocks: tuple[BlockSpec, ...]
+    seed: int = 0
+    triton: bool = False  # on CPU: run the ops' Triton kernels (interpreted) instead of their torch bodies
+
+
+def catalogue(only: Sequence[str] | None = None) -> list[tuple[str, str, str]]:
+    """(rule, kind, name) of every form and near-miss of every registered rule (or of the rules ``only`` names)."""
+    out = []
+    for rule in rules():
+        if only is not None and rule.name not in only:
+            continue
+        out += [(rule.name, "form", f.name) for f in rule.forms]
+        out += [(rule.name, "near-miss", nm.name) for nm in rule.near_misses]
+    return out
+
+
+def catalogue_programs(per_program: int = 8, dtype: torch.dtype = torch.float32) -> list[ProgramSpec]:
+    """Programs that between them hold every form and near-miss once, plain:
+    the explicit examples of a run, so that every one takes part whatever is drawn."""
+    blocks = [BlockSpec(rule, kind, name, dtype=dtype, shape=(3, 33)) for rule, kind, name in catalogue()]
+    return [ProgramSpec(tuple(blocks[i:i + per_program]), seed=i) for i in range(0, len(blocks), per_program)]
+
+
+# -- hypothesis strategies -------------------------------------------------------
+
+def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10, only: Sequence[str] | None = None):
+    """The Hypothesis strategy of programs over the rules registered now (or the rules ``only`` names)."""
+    from hypothesis import strategies as st
+
+    kinds = catalogue(only)
+    # A region rule (``Rule.find``: the GDN loops) compiles ~10x the nodes of a
+    # norm or an activation: its forms are drawn a quarter as often.
+    finders = {r.name for r in rules() if r.find is not None}
+    forms = [k for k in kinds if k[1] == "form" for _ in range(1 if k[0] in finders else 4)]
+    misses = [k for k in kinds if k[1] == "near-miss"] or forms
+    hidden = HIDDEN + (LARGE_HIDDEN if large else ())
+
+    @st.composite
+    def shapes(draw):
+        h = draw(st.sampled_from(hidden))
+        lead = draw(st.sampled_from(LEADING_LARGE if h > 4096 else LEADING))
+        return (*lead, h)
+
+    operand = st.builds(
+        Operand,
+        source=st.sampled_from(("leaf", "leaf", "leaf", "matmul", "add", "chain", "chain")),
+        layout=st.sampled_from(("contiguous",) * 4 + LAYOUTS[1:]),
+        dtype=st.sampled_from((None,) * 5 + FLOATS[:3]),
+    )
+
+    @st.composite
+    def block(draw):
+        rule, kind, name = draw(st.sampled_from(forms) if draw(st.integers(0, 4)) else st.sampled_from(misses))
+        return BlockSpec(
+            rule=rule, kind=kind, name=name,
+            dtype=draw(st.sampled_from((torch.float32, torch.float32, torch.float16, torch.bfloat16,
+                                        torch.bfloat16, torch.float64))),
+            shape=draw(shapes()),
+            scalar=draw(st.sampled_from((1e-6, 1e-5, 1e-6, 3e-3, 0.25))),
+            scalar_as_tensor=draw(st.integers(0, 9)) == 0,
+            operands=tuple(draw(st.lists(operand, min_size=4, max_size=4))),
+            mutation=draw(st.sampled_from(("",) * 6 + MUTATIONS)),
+            pick=draw(st.integers(0, 63)),
+            special=draw(st.sampled_from(("",) * 9 + SPECIALS[1:])),
+            after=draw(st.sampled_from(AFTER + ("",) * 2)),
+        )
+
+    return st.builds(
+        ProgramSpec,
+        blocks=st.lists(block(), min_size=min_blocks, max_size=max_blocks).map(tuple),
+        seed=st.integers(0, 2**31 - 1),
+        triton=st.integers(0, 3).map(lambda i: i == 0),
+    )
