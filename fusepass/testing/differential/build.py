@@ -243,7 +243,10 @@ class _Builder:
         if op.source == "add" and dtype in FLOATS:
             a = self.random_leaf(shape, dtype, op.layout, special=special)
             b = self.random_leaf(shape, dtype)
-            return self.step(torch.add, [a, b], "add({args})")[0], "add"
+            if op.alpha == 1:
+                return self.step(torch.add, [a, b], "add({args})")[0], "add"
+            return self.step(functools.partial(torch.add, alpha=op.alpha), [a, b],
+                             f"add({{args}}, alpha={op.alpha!r})")[0], "add alpha"
         return self.random_leaf(shape, dtype, op.layout, special=special, value=value), "leaf"
 
     # blocks

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import re
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ...options import Options
 from ...kernels._common import clear_kernel_fallbacks, interpreting, kernel_fallbacks, loosest, tolerance
 from ...report import RewriteReport, last_report, reset_reports
 from ...rule import rules
@@ -81,6 +88,60 @@ def _compile_run(program: Program, options: dict[str, Any]) -> tuple[tuple[torch
     with torch._inductor.config.patch(INDUCTOR_CONFIG):
         out = compiled(*program.args)
     return out, last_report()
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _ops_of(rule_name: str) -> frozenset[str]:
+    """The fusepass ops a rule's replacements call (each form on its example inputs), and those its pre-trace
+    route puts in graphs."""
+    rule = next(r for r in rules() if r.name == rule_name)
+    seen: set[str] = {op._schema.name.split("::")[-1] for op in rule.pretraced}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "fusepass":
+                seen.add(func._schema.name.split("::")[-1])
+            return func(*args, **(kwargs or {}))
+
+    for form in rule.forms:
+        dtype = rule.dtypes[0]
+        inputs = rule.inputs(form, dtype)
+        params = list(inspect.signature(form.search).parameters)
+        it = iter(inputs)
+        args = [rule.scalars[p] if p in rule.scalars else next(it) for p in params]
+        try:
+            with Record():
+                form.replace(*args)
+        except Exception:  # noqa: BLE001 - a replacement that needs a graph: its ops stay unknown
+            continue
+    return frozenset(seen)
+
+
+def _graph_ops(folder: str) -> set[str]:
+    """The fusepass ops in the graphs fusepass handed on (``dump_graphs``' "after" files)."""
+    found: set[str] = set()
+    for path in Path(folder).glob("*.after.txt"):
+        found.update(re.findall(r"fusepass\.([a-z0-9_]+)\.default", path.read_text()))
+    return found
+
+
+def _option_problems(program: Program, report: RewriteReport, folder: str) -> list[str]:
+    """What the report and the compiled graphs did against the program's rule selection."""
+    options = Options.parse(program.spec.options_dict())[0]
+    problems = [f"{h.rule} rewrote though the options exclude it" for h in report.hits
+                if not options.enabled(h.rule)]
+    enabled = [r.name for r in rules() if options.enabled(r.name)]
+    allowed = set().union(*(_ops_of(r) for r in enabled)) if enabled else set()
+    reported = set().union(*(_ops_of(h.rule) for h in report.hits)) if report.hits else set()
+    for op in sorted(_graph_ops(folder)):
+        if op not in allowed:
+            problems.append(f"fusepass::{op} is in the compiled graph though no rule the options select calls it")
+        elif op not in reported:
+            problems.append(f"fusepass::{op} is in the compiled graph but no hit in the report accounts for it")
+    return problems
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -173,9 +234,13 @@ def run(program: Program, triton: bool | None = None) -> Outcome:
     clear_kernel_fallbacks()
     pristine = [a.clone() for a in program.args]
     plain_options = {"disable_rules": [r.name for r in rules()]}
-    with kernels:
+    options = program.spec.options_dict()
+    dumps = tempfile.TemporaryDirectory(prefix="fusepass-diff-") if options else contextlib.nullcontext()
+    with kernels, dumps as folder:
+        if folder:
+            options["dump_graphs"] = folder
         try:
-            out, report = _compile_run(program, {})
+            out, report = _compile_run(program, options)
         except Exception:  # noqa: BLE001 - fusepass must not take the program down
             failed = "compile or run failed:\n" + traceback.format_exc(limit=8)
             try:
@@ -202,6 +267,8 @@ def run(program: Program, triton: bool | None = None) -> Outcome:
                 inductor += [m for m in found if m.split(":")[0] in same]
                 failures += [m for m in found if m.split(":")[0] not in same]
             failures += _report_problems(program, report)
+            if folder:
+                failures += _option_problems(program, report, folder)
         fallbacks = kernel_fallbacks()
         if fallbacks:
             failures.append(f"kernels fell back: {fallbacks}")
@@ -218,11 +285,13 @@ def _report_problems(program: Program, report: RewriteReport) -> list[str]:
         problems += [f"note: {n}" for n in g.notes if "could not be traced" in n or "raised" in n]
     problems += [f"refusal from a crash: {r.rule}: {r.reason}" for r in report.refusals
                  if r.reason.startswith(("check raised", "explain raised", "replacement failed"))]
-    must = sum(1 for b in program.blocks if b.must_rewrite)
+    options = Options.parse(program.spec.options_dict())[0]
+    selected = [b for b in program.blocks if options.enabled(b.spec.rule)]
+    must = sum(1 for b in selected if b.must_rewrite)
     if len(report.hits) < must:
         problems.append(f"{must} block(s) must be rewritten, {len(report.hits)} were; "
                         f"refusals: {sorted(set(report.reasons()))}")
-    for b in program.blocks:
+    for b in selected:
         nm_reason = _near_miss_reason(b.spec)
         plain = not b.spec.mutation and all(o == Operand() for o in b.spec.operands)
         if nm_reason and plain:

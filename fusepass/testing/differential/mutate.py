@@ -18,6 +18,33 @@ class _Invalid(Exception):
 
 _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
 _COMMUTATIVE = (aten.mul.Tensor, aten.add.Tensor, aten.maximum.default, aten.minimum.default)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ALPHAS = (2, -1, 0.5, 0)
+_DTYPES = (torch.float64, torch.float32)
+# Keyword arguments user code can give these ops at values other than their
+# defaults, each changing what the op computes (or, for a memory format and
+# a reduction's dtype equal to its input's, only how): Inductor's matcher
+# does not compare the ones a pattern does not write.
+_KWARGS: dict[Any, dict[str, tuple[Any, ...]]] = {
+    aten.add.Tensor: {"alpha": _ALPHAS},
+    aten.sub.Tensor: {"alpha": _ALPHAS},
+    aten.add.Scalar: {"alpha": (2, -1)},
+    aten.addmm.default: {"beta": (0, 0.5, 2), "alpha": (2, 0.5, -1)},
+    aten.baddbmm.default: {"beta": (0, 0.5, 2), "alpha": (2, 0.5, -1)},
+    aten.sum.dim_IntList: {"dtype": _DTYPES},
+    aten.mean.dim: {"dtype": _DTYPES},
+    aten.cumsum.default: {"dtype": _DTYPES},
+    aten.clone.default: {"memory_format": (torch.contiguous_format,)},
+}
+# Ops with a variant that takes one more keyword argument.
+_VARIANTS: dict[Any, tuple[Any, str, tuple[Any, ...]]] = {
+    aten.div.Tensor: (aten.div.Tensor_mode, "rounding_mode", ("floor", "trunc")),
+}
+# Functional op -> its in-place twin (what x.add_(r) becomes before functionalisation).
+_INPLACE = {
+    aten.add.Tensor: aten.add_.Tensor, aten.sub.Tensor: aten.sub_.Tensor, aten.mul.Tensor: aten.mul_.Tensor,
+    aten.div.Tensor: aten.div_.Tensor, aten.add.Scalar: aten.add_.Scalar, aten.mul.Scalar: aten.mul_.Scalar,
+}
 
 
 def _tensor_val(n: torch.fx.Node) -> Any:
@@ -83,9 +110,11 @@ def _mutate(fn: Callable[..., Any], inputs: list[torch.Tensor], mutation: str, p
         n.args = (*n.args[:i], new, *n.args[i + 1:])
         what = f"{n.name}: constant {old!r} -> {new!r}"
     elif mutation == "extra_cast":
-        n = choose([c for c in calls if _tensor_val(c).dtype.is_floating_point])
+        floats = [c for c in calls if _tensor_val(c).dtype.is_floating_point]
+        n = choose(floats)
         dtype = _tensor_val(n).dtype
-        low = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+        others = [d for d in _FLOATS if d != dtype]
+        low = others[(pick // max(1, len(floats))) % len(others)]
         users = list(n.users)
         with g.inserting_after(n):
             down = g.call_function(torch.ops.prims.convert_element_type.default, (n, low))
@@ -94,6 +123,43 @@ def _mutate(fn: Callable[..., Any], inputs: list[torch.Tensor], mutation: str, p
         for u in users:
             u.replace_input_with(n, up)
         what = f"{n.name} rounded to {low}"
+    elif mutation == "cast":
+        edges = [(n, u) for n in calls if _tensor_val(n).dtype.is_floating_point for u in n.users
+                 if u.op == "call_function"]
+        if not edges:
+            raise _Invalid("no edge to cast on")
+        n, u = edges[pick % len(edges)]
+        dtypes = [d for d in _FLOATS if d != _tensor_val(n).dtype]
+        dtype = dtypes[(pick // len(edges)) % len(dtypes)]
+        with g.inserting_before(u):
+            cast = g.call_function(torch.ops.prims.convert_element_type.default, (n, dtype))
+        u.replace_input_with(n, cast)
+        what = f"{u.name} takes {n.name} as {dtype}"
+    elif mutation == "kwarg":
+        cands = [(n, name, v) for n in calls for name, vals in _KWARGS.get(n.target, {}).items() for v in vals]
+        cands += [(n, name, v) for n in calls if n.target in _VARIANTS for name, v in
+                  ((_VARIANTS[n.target][1], v) for v in _VARIANTS[n.target][2])]
+        if not cands:
+            raise _Invalid("no op that takes a keyword argument")
+        n, name, value = cands[pick % len(cands)]
+        if n.target in _VARIANTS and name == _VARIANTS[n.target][1]:
+            n.target = _VARIANTS[n.target][0]
+        n.kwargs = {**n.kwargs, name: value}
+        what = f"{n.name} with {name}={value!r}"
+    elif mutation == "inplace":
+        # In place on an intermediate only this op reads (on an input it would
+        # write into the program's inputs, on a shared value change the program).
+        cands = [n for n in calls if n.target in _INPLACE and isinstance(n.args[0], torch.fx.Node)
+                 and n.args[0].op == "call_function" and len(n.args[0].users) == 1
+                 and _tensor_val(n.args[0]) is not None and _tensor_val(n.args[0]).dtype == _tensor_val(n).dtype
+                 and tuple(_tensor_val(n.args[0]).shape) == tuple(_tensor_val(n).shape)]
+        n = choose(cands)
+        n.target = _INPLACE[n.target]
+        what = f"{n.name} in place"
+        alphas = _KWARGS.get({v: k for k, v in _INPLACE.items()}[n.target], {}).get("alpha")
+        if alphas and pick % 2:
+            n.kwargs = {**n.kwargs, "alpha": alphas[(pick // 2) % len(alphas)]}
+            what += f" with alpha={n.kwargs['alpha']!r}"
     elif mutation == "swap":
         n = choose([c for c in calls if c.target in _COMMUTATIVE and len(c.args) >= 2
                     and isinstance(c.args[0], torch.fx.Node) and isinstance(c.args[1], torch.fx.Node)

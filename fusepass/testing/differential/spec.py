@@ -6,14 +6,24 @@ See :mod:`fusepass.testing.differential` for the whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ...rule import rules
 
 
-MUTATIONS = ("returned", "reused", "reduction_dim", "keepdim_off", "constant", "extra_cast", "swap")
+# What a mutation does to one node of a block's traced search function:
+# returned / reused: an intermediate also leaves the block; reduction_dim /
+# keepdim_off: a row statistic over another dim or without keepdim;
+# constant: a constant changed; extra_cast: a value rounded through another
+# float dtype and back; cast: one use of a value takes it in another float
+# dtype; swap: a commutative op's operands swapped; kwarg: a keyword
+# argument at a value other than its default (add/sub alpha, addmm
+# beta/alpha, a reduction's dtype, div's rounding mode, a memory format);
+# inplace: the op written in place on its first operand (x.add_(r, alpha=a)).
+MUTATIONS = ("returned", "reused", "reduction_dim", "keepdim_off", "constant", "extra_cast", "cast", "swap",
+             "kwarg", "kwarg", "inplace")
 SOURCES = ("leaf", "matmul", "add", "chain")
 LAYOUTS = ("contiguous", "transposed", "sliced", "strided", "expanded", "broadcast")
 AFTER = ("", "matmul", "add", "relu", "scale")
@@ -34,6 +44,7 @@ class Operand:
     source: str = "leaf"  # SOURCES
     layout: str = "contiguous"  # LAYOUTS (of a leaf)
     dtype: torch.dtype | None = None  # another dtype than the block's (not for the main operand)
+    alpha: float = 1  # a sum source: torch.add(a, b, alpha=alpha)
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,13 @@ class ProgramSpec:
     blocks: tuple[BlockSpec, ...]
     seed: int = 0
     triton: bool = False  # on CPU: run the ops' Triton kernels (interpreted) instead of their torch bodies
+    # fusepass options the program is compiled with, as (key, value) pairs: a
+    # rule selection, verify mode, no inlining, no pre-trace routing.  The
+    # report and the ops that ran must agree with the selection.
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def options_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.options}
 
 
 def catalogue(only: Sequence[str] | None = None) -> list[tuple[str, str, str]]:
@@ -106,7 +124,18 @@ def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10, on
         source=st.sampled_from(("leaf", "leaf", "leaf", "matmul", "add", "chain", "chain")),
         layout=st.sampled_from(("contiguous",) * 4 + LAYOUTS[1:]),
         dtype=st.sampled_from((None,) * 5 + FLOATS[:3]),
+        alpha=st.sampled_from((1,) * 5 + (2, -1, 0.5)),
     )
+    rule_names = sorted({r for r, _, _ in kinds})
+
+    @st.composite
+    def options(draw):
+        kind = draw(st.sampled_from(("",) * 12 + ("rules", "disable_rules", "verify", "inline_kernels", "pretrace")))
+        if kind in ("rules", "disable_rules"):
+            names = draw(st.lists(st.sampled_from(rule_names), min_size=1, max_size=3, unique=True))
+            return ((kind, tuple(sorted(names))),)
+        return {"": (), "verify": (("verify", True),), "inline_kernels": (("inline_kernels", False),),
+                "pretrace": (("pretrace", False),)}[kind]
 
     @st.composite
     def block(draw):
@@ -130,4 +159,5 @@ def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10, on
         blocks=st.lists(block(), min_size=min_blocks, max_size=max_blocks).map(tuple),
         seed=st.integers(0, 2**31 - 1),
         triton=st.integers(0, 3).map(lambda i: i == 0),
+        options=options(),
     )

@@ -30,6 +30,7 @@ class Stats:
     features: Counter = field(default_factory=Counter)
     dtypes: Counter = field(default_factory=Counter)
     hidden: Counter = field(default_factory=Counter)
+    options: Counter = field(default_factory=Counter)
     dropped: int = 0
     must_rewrite: int = 0
     rewrites: Counter = field(default_factory=Counter)
@@ -43,6 +44,7 @@ class Stats:
         self.programs += 1
         self.triton_programs += bool(p.spec.triton)
         self.blocks += len(p.blocks)
+        self.options[", ".join(k for k, _ in p.spec.options) or "default"] += 1
         self.dropped += len(p.dropped)
         for b in p.blocks:
             self.kinds[b.spec.label] += 1
@@ -72,6 +74,7 @@ class Stats:
             f"(simplified): {self.dropped}",
             "  blocks: " + ", ".join(f"{k} {n}" for k, n in sorted(self.kinds.items())),
             "  mutations: " + ", ".join(f"{k} {n}" for k, n in sorted(self.mutations.items())),
+            "  options: " + ", ".join(f"{k} {n}" for k, n in sorted(self.options.items())),
             "  operands and values: " + ", ".join(f"{k} {n}" for k, n in sorted(self.features.items())),
             "  dtypes: " + ", ".join(f"{k} {n}" for k, n in sorted(self.dtypes.items())),
             "  hidden sizes: " + ", ".join(f"{k} {n}" for k, n in sorted(self.hidden.items())),
