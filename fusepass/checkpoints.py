@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .formats import GROUP_SIZES
+from .formats import unpack_words as _unpack_words
 from .formats import dequantize_int4 as _dequantize_int4
 from .quantize import Int4Linear
 
@@ -127,14 +128,8 @@ class LoadSummary:
 # -- unpacking ----------------------------------------------------------------------
 
 def unpack_words(words: Tensor, dim: int) -> Tensor:
-    """int32 words of eight 4-bit codes (lowest bits first) -> uint8 codes, each
-    word becoming eight consecutive entries along ``dim`` (0 or 1) of a 2-D tensor."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    codes = ((words.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [R, C, 8]
-    r, c = words.shape
-    if dim == 1:
-        return codes.reshape(r, c * 8)
-    return codes.permute(0, 2, 1).reshape(r * 8, c)
+    """:func:`fusepass.formats.unpack_words` as uint8 codes."""
+    return _unpack_words(words, dim).to(torch.uint8)
 
 
 def _awq_columns(codes: Tensor) -> Tensor:

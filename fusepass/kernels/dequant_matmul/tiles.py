@@ -152,6 +152,36 @@ def _int4_dequant(b_v, b_s, b_c, b_z, ZERO_F32: tl.constexpr):
 
 
 @triton.jit
+def _library_tile(w, scale, zero, g_idx, o_n, o_k, m, N, stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr):
+    """fp32 W[o_n, o_k] of another library's layout (fusepass.formats, LIBRARY_FORMATS),
+    scale applied, for offsets that broadcast to the tile (either orientation), mask m.
+
+    Each value is gathered where it is stored: nf4 / fp4 a byte per two columns
+    of a row (high nibble the even one) and a lookup in the 16-entry code book
+    (``zero``: 64 bytes, L1-resident); gptq4 a word per eight values of a column
+    along K, the zero point a nibble of a word per eight columns, both indexed
+    by the group ``g_idx`` gives each k.  Correct in any tile shape and any
+    group size; a layout-specific loop (wide loads, one group per tile) is what
+    the GPU still needs for speed."""
+    if FMT == "nf4" or FMT == "fp4":
+        b_b = tl.load(w + o_n.to(tl.int64) * stride_wn + o_k // 2, mask=m, other=0).to(tl.int32)
+        b_q = (b_b >> ((1 - o_k % 2) * 4)) & 0xF
+        b_v = tl.load(zero + b_q)
+        b_s = tl.load(scale + o_n.to(tl.int64) * stride_sn + o_k // G, mask=m, other=0).to(tl.float32)
+        return b_v * b_s
+    else:
+        b_wd = tl.load(w + (o_k // 8).to(tl.int64) * stride_wn + o_n, mask=m, other=0)
+        b_q = (b_wd >> ((o_k % 8) * 4)) & 0xF
+        b_g = tl.load(g_idx + o_k, mask=m, other=0)
+        b_zw = tl.load(zero + b_g.to(tl.int64) * ((N + 7) // 8) + o_n // 8, mask=m, other=0)
+        b_z = (b_zw >> ((o_n % 8) * 4)) & 0xF
+        if FMT == "gptq4_v1":
+            b_z += 1
+        b_s = tl.load(scale + b_g.to(tl.int64) * stride_sn + o_n, mask=m, other=0).to(tl.float32)
+        return (b_q - b_z).to(tl.float32) * b_s
+
+
+@triton.jit
 def _pair_to_f32(b_x, DT: tl.constexpr):
     """Two adjacent values of x in one word (int32 for 16-bit x, int64 for fp32;
     the lower address in the low half) -> (first, second) as fp32."""
