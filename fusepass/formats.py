@@ -20,7 +20,9 @@ op takes them, ``fusepass.quantize`` does not make them):
                column, the low the odd (bitsandbytes)         (absmax)            16-entry code book CODEBOOKS)
     gptq4      int32 [K // 8, N]: eight codes along K per     [groups, N]       zero int32 [groups, ceil(N / 8)],
                word, lowest bits first (stored [K, N])                          eight along N per word;
-                                                                                g_idx [K]: the group of each k
+                                                                                g_idx [K]: the group of each k;
+                                                                                shifts [8]: the bit offset of each
+                                                                                code in a word (0, 4, ..., 28)
     gptq4_v1   as gptq4, each zero point stored minus one
 
     W[n, k] = CODE[q[n, k]] * scale[n, k // G]                               nf4, fp4
@@ -85,10 +87,12 @@ def in_features(weight: Tensor, fmt: str):
     return weight.shape[1] * (2 if fmt in ("int4", "nf4", "fp4") else 1)
 
 
-def unpack_words(words: Tensor, dim: int) -> Tensor:
-    """int32 words of eight 4-bit codes (lowest bits first) -> int64 codes, each
-    word becoming eight consecutive entries along ``dim`` (0 or 1) of a 2-D tensor."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+def unpack_words(words: Tensor, dim: int, shifts: Tensor | None = None) -> Tensor:
+    """int32 words of eight 4-bit codes (lowest bits first, or at ``shifts``) -> int64
+    codes, each word becoming eight consecutive entries along ``dim`` (0 or 1) of a 2-D tensor."""
+    if shifts is None:
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    shifts = shifts.reshape(-1).to(torch.int32)
     codes = ((words.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF).long()  # [R, C, 8]
     r, c = words.shape
     if dim == 1:
@@ -102,24 +106,25 @@ def codebook(fmt: str, device: torch.device | str = "cpu") -> Tensor:
 
 
 def dequantize_library(weight: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, fmt: str,
-                       group_size: int) -> Tensor:
+                       group_size: int, shifts: Tensor | None = None) -> Tensor:
     """The [N, K] fp32 weight of a ``LIBRARY_FORMATS`` layout (the reference)."""
     if fmt in ("nf4", "fp4"):
         n = weight.shape[0]
         q = torch.stack([weight >> 4, weight & 0xF], dim=-1).reshape(n, -1).long()
         return (codebook(fmt, weight.device)[q].reshape(n, scale.shape[1], -1) * scale.float()[..., None]).reshape(n, -1)
     n = weight.shape[1]
-    q = unpack_words(weight, 0)  # [K, N]
-    z = unpack_words(zero, 1)[:, :n] + (1 if fmt == "gptq4_v1" else 0)  # [groups, N]
+    q = unpack_words(weight, 0, shifts)  # [K, N]
+    z = unpack_words(zero, 1, shifts)[:, :n] + (1 if fmt == "gptq4_v1" else 0)  # [groups, N]
     g = g_idx.long()
     return ((q - z[g]).float() * scale.float()[g]).t()
 
 
 def dequantize(weight: Tensor, scale: Tensor, zero: Tensor | None, fmt: str, group_size: int,
-               dtype: torch.dtype = torch.float32, g_idx: Tensor | None = None) -> Tensor:
+               dtype: torch.dtype = torch.float32, g_idx: Tensor | None = None,
+               shifts: Tensor | None = None) -> Tensor:
     """The [N, K] weight of any format in ``dtype``, computed in fp32 (the reference)."""
     if fmt in LIBRARY_FORMATS:
-        return dequantize_library(weight, scale, zero, g_idx, fmt, group_size).to(dtype)
+        return dequantize_library(weight, scale, zero, g_idx, fmt, group_size, shifts).to(dtype)
     if fmt == "int4":
         return dequantize_int4(weight, scale.float(), None if zero is None else zero.float(),
                                torch.float32).to(dtype)

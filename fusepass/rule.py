@@ -167,6 +167,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.dequant_matmul_int4",
     "fusepass.patterns.dequant_matmul_torchao",
     "fusepass.patterns.dequant_matmul_bnb",
+    "fusepass.patterns.dequant_matmul_gptq",
     "fusepass.patterns.gdn_chunk",
     "fusepass.patterns.gdn_recurrent",
     "fusepass.patterns.causal_conv1d",

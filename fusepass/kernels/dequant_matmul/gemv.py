@@ -10,7 +10,7 @@ from fusepass.kernels.dequant_matmul.tiles import _finish, _int8_to_f32, _librar
 
 @triton.jit
 def _dequant_gemv_kernel(
-    x, x2, w, scale, zero, bias, out, part, ctr, g_idx,
+    x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
     M, N, K, K_SPLIT,
     stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -106,7 +106,7 @@ def _dequant_gemv_kernel(
                 if LIB:
                     m_k = k0 + o_k < k_hi
                     b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
-                    b_w = _library_tile(w, scale, zero, g_idx, o_n[:, None], (k0 + o_k)[None, :],
+                    b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
                                         m_n[:, None] & m_k[None, :], N, stride_wn, stride_sn, FMT, G)
                 else:
                     if EVEN_K:
@@ -132,7 +132,7 @@ def _dequant_gemv_kernel(
                 if LIB:
                     m_k = k0 + o_k < k_hi
                     b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
-                    b_w = _library_tile(w, scale, zero, g_idx, o_n[:, None], (k0 + o_k)[None, :],
+                    b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
                                         m_n[:, None] & m_k[None, :], N, stride_wn, stride_sn, FMT, G)
                 else:
                     if EVEN_K:

@@ -54,12 +54,21 @@ def _table(fmt: str, device: torch.device) -> Tensor:
     return codebook(fmt, device)
 
 
-def _library_operands(w: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, fmt: str):
-    """(zero, g_idx) pointers of a library layout: the code book in zero's place for
-    nf4 / fp4; gptq4's packed zeros and its g_idx as int32."""
+@functools.cache
+def _gptq_shifts(device: torch.device) -> Tensor:
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
+
+
+def _library_operands(w: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, shifts: Tensor | None,
+                      fmt: str):
+    """(zero, g_idx, shifts) pointers of a library layout: the code book in zero's
+    place for nf4 / fp4; gptq4's packed zeros, its g_idx as int32 and the bit
+    offsets of the codes in a word (GPTQ's 0, 4, ..., 28 unless given)."""
     if fmt in CODEBOOKS:
-        return _table(fmt, w.device), scale
-    return zero, (g_idx if g_idx.dtype == torch.int32 else g_idx.to(torch.int32)).contiguous()
+        return _table(fmt, w.device), scale, scale
+    g_idx = (g_idx if g_idx.dtype == torch.int32 else g_idx.to(torch.int32)).contiguous()
+    shifts = _gptq_shifts(w.device) if shifts is None else shifts.reshape(-1).contiguous()
+    return zero, g_idx, shifts
 
 
 def splits(cfg: Config, K: int) -> int:
@@ -74,7 +83,7 @@ def tiles(cfg: Config, M: int, N: int) -> int:
 
 def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
                    fmt: str, G: int, cfg: Config, part: Tensor | None = None, ctr: Tensor | None = None,
-                   g_idx: Tensor | None = None) -> Launch:
+                   g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Launch:
     """The fused product (``cfg.kind`` "gemv", "mm" or "mmt"): out [M, N] = x [M, K] @ dequant(w)^T + bias.
 
     Operands as the op checked them: x and w with unit column stride (fp8
@@ -91,10 +100,10 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
     dummy = scale
     lib = fmt in LIBRARY_FORMATS
     if lib:
-        zero, g_idx = _library_operands(w, scale, zero, g_idx, fmt)
+        zero, g_idx, shifts = _library_operands(w, scale, zero, g_idx, shifts, fmt)
     args = dict(w=w, scale=scale, zero=zero if zero is not None else dummy, bias=bias if bias is not None else dummy,
                 out=out, part=part if split > 1 else dummy, ctr=ctr if ctr is not None else dummy,
-                g_idx=g_idx if g_idx is not None else dummy,
+                g_idx=g_idx if g_idx is not None else dummy, shifts=shifts if shifts is not None else dummy,
                 M=M, N=N, K=K, K_SPLIT=k_split, stride_xm=x.stride(0), stride_wn=w.stride(0),
                 stride_sn=scale.stride(0) if fmt == "int4" or lib else 1,
                 FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None and not lib, HAS_BIAS=bias is not None,
@@ -133,14 +142,15 @@ def reduce_launch(part: Tensor, bias: Tensor | None, out: Tensor) -> Launch:
 
 
 def dequant_launch(w: Tensor, scale: Tensor, zero: Tensor | None, out: Tensor, fmt: str, G: int,
-                   g_idx: Tensor | None = None) -> Launch:
+                   g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Launch:
     """out [N, K] = dequant(w) in out's dtype: the cuBLAS path's first pass (``torch.mm`` follows)."""
     N, K = out.shape
     bn, bk = (32, min(G, 256)) if fmt == "int4" else (16, 256)
     lib = fmt in LIBRARY_FORMATS
     if lib:
-        zero, g_idx = _library_operands(w, scale, zero, g_idx, fmt)
+        zero, g_idx, shifts = _library_operands(w, scale, zero, g_idx, shifts, fmt)
     args = dict(w=w, scale=scale, zero=zero if zero is not None else scale, g_idx=g_idx if g_idx is not None else scale,
+                shifts=shifts if shifts is not None else scale,
                 out=out, N=N, K=K, stride_wn=w.stride(0), stride_sn=scale.stride(0), FMT=fmt, G=max(G, 1),
                 HAS_ZERO=zero is not None and not lib, LIB=lib, BN=bn, BK=bk)
     return Launch(_dequant_kernel, (cdiv(N, bn), cdiv(K, bk)), args, ("out",), 4)
@@ -155,7 +165,7 @@ def _run(launch: Launch, warmup: bool) -> None:
 
 def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
             fmt: str, G: int, cfg: Config, warmup: bool = False, sum_here: bool = True,
-            g_idx: Tensor | None = None) -> None:
+            g_idx: Tensor | None = None, shifts: Tensor | None = None) -> None:
     """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``, now; operands as for
     :func:`product_launch`.  A split K is summed by the tile's last program
     where counters can be had and ``sum_here`` (the default), else by a second
@@ -166,7 +176,7 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
         w = w.view(torch.uint8)
     if cfg.kind == "cublas":
         wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
-        _run(dequant_launch(w, scale, zero, wd, fmt, G, g_idx), warmup)
+        _run(dequant_launch(w, scale, zero, wd, fmt, G, g_idx, shifts), warmup)
         if warmup:
             return
         if bias is None:
@@ -180,6 +190,6 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     if split > 1 and sum_here:  # (a compile-only warmup needs only the pointer's type)
         ctr = torch.empty(0, dtype=torch.int32, device=x.device) if warmup else _split_counters(x.device,
                                                                                                   tiles(cfg, M, N))
-    _run(product_launch(x, w, scale, zero, bias, out, fmt, G, cfg, part, ctr, g_idx), warmup)
+    _run(product_launch(x, w, scale, zero, bias, out, fmt, G, cfg, part, ctr, g_idx, shifts), warmup)
     if split > 1 and ctr is None:
         _run(reduce_launch(part, bias, out), warmup)

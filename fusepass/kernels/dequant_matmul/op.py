@@ -45,7 +45,7 @@ def _operands(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bia
 
 
 def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
-                       fmt: str, group_size: int, g_idx: Tensor | None = None, *,
+                       fmt: str, group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None, *,
                        config: Config | None = None) -> Tensor:
     """The op's CUDA body: ``config`` overrides the plan (tests, sweeps)."""
     if x.dtype not in KERNEL_DTYPES:
@@ -64,15 +64,15 @@ def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | 
     if not valid(cfg, Problem(M, N, K, fmt, G, x.dtype, "")):
         raise ValueError(f"config {cfg.label()} cannot run M{M} K{K} {fmt} g{G} {x.dtype}")
     with on_device(x):
-        _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg, g_idx=g_idx)
+        _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg, g_idx=g_idx, shifts=shifts)
     return out
 
 
 def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
                              fmt: str, group_size: int, compute_dtype: torch.dtype = torch.float32,
-                             g_idx: Tensor | None = None) -> Tensor:
+                             g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Tensor:
     """fp32 (or ``compute_dtype``) dequantise-then-matmul, rounded once to x's dtype."""
-    w = dequantize(weight, scale, zero, fmt, group_size, compute_dtype, g_idx=g_idx)
+    w = dequantize(weight, scale, zero, fmt, group_size, compute_dtype, g_idx=g_idx, shifts=shifts)
     y = x.to(compute_dtype) @ w.t()
     if bias is not None:
         y = y + bias.to(compute_dtype)
@@ -80,7 +80,7 @@ def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Ten
 
 
 def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
-           group_size: int, g_idx: Tensor | None = None) -> None:
+           group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None) -> None:
     torch._check(fmt in OP_FORMATS, lambda: f"fmt must be one of {OP_FORMATS}, got {fmt!r}")
     torch._check(weight.dtype == WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
     torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
@@ -101,6 +101,8 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
                      lambda: f"zero must be int32 ({scale.shape[0]}, {(N + 7) // 8}) (eight per word along N)")
         torch._check(tuple(g_idx.shape) == (K,) and not g_idx.dtype.is_floating_point,
                      lambda: f"g_idx must be ({K},) integers, got {g_idx.dtype}{tuple(g_idx.shape)}")
+        torch._check(shifts is None or (shifts.numel() == 8 and shifts.dtype == torch.int32),
+                     lambda: "shifts must be eight int32 bit offsets")
     elif fmt == "int4":
         torch._check(group_size > 0 and K % group_size == 0, lambda: f"K = {K} is not a multiple of group {group_size}")
         torch._check(tuple(scale.shape) == (N, K // group_size),
@@ -118,33 +120,34 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
 # ----------------------------------------------------------------------- op ----
 
 
-def _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx=None) -> Tensor:
-    return dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size, g_idx=g_idx).contiguous()
+def _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None) -> Tensor:
+    return dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size, g_idx=g_idx,
+                                    shifts=shifts).contiguous()
 
 
 @torch.library.custom_op("fusepass::dequant_matmul", mutates_args=())
 def dequant_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
-                   group_size: int, g_idx: Tensor | None = None) -> Tensor:
+                   group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Tensor:
     """x @ dequant(weight)^T + bias, [..., N] contiguous in x's dtype.  This body serves CPU and every non-CUDA device."""
-    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx)
-    return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx)
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
+    return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
 
 
 @dequant_matmul.register_fake
-def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size, g_idx=None):
-    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx)
+def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
     return x.new_empty((*x.shape[:-1], out_features(weight, fmt)))
 
 
 @dequant_matmul.register_kernel("cuda")
-def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size, g_idx=None):
-    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx)
+def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
     if x.dtype not in KERNEL_DTYPES:  # fp64: the reference
-        return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx)
+        return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
     return run_kernel(
         "dequant_matmul",
-        lambda: dequant_matmul_fwd(x, weight, scale, zero, bias, fmt, group_size, g_idx),
-        lambda: _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx),
+        lambda: dequant_matmul_fwd(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts),
+        lambda: _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts),
     )
 
 
@@ -152,7 +155,8 @@ def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size, g_idx=No
 
 
 def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
-                          fmt: str, group_size: int, g_idx: Tensor | None = None) -> Tensor:
+                          fmt: str, group_size: int, g_idx: Tensor | None = None,
+                          shifts: Tensor | None = None) -> Tensor:
     """The op's launches as nodes of the graph (:meth:`Launch.traced`), with the
     plan chosen now, for this M: the fused product, with a split K's slices and
     zeroed counters allocated in the graph (the tile's last program sums the
@@ -167,7 +171,7 @@ def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor
     w = weight.view(torch.uint8) if fmt == "fp8" else weight
     if cfg.kind == "cublas":
         wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
-        wd = dequant_launch(w, scale, zero, wd, fmt, G, g_idx).traced()["out"]
+        wd = dequant_launch(w, scale, zero, wd, fmt, G, g_idx, shifts).traced()["out"]
         y = torch.mm(x2, wd.t()) if bias is None else torch.addmm(bias.to(x.dtype), x2, wd.t())
     else:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -176,7 +180,7 @@ def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor
         if split > 1:
             part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
             ctr = torch.zeros(tiles(cfg, M, N), dtype=torch.int32, device=x.device)
-        y = product_launch(x2, w, scale, zero, bias, out, fmt, G, cfg, part, ctr, g_idx).traced()["out"]
+        y = product_launch(x2, w, scale, zero, bias, out, fmt, G, cfg, part, ctr, g_idx, shifts).traced()["out"]
     return y.view(*x.shape[:-1], N)
 
 
@@ -184,11 +188,12 @@ def _static(*sizes) -> bool:
     return all(isinstance(s, int) for s in sizes)
 
 
-def _inline_ok(x, weight, scale, zero, bias, fmt, group_size, g_idx=None) -> bool:
+def _inline_ok(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None) -> bool:
     # The plan depends on M (the GEMV's row count is a constexpr): a symbolic
     # M goes through the op, which plans per call.  The code-book formats
     # read their table from a tensor the op makes (no graph holds one): called.
     return (inline_enabled(x) and x.dtype in KERNEL_DTYPES and fmt in OP_FORMATS and fmt not in CODEBOOKS
+            and (shifts is not None or not fmt.startswith("gptq4"))
             and weight.dim() == 2
             and _static(*x.shape, *x.stride(), *weight.shape, *weight.stride())
             and math.prod(x.shape[:-1]) > 0 and weight.shape[0] > 0 and x.shape[-1] > 0)
@@ -197,9 +202,10 @@ def _inline_ok(x, weight, scale, zero, bias, fmt, group_size, g_idx=None) -> boo
 register_inline(torch.ops.fusepass.dequant_matmul.default, _inline_ok, dequant_matmul_traced)
 
 
-def dequant_matmul_call(x, weight, scale, zero, bias, fmt, group_size, g_idx=None):
+def dequant_matmul_call(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
     """What the rules put in a graph: the launches themselves when the engine
     inlines kernels for a CUDA graph, else the ``fusepass::dequant_matmul`` op."""
     if g_idx is None:
         return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size)
-    return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size, g_idx)
+    return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size, g_idx,
+                shifts)

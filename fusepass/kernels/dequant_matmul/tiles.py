@@ -152,7 +152,8 @@ def _int4_dequant(b_v, b_s, b_c, b_z, ZERO_F32: tl.constexpr):
 
 
 @triton.jit
-def _library_tile(w, scale, zero, g_idx, o_n, o_k, m, N, stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr):
+def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, stride_wn, stride_sn, FMT: tl.constexpr,
+                  G: tl.constexpr):
     """fp32 W[o_n, o_k] of another library's layout (fusepass.formats, LIBRARY_FORMATS),
     scale applied, for offsets that broadcast to the tile (either orientation), mask m.
 
@@ -160,7 +161,8 @@ def _library_tile(w, scale, zero, g_idx, o_n, o_k, m, N, stride_wn, stride_sn, F
     of a row (high nibble the even one) and a lookup in the 16-entry code book
     (``zero``: 64 bytes, L1-resident); gptq4 a word per eight values of a column
     along K, the zero point a nibble of a word per eight columns, both indexed
-    by the group ``g_idx`` gives each k.  Correct in any tile shape and any
+    by the group ``g_idx`` gives each k, each code at the bit offset ``shifts``
+    holds for its place in the word (the model's own table, read, not assumed).  Correct in any tile shape and any
     group size; a layout-specific loop (wide loads, one group per tile) is what
     the GPU still needs for speed."""
     if FMT == "nf4" or FMT == "fp4":
@@ -171,10 +173,10 @@ def _library_tile(w, scale, zero, g_idx, o_n, o_k, m, N, stride_wn, stride_sn, F
         return b_v * b_s
     else:
         b_wd = tl.load(w + (o_k // 8).to(tl.int64) * stride_wn + o_n, mask=m, other=0)
-        b_q = (b_wd >> ((o_k % 8) * 4)) & 0xF
+        b_q = (b_wd >> tl.load(shifts + o_k % 8)) & 0xF
         b_g = tl.load(g_idx + o_k, mask=m, other=0)
         b_zw = tl.load(zero + b_g.to(tl.int64) * ((N + 7) // 8) + o_n // 8, mask=m, other=0)
-        b_z = (b_zw >> ((o_n % 8) * 4)) & 0xF
+        b_z = (b_zw >> tl.load(shifts + o_n % 8)) & 0xF
         if FMT == "gptq4_v1":
             b_z += 1
         b_s = tl.load(scale + b_g.to(tl.int64) * stride_sn + o_n, mask=m, other=0).to(tl.float32)
