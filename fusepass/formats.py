@@ -24,9 +24,13 @@ op takes them, ``fusepass.quantize`` does not make them):
                                                                                 shifts [8]: the bit offset of each
                                                                                 code in a word (0, 4, ..., 28)
     gptq4_v1   as gptq4, each zero point stored minus one
+    hqq4       uint8 [R / 2, G], R = N K / G group rows      [N, K // G]       zero [N, K // G], float
+               (row r = n K / G + k // G): rows r < R / 2
+               in the high nibbles, the rest in the low (HQQ)
 
     W[n, k] = CODE[q[n, k]] * scale[n, k // G]                               nf4, fp4
     W[n, k] = (q[k, n] - z[g_idx[k], n]) * scale[g_idx[k], n]                gptq4 (z + 1 for gptq4_v1)
+    W[n, k] = (q[n K / G + k // G, k % G] - zero[n, k // G]) * scale[n, k // G]      hqq4
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ import torch
 from torch import Tensor
 
 FORMATS = ("int8", "int4", "fp8")
-LIBRARY_FORMATS = ("nf4", "fp4", "gptq4", "gptq4_v1")
+LIBRARY_FORMATS = ("nf4", "fp4", "gptq4", "gptq4_v1", "hqq4")
 OP_FORMATS = FORMATS + LIBRARY_FORMATS
 WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn, "nf4": torch.uint8,
-                 "fp4": torch.uint8, "gptq4": torch.int32, "gptq4_v1": torch.int32}
+                 "fp4": torch.uint8, "gptq4": torch.int32, "gptq4_v1": torch.int32, "hqq4": torch.uint8}
 # bitsandbytes' 4-bit code books (its published tables): NF4, the quantiles of a
 # normal distribution scaled to [-1, 1] (QLoRA); FP4, one sign bit and the
 # magnitudes 0, 1/192, 2/3, 1, 1/3, 1/2, 1/6, 1/4 in code order.
@@ -75,13 +79,17 @@ def dequantize_int4(packed: Tensor, scale: Tensor, zero: Tensor | None, dtype: t
     return (q * scale[..., None]).reshape(n, -1)
 
 
-def out_features(weight: Tensor, fmt: str):
-    """N of a stored weight: its rows, or (gptq4, stored [K, N]) its columns."""
+def out_features(weight: Tensor, fmt: str, scale: Tensor | None = None):
+    """N of a stored weight: its rows, or (gptq4, stored [K, N]) its columns, or (hqq4) its scale's rows."""
+    if fmt == "hqq4":
+        return scale.shape[0]
     return weight.shape[1] if fmt.startswith("gptq4") else weight.shape[0]
 
 
-def in_features(weight: Tensor, fmt: str):
+def in_features(weight: Tensor, fmt: str, scale: Tensor | None = None):
     """K of a stored weight."""
+    if fmt == "hqq4":
+        return scale.shape[1] * weight.shape[1]
     if fmt.startswith("gptq4"):
         return weight.shape[0] * 8
     return weight.shape[1] * (2 if fmt in ("int4", "nf4", "fp4") else 1)
@@ -108,6 +116,10 @@ def codebook(fmt: str, device: torch.device | str = "cpu") -> Tensor:
 def dequantize_library(weight: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, fmt: str,
                        group_size: int, shifts: Tensor | None = None) -> Tensor:
     """The [N, K] fp32 weight of a ``LIBRARY_FORMATS`` layout (the reference)."""
+    if fmt == "hqq4":
+        n, k = scale.shape[0], scale.shape[1] * weight.shape[1]
+        q = torch.cat([weight >> 4, weight & 0xF]).reshape(n, k // group_size, group_size).float()
+        return ((q - zero.float()[..., None]) * scale.float()[..., None]).reshape(n, k)
     if fmt in ("nf4", "fp4"):
         n = weight.shape[0]
         q = torch.stack([weight >> 4, weight & 0xF], dim=-1).reshape(n, -1).long()

@@ -168,6 +168,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.dequant_matmul_torchao",
     "fusepass.patterns.dequant_matmul_bnb",
     "fusepass.patterns.dequant_matmul_gptq",
+    "fusepass.patterns.dequant_matmul_hqq",
     "fusepass.patterns.gdn_chunk",
     "fusepass.patterns.gdn_recurrent",
     "fusepass.patterns.causal_conv1d",

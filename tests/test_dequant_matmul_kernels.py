@@ -645,6 +645,12 @@ def _library_inputs(fmt, M, N, K, dtype, seed=0):
         w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
         s = (torch.rand(N, K // group, generator=gen) + 0.5) / (0.5 * K ** 0.5)
         return x, w, s, None, None, group
+    if fmt == "hqq4":  # HQQ's float zero points, packed by halves of the group rows
+        group = 32
+        w = torch.randint(0, 256, (N * K // group // 2, group), generator=gen, dtype=torch.uint8)
+        s = ((torch.rand(N, K // group, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
+        z = (torch.rand(N, K // group, generator=gen) * 15).to(dtype)
+        return x, w, s, z, None, group
     group = 32
     w = torch.randint(-2**31, 2**31 - 1, (K // 8, N), generator=gen, dtype=torch.int32)
     z = torch.randint(-2**31, 2**31 - 1, (K // group, -(-N // 8)), generator=gen, dtype=torch.int32)
@@ -656,7 +662,7 @@ def _library_inputs(fmt, M, N, K, dtype, seed=0):
 
 def _library_cases():
     for path, cfg in LIB_PATHS.items():
-        for fmt in ("nf4", "fp4", "gptq4", "gptq4_v1"):
+        for fmt in ("nf4", "fp4", "gptq4", "gptq4_v1", "hqq4"):
             for did, dtype in DTYPES.items():
                 if cfg.kind == "mm" and dtype == torch.float32:
                     continue
@@ -674,7 +680,7 @@ def test_library_layout_path_matches_reference(cfg, fmt, dtype, M):
     x, w, s, z, g, group = _library_inputs(fmt, M, N, K, dtype, seed=M)
     b = torch.randn(N).to(dtype) if M % 2 else None
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    launch._launch(x, w, s, z, b, out, fmt, group if fmt in ("nf4", "fp4") else 0, cfg, g_idx=g)
+    launch._launch(x, w, s, z, b, out, fmt, group if fmt in ("nf4", "fp4", "hqq4") else 0, cfg, g_idx=g)
     ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group, g_idx=g)
     assert torch.isfinite(out).all(), "unwritten (NaN) outputs"
     tol = TOLERANCES[dtype]
@@ -695,7 +701,7 @@ def test_library_reference_is_the_libraries_dequantization():
         assert torch.equal(ours, theirs), fmt
 
 
-@pytest.mark.parametrize("fmt", ["nf4", "gptq4"])
+@pytest.mark.parametrize("fmt", ["nf4", "gptq4", "hqq4"])
 def test_library_op_cuda_body_under_interpreter(fmt):
     """The op's CUDA body (plan, launch) on CPU tensors with the Triton interpreter."""
     x, w, s, z, g, group = _library_inputs(fmt, 5, 24, 128, torch.bfloat16)

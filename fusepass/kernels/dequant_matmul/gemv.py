@@ -107,7 +107,7 @@ def _dequant_gemv_kernel(
                     m_k = k0 + o_k < k_hi
                     b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
                     b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
-                                        m_n[:, None] & m_k[None, :], N, stride_wn, stride_sn, FMT, G)
+                                        m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
                 else:
                     if EVEN_K:
                         b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
@@ -133,7 +133,7 @@ def _dequant_gemv_kernel(
                     m_k = k0 + o_k < k_hi
                     b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
                     b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
-                                        m_n[:, None] & m_k[None, :], N, stride_wn, stride_sn, FMT, G)
+                                        m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
                 else:
                     if EVEN_K:
                         b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)

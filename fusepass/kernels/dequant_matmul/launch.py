@@ -66,6 +66,8 @@ def _library_operands(w: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tens
     offsets of the codes in a word (GPTQ's 0, 4, ..., 28 unless given)."""
     if fmt in CODEBOOKS:
         return _table(fmt, w.device), scale, scale
+    if fmt == "hqq4":
+        return zero, scale, scale
     g_idx = (g_idx if g_idx.dtype == torch.int32 else g_idx.to(torch.int32)).contiguous()
     shifts = _gptq_shifts(w.device) if shifts is None else shifts.reshape(-1).contiguous()
     return zero, g_idx, shifts
@@ -95,7 +97,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
     launch writes (a graph's functional launch must not see its output twice).
     """
     M, K = x.shape
-    N = out_features(w, fmt)
+    N = out_features(w, fmt, scale)
     k_split, split, even = _k_split(K, cfg.BK, cfg.split)
     dummy = scale
     lib = fmt in LIBRARY_FORMATS
@@ -171,7 +173,7 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     where counters can be had and ``sum_here`` (the default), else by a second
     kernel."""
     M, K = x.shape
-    N = out_features(w, fmt)
+    N = out_features(w, fmt, scale)
     if fmt == "fp8":
         w = w.view(torch.uint8)
     if cfg.kind == "cublas":

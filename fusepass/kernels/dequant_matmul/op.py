@@ -51,7 +51,7 @@ def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | 
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"no kernel for {x.dtype} activations")
     K = x.shape[-1]
-    N = out_features(weight, fmt)
+    N = out_features(weight, fmt, scale)
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -59,7 +59,7 @@ def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | 
         return out.copy_(bias.expand_as(out) if bias is not None else torch.zeros((), dtype=x.dtype))
     x2, weight, scale, zero, bias = _operands(x, weight, scale, zero, bias)
     M = x2.shape[0]
-    G = group_size if fmt in ("int4", "nf4", "fp4") else 0
+    G = group_size if fmt in ("int4", "nf4", "fp4", "hqq4") else 0
     cfg = config or _plan(M, N, K, fmt, G, x.dtype, x.device)
     if not valid(cfg, Problem(M, N, K, fmt, G, x.dtype, "")):
         raise ValueError(f"config {cfg.label()} cannot run M{M} K{K} {fmt} g{G} {x.dtype}")
@@ -84,8 +84,8 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
     torch._check(fmt in OP_FORMATS, lambda: f"fmt must be one of {OP_FORMATS}, got {fmt!r}")
     torch._check(weight.dtype == WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
     torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
-    N = out_features(weight, fmt)
-    K = in_features(weight, fmt)
+    N = out_features(weight, fmt, scale)
+    K = in_features(weight, fmt, scale)
     torch._check(x.shape[-1] == K, lambda: f"x has {x.shape[-1]} features, the weight {K}")
     torch._check((g_idx is not None) == fmt.startswith("gptq4"), lambda: f"g_idx is for gptq4 only, and needed there")
     if fmt in ("nf4", "fp4"):
@@ -94,6 +94,12 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
                      lambda: f"absmax is {tuple(scale.shape)}, not {(N, K // group_size)}")
         torch._check(scale.dtype == torch.float32, lambda: f"absmax must be fp32, got {scale.dtype}")
         torch._check(zero is None, lambda: f"{fmt} takes no zero point")
+    elif fmt == "hqq4":
+        torch._check(group_size == weight.shape[1], lambda: f"hqq4: the group is the packed rows' {weight.shape[1]}")
+        torch._check(scale.dim() == 2 and scale.shape[0] * scale.shape[1] == 2 * weight.shape[0],
+                     lambda: f"scale {tuple(scale.shape)} is not [N, K / G] with N K / G = {2 * weight.shape[0]}")
+        torch._check(zero is not None and tuple(zero.shape) == tuple(scale.shape),
+                     lambda: "hqq4 takes a zero point of the scale's shape")
     elif fmt.startswith("gptq4"):
         torch._check(scale.dim() == 2 and scale.shape[1] == N, lambda: f"scale is {tuple(scale.shape)}, not (groups, {N})")
         torch._check(zero is not None and zero.dtype == torch.int32
@@ -136,7 +142,7 @@ def dequant_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None
 @dequant_matmul.register_fake
 def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
     _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
-    return x.new_empty((*x.shape[:-1], out_features(weight, fmt)))
+    return x.new_empty((*x.shape[:-1], out_features(weight, fmt, scale)))
 
 
 @dequant_matmul.register_kernel("cuda")
@@ -163,10 +169,10 @@ def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor
     slices and leaves the counters at zero), or the dequantising pass and the
     graph's own ``mm`` (Inductor's cuBLAS call)."""
     K = x.shape[-1]
-    N = out_features(weight, fmt)
+    N = out_features(weight, fmt, scale)
     x2, weight, scale, zero, bias = _operands(x, weight, scale, zero, bias)
     M = x2.shape[0]
-    G = group_size if fmt in ("int4", "nf4", "fp4") else 0
+    G = group_size if fmt in ("int4", "nf4", "fp4", "hqq4") else 0
     cfg = _plan(M, N, K, fmt, G, x.dtype, x.device)
     w = weight.view(torch.uint8) if fmt == "fp8" else weight
     if cfg.kind == "cublas":

@@ -152,7 +152,7 @@ def _int4_dequant(b_v, b_s, b_c, b_z, ZERO_F32: tl.constexpr):
 
 
 @triton.jit
-def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, stride_wn, stride_sn, FMT: tl.constexpr,
+def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, stride_wn, stride_sn, FMT: tl.constexpr,
                   G: tl.constexpr):
     """fp32 W[o_n, o_k] of another library's layout (fusepass.formats, LIBRARY_FORMATS),
     scale applied, for offsets that broadcast to the tile (either orientation), mask m.
@@ -171,6 +171,18 @@ def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, stride_wn, stri
         b_v = tl.load(zero + b_q)
         b_s = tl.load(scale + o_n.to(tl.int64) * stride_sn + o_k // G, mask=m, other=0).to(tl.float32)
         return b_v * b_s
+    elif FMT == "hqq4":
+        # HQQ: group row r = n K / G + k // G; the first half of the rows in the
+        # high nibbles of the packed [R / 2, G] bytes, the second half in the low.
+        b_r = o_n.to(tl.int64) * (K // G) + o_k // G
+        half = (N * (K // G)) // 2
+        b_hi = b_r < half
+        b_b = tl.load(w + tl.where(b_hi, b_r, b_r - half) * stride_wn + o_k % G, mask=m, other=0).to(tl.int32)
+        b_q = tl.where(b_hi, b_b >> 4, b_b & 0xF).to(tl.float32)
+        p_s = o_n.to(tl.int64) * stride_sn + o_k // G
+        b_z = tl.load(zero + p_s, mask=m, other=0).to(tl.float32)
+        b_s = tl.load(scale + p_s, mask=m, other=0).to(tl.float32)
+        return (b_q - b_z) * b_s
     else:
         b_wd = tl.load(w + (o_k // 8).to(tl.int64) * stride_wn + o_n, mask=m, other=0)
         b_q = (b_wd >> tl.load(shifts + o_k % 8)) & 0xF
