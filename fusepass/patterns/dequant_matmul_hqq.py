@@ -124,9 +124,8 @@ def _match(mm: torch.fx.Node):
     if not (_is(wt, aten.permute.default) and list(wt.args[1]) == [1, 0]):
         return None
     rs = wt.args[0]
-    if not _is(rs, aten.reshape.default):
-        return None
-    mul = rs.args[0]
+    # (no reshape where the grouped matrix already is [N, K]: one group per row)
+    mul = rs.args[0] if _is(rs, aten.reshape.default) else rs
     if not _is(mul, aten.mul.Tensor):
         return None
     for sub, scale in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
@@ -148,7 +147,7 @@ def _match(mm: torch.fx.Node):
     if set(halves) != {"high", "low"} or len(sources) != 2 or sources[0] is not sources[1]:
         return None
     w_q = sources[0]
-    nodes = [mm, wt, rs, mul, sub, outer, inner]
+    nodes = [mm, wt] + ([rs] if rs is not mul else []) + [mul, sub, outer, inner]
     for s in (outer, inner):
         if _is(s.args[1], aten.copy.default):
             nodes.append(s.args[1])
