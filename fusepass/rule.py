@@ -169,6 +169,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.dequant_matmul_bnb",
     "fusepass.patterns.dequant_matmul_gptq",
     "fusepass.patterns.dequant_matmul_hqq",
+    "fusepass.patterns.library_ops",
     "fusepass.patterns.gdn_chunk",
     "fusepass.patterns.gdn_recurrent",
     "fusepass.patterns.causal_conv1d",

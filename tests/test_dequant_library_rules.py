@@ -155,3 +155,22 @@ def test_checkpoint_channel_scales(fp8):
         out, report = compile_and_run(model, [x], rules=LIB_RULES)
     assert report.count("dequant_matmul") == 1 and report.hits[0].form == "dequant_fp32", str(report)
     assert_close(out, expected, "per-channel checkpoint form")
+
+
+def test_other_libraries_ops_get_a_report_line():
+    """An opaque kernel of a library fusepass does not read (here one registered
+    under gptqmodel's namespace) stays, with a line in the report saying so."""
+    @torch.library.custom_op("gptqmodel::fusepass_test_gemm", mutates_args=())
+    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.t()
+
+    @gemm.register_fake
+    def _(x, w):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    out, report = compile_and_run(lambda a, b: gemm(a, b) + 1, [x, w])
+    assert not report.hits
+    reasons = report.reasons("library_ops")
+    assert any("gptqmodel::fusepass_test_gemm" in r and "load_quantized" in r for r in reasons), str(report)
+    assert torch.equal(out, x @ w.t() + 1)
