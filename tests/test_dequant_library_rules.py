@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fusepass
 from fusepass.testing import assert_close, compile_and_run
 
 LIB_RULES = ["dequant_matmul", "dequant_matmul_bnb", "dequant_matmul_gptq", "dequant_matmul_hqq"]

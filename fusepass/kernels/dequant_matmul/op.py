@@ -11,9 +11,7 @@ from torch import Tensor
 
 from fusepass.formats import (
     CODEBOOKS,
-    FORMATS,
     KERNEL_DTYPES,
-    LIBRARY_FORMATS,
     OP_FORMATS,
     WEIGHT_DTYPES,
     dequantize,
@@ -87,7 +85,7 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
     N = out_features(weight, fmt, scale)
     K = in_features(weight, fmt, scale)
     torch._check(x.shape[-1] == K, lambda: f"x has {x.shape[-1]} features, the weight {K}")
-    torch._check((g_idx is not None) == fmt.startswith("gptq4"), lambda: f"g_idx is for gptq4 only, and needed there")
+    torch._check((g_idx is not None) == fmt.startswith("gptq4"), lambda: "g_idx is for gptq4 only, and needed there")
     if fmt in ("nf4", "fp4"):
         torch._check(group_size > 0 and K % group_size == 0, lambda: f"K = {K} is not a multiple of block {group_size}")
         torch._check(tuple(scale.shape) == (N, K // group_size),
