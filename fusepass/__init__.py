@@ -7,10 +7,12 @@
 Public surface: :func:`last_report`, :func:`reset_reports`, :class:`Rule`,
 :class:`Form`, :class:`NearMiss`, :func:`register_rule`, :func:`quantize`
 (weight-only int8/int4/fp8 linears whose forward the rules fuse),
+:func:`load_quantized` (GPTQ, AWQ and compressed-tensors int4 checkpoints into them),
 :mod:`fusepass.testing` and the ``fusepass`` command.  Importing fusepass registers its ops; rules
 load lazily, on the first compile.
 """
 
+from .checkpoints import load_quantized
 from .kernels import _load as _load_ops
 from .match import MatchInfo
 from .quantize import quantize
@@ -29,6 +31,7 @@ __all__ = [
     "Rule",
     "get_rule",
     "last_report",
+    "load_quantized",
     "quantize",
     "register_rule",
     "reset_reports",

@@ -622,3 +622,90 @@ def test_tune_command_lists_a_models_problems_and_needs_a_gpu_to_time(plan_files
     if not torch.cuda.is_available():
         assert main(["tune", "--shapes", "64x32"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+# -- other libraries' layouts (fusepass.formats.LIBRARY_FORMATS) ------------------------------
+
+LIB_PATHS = {
+    "gemv": dm.Config("gemv", BN=8, BK=64, split=1),
+    "gemv-splitk": dm.Config("gemv", BN=16, BK=64, split=3),  # 3 slices of K = 192, each 64 deep
+    "mm": dm.Config("mm", BM=16, BN=16, BK=32, split=1),
+    "mm-splitk": dm.Config("mm", BM=16, BN=16, BK=64, split=2),  # a slice ends inside a tile: masked
+    "cublas": dm.CUBLAS,
+}
+
+
+def _library_inputs(fmt, M, N, K, dtype, seed=0):
+    """(x, weight, scale, zero, g_idx, group) in ``fmt``'s stored layout, random codes;
+    gptq4 with an act-order g_idx (each k's group a permutation's)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    if fmt in ("nf4", "fp4"):
+        group = 64
+        w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
+        s = (torch.rand(N, K // group, generator=gen) + 0.5) / (0.5 * K ** 0.5)
+        return x, w, s, None, None, group
+    if fmt == "hqq4":  # HQQ's float zero points, packed by halves of the group rows
+        group = 32
+        w = torch.randint(0, 256, (N * K // group // 2, group), generator=gen, dtype=torch.uint8)
+        s = ((torch.rand(N, K // group, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
+        z = (torch.rand(N, K // group, generator=gen) * 15).to(dtype)
+        return x, w, s, z, None, group
+    group = 32
+    w = torch.randint(-2**31, 2**31 - 1, (K // 8, N), generator=gen, dtype=torch.int32)
+    z = torch.randint(-2**31, 2**31 - 1, (K // group, -(-N // 8)), generator=gen, dtype=torch.int32)
+    s = ((torch.rand(K // group, N, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[torch.randperm(K, generator=gen)] = (torch.arange(K) // group).to(torch.int32)
+    return x, w, s, z, g_idx, group
+
+
+def _library_cases():
+    for path, cfg in LIB_PATHS.items():
+        for fmt in ("nf4", "fp4", "gptq4", "gptq4_v1", "hqq4"):
+            for did, dtype in DTYPES.items():
+                if cfg.kind == "mm" and dtype == torch.float32:
+                    continue
+                if fmt == "fp4" and did == "fp16":
+                    continue
+                for M in ((1, 3) if cfg.kind == "gemv" else (3, 17)):
+                    yield pytest.param(cfg, fmt, dtype, M, id=f"{path}-{fmt}-{did}-M{M}")
+
+
+@pytest.mark.parametrize("cfg,fmt,dtype,M", list(_library_cases()))
+def test_library_layout_path_matches_reference(cfg, fmt, dtype, M):
+    """Each path reads the bitsandbytes and GPTQ layouts as stored: N = 40 (not
+    whole blocks of rows or of GPTQ's eight zero points per word), K = 192."""
+    N, K = 40, 192
+    x, w, s, z, g, group = _library_inputs(fmt, M, N, K, dtype, seed=M)
+    b = torch.randn(N).to(dtype) if M % 2 else None
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    launch._launch(x, w, s, z, b, out, fmt, group if fmt in ("nf4", "fp4", "hqq4") else 0, cfg, g_idx=g)
+    ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group, g_idx=g)
+    assert torch.isfinite(out).all(), "unwritten (NaN) outputs"
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_library_reference_is_the_libraries_dequantization():
+    """formats.dequantize_library against bitsandbytes' own dequantize_4bit (its CPU
+    path) on weights it quantized itself, NF4 and FP4."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from fusepass.formats import dequantize_library
+
+    w = torch.randn(24, 128)
+    for fmt in ("nf4", "fp4"):
+        packed, state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type=fmt)
+        theirs = bnb.functional.dequantize_4bit(packed, state).float()
+        ours = dequantize_library(packed.view(24, 64), state.absmax.view(24, 2), None, None, fmt, 64)
+        assert torch.equal(ours, theirs), fmt
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "gptq4", "hqq4"])
+def test_library_op_cuda_body_under_interpreter(fmt):
+    """The op's CUDA body (plan, launch) on CPU tensors with the Triton interpreter."""
+    x, w, s, z, g, group = _library_inputs(fmt, 5, 24, 128, torch.bfloat16)
+    with differential.triton_on_cpu(["dequant_matmul"]):
+        out = torch.ops.fusepass.dequant_matmul(x.view(1, 5, 128), w, s, z, None, fmt, group, g)
+    ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
+    torch.testing.assert_close(out.view(5, 24), ref, atol=1.6e-2, rtol=1.6e-2)

@@ -191,6 +191,18 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("int4-sym-g16-M0-bf16", lambda: (_t(0, 32, dtype=torch.bfloat16),
                                           torch.randint(0, 256, (8, 16), dtype=torch.uint8),
                                           torch.rand(8, 2, dtype=torch.bfloat16), None, None, "int4", 16)),
+        # other libraries' layouts (fusepass.formats.LIBRARY_FORMATS)
+        ("nf4-b64-M3-N24-K128-bf16", lambda: (_t(3, 128, dtype=torch.bfloat16),
+                                              torch.randint(0, 256, (24, 64), dtype=torch.uint8),
+                                              torch.rand(24, 2), None, _t(24, dtype=torch.bfloat16), "nf4", 64)),
+        ("gptq4-act-order-M2-N16-K64-fp16", lambda: (_t(2, 64, dtype=torch.float16),
+                                                     torch.randint(-2**31, 2**31 - 1, (8, 16), dtype=torch.int32),
+                                                     torch.rand(2, 16, dtype=torch.float16),
+                                                     torch.randint(-2**31, 2**31 - 1, (2, 2), dtype=torch.int32),
+                                                     None, "gptq4", 0, torch.randperm(64).to(torch.int32) % 2,
+                                                     torch.arange(0, 32, 4, dtype=torch.int32))),
+        ("hqq4-g32-M3-N8-K64-fp32", lambda: (_t(3, 64), torch.randint(0, 256, (8, 32), dtype=torch.uint8),
+                                             torch.rand(8, 2), torch.rand(8, 2) * 15, None, "hqq4", 32)),
     ],
 }
 

@@ -11,9 +11,28 @@ so one pattern serves both.  Forms, as the post-grad graph has them:
   (``F.linear``, ``x @ W.t()``, ``torch.matmul``);
 - ``scale_after``: ``mm(x, permute(q')) * s`` with 2-D x; ``scale_after_nd``: the
   same between the reshapes that flatten and unflatten x's leading dims;
+  ``scale_after_1d``: a 1-D x, ``squeeze(mm(unsqueeze(x), ...)) * s``;
   a bias added after the scale stays an add beside the op;
 - ``*_bmm``: 3-D x whose leading dims do not flatten without a copy (a
   transposed or expanded activation): ``bmm(expand(x), expand(permute(W)))``.
+
+Scales as checkpoints store them (compressed-tensors, fp8 and int8
+per-channel checkpoints): a column ``[N, 1]`` or one per tensor (``[]``,
+``[1]``, ``[1, 1]``), in the model's dtype or fp32:
+
+- ``scale_col`` / ``scale_col_bias``: ``x @ (q' * s).T``, s ``[N, 1]`` (or one
+  value) in x's dtype;
+- ``scale_col_cast`` / ``scale_col_cast_bias``: the same with an fp32 scale
+  converted to x's dtype first (the op is given the rounded scale);
+- ``dequant_fp32`` / ``dequant_fp32_bias``: dequantized in fp32
+  (``q.to(s.dtype) * s``) and the weight converted to x's dtype;
+- ``scale_after_fp32``: ``((x @ q'.T).to(fp32) * s).to(x.dtype)``, s ``[N]`` or
+  ``[1, N]`` fp32.
+
+A scale of one value per tensor becomes one per channel (expanded, N
+values).  Refused with the reason: a scale along the other axis (``[1, K]``
+before the matmul scales input features; ``[M, 1]`` after it scales tokens),
+and a zero point (``(q - z) * s``): the int8 and fp8 kernels are symmetric.
 
 3-D and larger activations reach the scale-before forms as
 ``reshape -> mm -> reshape``; the reshapes stay and the op takes the 2-D
@@ -66,6 +85,67 @@ def search_after(x, weight, scale):
     return F.linear(x, weight.to(x.dtype)) * scale
 
 
+def search_col(x, weight, scale_col):
+    return x @ (weight.to(x.dtype) * scale_col).t()
+
+
+def search_col_bias(x, weight, scale_col, bias):
+    return F.linear(x, weight.to(x.dtype) * scale_col, bias)
+
+
+def search_col_cast(x, weight, scale_f32):
+    return x @ (weight.to(x.dtype) * scale_f32.to(x.dtype)).t()
+
+
+def search_col_cast_bias(x, weight, scale_f32, bias):
+    return F.linear(x, weight.to(x.dtype) * scale_f32.to(x.dtype), bias)
+
+
+def search_fp32(x, weight, scale_f32):
+    return x @ (weight.to(scale_f32.dtype) * scale_f32).to(x.dtype).t()
+
+
+def search_fp32_bias(x, weight, scale_f32, bias):
+    return F.linear(x, (weight.to(scale_f32.dtype) * scale_f32).to(x.dtype), bias)
+
+
+def search_after_fp32(x, weight, scale_row):
+    return (F.linear(x, weight.to(x.dtype)).to(scale_row.dtype) * scale_row).to(x.dtype)
+
+
+def _per_channel(scale, n):
+    """A scale of N values or of one (per tensor) as the op's [N]."""
+    return scale.reshape(-1).expand(n) if scale.numel() == 1 else scale.reshape(-1)
+
+
+def replace_col(x, weight, scale_col):
+    return _call(x, weight, _per_channel(scale_col, weight.shape[0]))
+
+
+def replace_col_bias(x, weight, scale_col, bias):
+    return _call(x, weight, _per_channel(scale_col, weight.shape[0]), bias)
+
+
+def replace_col_cast(x, weight, scale_f32):
+    return _call(x, weight, _per_channel(scale_f32.to(x.dtype), weight.shape[0]))
+
+
+def replace_col_cast_bias(x, weight, scale_f32, bias):
+    return _call(x, weight, _per_channel(scale_f32.to(x.dtype), weight.shape[0]), bias)
+
+
+def replace_fp32(x, weight, scale_f32):
+    return _call(x, weight, _per_channel(scale_f32, weight.shape[0]))
+
+
+def replace_fp32_bias(x, weight, scale_f32, bias):
+    return _call(x, weight, _per_channel(scale_f32, weight.shape[0]), bias)
+
+
+def replace_after_fp32(x, weight, scale_row):
+    return _call(x, weight, _per_channel(scale_row, weight.shape[0]))
+
+
 def _call(x, weight, scale, bias=None):
     # Per channel: one group spanning the row.  Small operands are made
     # contiguous here (a no-op when they are); the weight must be (see check).
@@ -98,9 +178,32 @@ def example_inputs(dtype):
             channel_scale(N_EX, K_EX, dtype), torch.randn(N_EX, dtype=dtype)]
 
 
+def example_inputs_col(dtype):
+    """x, weight, an [N, 1] scale in x's dtype, bias (the checkpoint forms)."""
+    x, w, scale, bias = example_inputs(dtype)
+    return [x, w, scale[:, None], bias]
+
+
+def example_inputs_f32(dtype):
+    """x, weight, an [N, 1] fp32 scale, bias."""
+    x, w, scale, bias = example_inputs(dtype)
+    return [x, w, scale.float()[:, None], bias]
+
+
+def example_inputs_row(dtype):
+    """x, weight, an [N] fp32 scale (applied after the matmul)."""
+    x, w, scale, _ = example_inputs(dtype)
+    return [x, w, scale.float()]
+
+
 def example_inputs_nd(dtype):
     x, *rest = example_inputs(dtype)
     return [x.reshape(2, 2, K_EX), *rest]
+
+
+def example_inputs_1d(dtype):
+    x, *rest = example_inputs(dtype)
+    return [x[0], *rest]
 
 
 def example_inputs_bmm(dtype):
@@ -115,8 +218,10 @@ def sized_inputs(dtype, shape):
     # K = 1 (tiny M) reaches the post-grad graph as a multiply on CPU: Inductor decomposes such an mm.
     K = max(shape[-1] if shape else 1, 2)
     shape = (*shape[:-1], K)
+    scale = channel_scale(N_EX, K)
     return dict(x=torch.randn(shape or (1,), dtype=dtype), weight=torch.randint(-127, 128, (N_EX, K), dtype=torch.int8),
-                scale=channel_scale(N_EX, K, dtype), bias=torch.randn(N_EX, dtype=dtype))
+                scale=scale.to(dtype), bias=torch.randn(N_EX, dtype=dtype), scale_col=scale.to(dtype)[:, None],
+                scale_f32=scale[:, None], scale_row=scale)
 
 
 # -- checks shared by the dequant_matmul rules ---------------------------------------
@@ -189,13 +294,38 @@ def plan(m: MatchInfo, x: torch.Tensor, n, k, fmt: str, group_size) -> str | Non
     return None
 
 
+def check_stored_scale(t, n, k, before: bool) -> str | None:
+    """A checkpoint's scale: one value, or N values along the axis that scales
+    output channels ([N, 1] on the weight before the matmul; [N] or [1, N]
+    on its result after)."""
+    if not t.dtype.is_floating_point:
+        return f"scale dtype {t.dtype} is not a float"
+    if t.numel() == 1 and t.dim() <= 2:
+        return None  # per tensor
+    if before:
+        if t.dim() == 2 and same(t.shape[0], n) and same(t.shape[1], 1):
+            return None
+        if t.dim() == 2 and same(t.shape[0], 1) and same(t.shape[1], k):
+            return f"scale shape {shape_str(t)} scales the weight's K = {k} input features, not its {n} output channels"
+        return f"scale shape {shape_str(t)} is not ({n}, 1) (one value per output channel) or one value"
+    if t.dim() in (1, 2) and same(t.shape[-1], n) and (t.dim() == 1 or same(t.shape[0], 1)):
+        return None
+    return f"scale shape {shape_str(t)} is not ({n},) or (1, {n}) (one value per output channel) or one value"
+
+
 def check(m: MatchInfo) -> str | None:
     x, w = m.val("x"), m.val("weight")
     if w.dtype not in CHANNEL_FORMATS:
+        if w.dtype.is_floating_point:
+            return (f"the scaled operand is a {w.dtype} tensor computed in the graph, not a stored int8/fp8 weight "
+                    "(a zero point or another step between the stored weight and its scale)")
         return f"weight dtype {w.dtype} is not a format fusepass knows (int8, float8_e4m3fn per channel)"
     n, k = w.shape[0], w.shape[-1]
     bias = m.val("bias") if "bias" in m.inputs else None
-    reason = (check_activation(x) or check_weight(w) or check_vector(m.val("scale"), n, "scale")
+    stored = next((name for name in ("scale_col", "scale_f32", "scale_row") if name in m.inputs), None)
+    scale_reason = (check_vector(m.val("scale"), n, "scale") if stored is None
+                    else check_stored_scale(m.val(stored), n, k, before=stored != "scale_row"))
+    reason = (check_activation(x) or check_weight(w) or scale_reason
               or check_vector(bias, n, "bias") or check_output(m, x, n))
     if reason:
         return reason
@@ -260,10 +390,14 @@ def explain_for(node: torch.fx.Node, packed: bool) -> str | None:
     if w.target != aten.permute.default:
         return (f"the dequantized weight of {src.name} {shape_str(_val(src))} reaches the matmul without a "
                 "transpose: stored [K, N], which the kernel cannot read")
-    for n in _chain(node.args[i_w], src):
+    chain = _chain(node.args[i_w], src)
+    for n in chain:
         if len(n.users) > 1:
             return f"the dequantized weight ({n.name}) is also used outside the matmul, by " + \
                 ", ".join(u.name for u in n.users)
+    if not packed and any(n.target == aten.sub.Tensor for n in chain):
+        return (f"a zero point subtracted from the {_val(src).dtype} weight {shape_str(_val(src))}: fusepass's "
+                "int8 and fp8 kernels are symmetric (q * s), with no zero point")
     return (f"a matmul on a weight dequantized from {_val(src).dtype} {shape_str(_val(src))} in a form fusepass "
             "does not know (see fusepass.patterns.dequant_matmul)")
 
@@ -289,8 +423,16 @@ def _nm_per_token_scale(x, w, s):
     return F.linear(x, w.to(x.dtype)) * s[:, :1]  # a scale per row of x, not per channel
 
 
-def _nm_scale_one(x, w, s):
-    return x @ (w.to(x.dtype) * s[:1, None]).t()  # one scale for the whole tensor
+def _nm_scale_per_feature(x, w, s):
+    return x @ (w.to(x.dtype) * s[None, :]).t()  # [1, K]: one scale per input feature, not per channel
+
+
+def _nm_zero_point(x, w, s):
+    return x @ ((w.to(x.dtype) - s[:, None] * 1000) * s[:, None]).t()  # asymmetric: (q - z) * s
+
+
+def _inputs_square3(dtype):
+    return _inputs_square(dtype)[:2] + [channel_scale(16, 16, dtype)]
 
 
 def _nm_weight_kn(x, w, s):
@@ -331,7 +473,8 @@ def _inputs3(dtype):
 
 NEAR_MISSES = [
     NearMiss("per-token scale", _nm_per_token_scale, _inputs_square, "scale shape (16, 1) is not (16,)"),
-    NearMiss("one scale for all", _nm_scale_one, _inputs3, "scale shape (1) is not (24,)"),
+    NearMiss("scale per input feature", _nm_scale_per_feature, _inputs_square3, "scales the weight's K = 16 input"),
+    NearMiss("zero point", _nm_zero_point, _inputs3, "int8 and fp8 kernels are symmetric"),
     NearMiss("weight stored [K, N]", _nm_weight_kn, _inputs_kn, "without a transpose"),
     NearMiss("transposed storage", _nm_transposed_storage, _inputs3, "not stored [N, K] row after row"),
     NearMiss("dequantized weight reused", _nm_dequant_reused, _inputs3, "also used outside"),
@@ -345,8 +488,16 @@ RULE = Rule(
         Form("scale_before_bias", search_before_bias, replace_before_bias),
         Form("scale_after", search_after, replace_before),
         Form("scale_after_nd", search_after, replace_before, example_inputs=example_inputs_nd),
+        Form("scale_after_1d", search_after, replace_before, example_inputs=example_inputs_1d),
         Form("scale_before_bmm", search_before, replace_before, example_inputs=example_inputs_bmm),
         Form("scale_after_bmm", search_after, replace_before, example_inputs=example_inputs_bmm),
+        Form("scale_col", search_col, replace_col, example_inputs=example_inputs_col),
+        Form("scale_col_bias", search_col_bias, replace_col_bias, example_inputs=example_inputs_col),
+        Form("scale_col_cast", search_col_cast, replace_col_cast, example_inputs=example_inputs_f32),
+        Form("scale_col_cast_bias", search_col_cast_bias, replace_col_cast_bias, example_inputs=example_inputs_f32),
+        Form("dequant_fp32", search_fp32, replace_fp32, example_inputs=example_inputs_f32),
+        Form("dequant_fp32_bias", search_fp32_bias, replace_fp32_bias, example_inputs=example_inputs_f32),
+        Form("scale_after_fp32", search_after_fp32, replace_after_fp32, example_inputs=example_inputs_row),
     ],
     example_inputs=example_inputs,
     sized_inputs=sized_inputs,

@@ -13,6 +13,15 @@
     W[n, k] = q[n, k] * scale[n]                                  (int8, fp8)
     y [..., N] in x's dtype
 
+Other libraries' layouts, read where they lie (``fusepass.formats``,
+``LIBRARY_FORMATS``): bitsandbytes' NF4 / FP4 ("nf4", "fp4": a 16-entry code
+book times a per-block absmax), GPTQ's words packed along K on a [K, N]
+weight with ``g_idx`` and the layer's shift table (``g_idx``, ``shifts``:
+"gptq4", "gptq4_v1"), HQQ's halves packed along dim 0 ("hqq4").  They run
+through the GEMV, the ``mm`` tensor-core kernel and dequantise + cuBLAS,
+each value gathered from its layout (``tiles._library_tile``): correct for
+any shape, not yet tuned for speed (no ``mmt``, no plans measured).
+
 The product accumulates in fp32 with the scale applied to the fp32 result
 (or to the dequantised tile), so it agrees within the dtype table with both
 source forms the rules match: scale before the matmul (``x @ (q * s).T``) and

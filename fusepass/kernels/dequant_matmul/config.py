@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fusepass.formats import LIBRARY_FORMATS
 from fusepass.kernels._common import cdiv, sm_count
 
 
@@ -108,7 +109,8 @@ def valid(cfg: Config, p: Problem) -> bool:
         # int4: a thread's chunk of 16 bytes (fewer for G < 32) lies inside one group
         return M <= _GEMV_MAX_M and (fmt != "int4" or (cfg.BK % G == 0 and (G % 32 == 0 or G in (2, 4, 8, 16))))
     if cfg.kind == "mmt":  # 16-deep dots of 16-bit operands; int4 tiles within one group
-        return dtype != torch.float32 and cfg.BK >= 32 and cfg.BM >= 16 and (fmt != "int4" or G % cfg.BK == 0)
+        return (dtype != torch.float32 and cfg.BK >= 32 and cfg.BM >= 16 and (fmt != "int4" or G % cfg.BK == 0)
+                and fmt not in LIBRARY_FORMATS)  # (the library layouts have a gemv, mm and dequant path)
     # mm: tensor cores need 16-deep dots of 16-bit operands (fp32 runs the
     # "ieee" dot: exact, but no faster than the cuBLAS path, which the plan
     # takes instead), and an int4 tile within one group.

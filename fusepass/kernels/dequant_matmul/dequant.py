@@ -5,19 +5,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _nibbles_to_f32
+from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _library_tile, _nibbles_to_f32
 
 
 @triton.jit
-def _dequant_kernel(w, scale, zero, out, N, K, stride_wn, stride_sn,
-                    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _dequant_kernel(w, scale, zero, g_idx, shifts, out, N, K, stride_wn, stride_sn,
+                    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, LIB: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr):
     # [N, K] weight in out's dtype, for the cuBLAS path.  int4: BK divides G.
     i_n, i_k = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
     k0 = i_k * BK
     p_o = out + o_n.to(tl.int64)[:, None] * K
-    if FMT == "int4":
+    if LIB:
+        o_k = k0 + tl.arange(0, BK)
+        m = m_n[:, None] & (o_k < K)[None, :]
+        b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], o_k[None, :], m, N, K, stride_wn, stride_sn, FMT, G)
+        tl.store(p_o + o_k[None, :], b_w.to(out.dtype.element_ty), mask=m)
+    elif FMT == "int4":
         BKP: tl.constexpr = BK // 2
         o_kp = tl.arange(0, BKP)
         m = m_n[:, None] & (k0 + 2 * o_kp < K)[None, :]

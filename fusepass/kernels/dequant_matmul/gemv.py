@@ -5,16 +5,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels.dequant_matmul.tiles import _finish, _int8_to_f32, _nibbles_128, _pair_to_f32
+from fusepass.kernels.dequant_matmul.tiles import _finish, _int8_to_f32, _library_tile, _nibbles_128, _pair_to_f32
 
 
 @triton.jit
 def _dequant_gemv_kernel(
-    x, x2, w, scale, zero, bias, out, part, ctr,
+    x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
     M, N, K, K_SPLIT,
     stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+    PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT).
@@ -103,17 +103,23 @@ def _dequant_gemv_kernel(
             # the K lanes once at the end, not once per tile.
             acc1 = tl.zeros([BN, BK], dtype=tl.float32)
             for k0 in range(k_lo, k_hi, BK):
-                if EVEN_K:
-                    b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
-                    b_x = tl.load(x + k0 + o_k).to(tl.float32)
-                else:
+                if LIB:
                     m_k = k0 + o_k < k_hi
-                    b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
                     b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
-                if FMT == "int8":
-                    b_w = _int8_to_f32(b_q)
+                    b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
+                                        m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
                 else:
-                    b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    if EVEN_K:
+                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                        b_x = tl.load(x + k0 + o_k).to(tl.float32)
+                    else:
+                        m_k = k0 + o_k < k_hi
+                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+                        b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
+                    if FMT == "int8":
+                        b_w = _int8_to_f32(b_q)
+                    else:
+                        b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 acc1 += b_w * b_x[None, :]
             acc += tl.sum(acc1, axis=1)[None, :]
         else:
@@ -123,20 +129,27 @@ def _dequant_gemv_kernel(
             acc3 = tl.zeros([BM, BN, BK], dtype=tl.float32)
             p_xm = x + tl.minimum(o_m, M - 1)[:, None] * stride_xm
             for k0 in range(k_lo, k_hi, BK):
-                if EVEN_K:
-                    b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
-                    b_x = tl.load(p_xm + (k0 + o_k)[None, :]).to(tl.float32)
-                else:
+                if LIB:
                     m_k = k0 + o_k < k_hi
-                    b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
                     b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
-                if FMT == "int8":
-                    b_w = _int8_to_f32(b_q)
+                    b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
+                                        m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
                 else:
-                    b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    if EVEN_K:
+                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                        b_x = tl.load(p_xm + (k0 + o_k)[None, :]).to(tl.float32)
+                    else:
+                        m_k = k0 + o_k < k_hi
+                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+                        b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
+                    if FMT == "int8":
+                        b_w = _int8_to_f32(b_q)
+                    else:
+                        b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 acc3 += b_w[None, :, :] * b_x[:, None, :]
             acc += tl.sum(acc3, axis=2)
-        acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+        if not LIB:  # (library layouts scale each value: their scales change along K)
+            acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
 
     m_o = (o_m[:, None] < M) & m_n[None, :]
     _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,

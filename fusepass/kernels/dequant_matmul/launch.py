@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import functools
+
+from fusepass.formats import CODEBOOKS, LIBRARY_FORMATS, codebook, out_features
 from fusepass.kernels._common import Launch, cdiv, interpreting
 from fusepass.kernels.dequant_matmul.config import _GROUP_M, Config, _k_split, _pow2
 from fusepass.kernels.dequant_matmul.counters import _split_counters
@@ -45,6 +48,31 @@ def _words(w: Tensor) -> Tensor:
     return w.view(torch.int32)
 
 
+@functools.cache
+def _table(fmt: str, device: torch.device) -> Tensor:
+    """A code-book format's 16 values on ``device``, made once (the kernels read it from L1)."""
+    return codebook(fmt, device)
+
+
+@functools.cache
+def _gptq_shifts(device: torch.device) -> Tensor:
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
+
+
+def _library_operands(w: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, shifts: Tensor | None,
+                      fmt: str):
+    """(zero, g_idx, shifts) pointers of a library layout: the code book in zero's
+    place for nf4 / fp4; gptq4's packed zeros, its g_idx as int32 and the bit
+    offsets of the codes in a word (GPTQ's 0, 4, ..., 28 unless given)."""
+    if fmt in CODEBOOKS:
+        return _table(fmt, w.device), scale, scale
+    if fmt == "hqq4":
+        return zero, scale, scale
+    g_idx = (g_idx if g_idx.dtype == torch.int32 else g_idx.to(torch.int32)).contiguous()
+    shifts = _gptq_shifts(w.device) if shifts is None else shifts.reshape(-1).contiguous()
+    return zero, g_idx, shifts
+
+
 def splits(cfg: Config, K: int) -> int:
     """K slices the product runs in (1: whole K)."""
     return _k_split(K, cfg.BK, cfg.split)[1]
@@ -56,7 +84,8 @@ def tiles(cfg: Config, M: int, N: int) -> int:
 
 
 def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
-                   fmt: str, G: int, cfg: Config, part: Tensor | None = None, ctr: Tensor | None = None) -> Launch:
+                   fmt: str, G: int, cfg: Config, part: Tensor | None = None, ctr: Tensor | None = None,
+                   g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Launch:
     """The fused product (``cfg.kind`` "gemv", "mm" or "mmt"): out [M, N] = x [M, K] @ dequant(w)^T + bias.
 
     Operands as the op checked them: x and w with unit column stride (fp8
@@ -68,15 +97,19 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
     launch writes (a graph's functional launch must not see its output twice).
     """
     M, K = x.shape
-    N = w.shape[0]
+    N = out_features(w, fmt, scale)
     k_split, split, even = _k_split(K, cfg.BK, cfg.split)
     dummy = scale
+    lib = fmt in LIBRARY_FORMATS
+    if lib:
+        zero, g_idx, shifts = _library_operands(w, scale, zero, g_idx, shifts, fmt)
     args = dict(w=w, scale=scale, zero=zero if zero is not None else dummy, bias=bias if bias is not None else dummy,
                 out=out, part=part if split > 1 else dummy, ctr=ctr if ctr is not None else dummy,
+                g_idx=g_idx if g_idx is not None else dummy, shifts=shifts if shifts is not None else dummy,
                 M=M, N=N, K=K, K_SPLIT=k_split, stride_xm=x.stride(0), stride_wn=w.stride(0),
-                stride_sn=scale.stride(0) if fmt == "int4" else 1,
-                FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-                SUM_HERE=ctr is not None, EVEN_K=even, BN=cfg.BN, BK=cfg.BK)
+                stride_sn=scale.stride(0) if fmt == "int4" or lib else 1,
+                FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None and not lib, HAS_BIAS=bias is not None,
+                PARTIAL=split > 1, SUM_HERE=ctr is not None, EVEN_K=even, LIB=lib, BN=cfg.BN, BK=cfg.BK)
     outputs = ("out",) + (("part",) if split > 1 else ()) + (("ctr",) if ctr is not None else ())
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda
     if cfg.kind == "gemv":
@@ -110,13 +143,18 @@ def reduce_launch(part: Tensor, bias: Tensor | None, out: Tensor) -> Launch:
     return Launch(_splitk_reduce_kernel, (cdiv(M * N, _REDUCE_BLOCK),), args, ("out",), 4)
 
 
-def dequant_launch(w: Tensor, scale: Tensor, zero: Tensor | None, out: Tensor, fmt: str, G: int) -> Launch:
+def dequant_launch(w: Tensor, scale: Tensor, zero: Tensor | None, out: Tensor, fmt: str, G: int,
+                   g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Launch:
     """out [N, K] = dequant(w) in out's dtype: the cuBLAS path's first pass (``torch.mm`` follows)."""
     N, K = out.shape
     bn, bk = (32, min(G, 256)) if fmt == "int4" else (16, 256)
-    args = dict(w=w, scale=scale, zero=zero if zero is not None else scale, out=out, N=N, K=K,
-                stride_wn=w.stride(0), stride_sn=scale.stride(0), FMT=fmt, G=max(G, 1), HAS_ZERO=zero is not None,
-                BN=bn, BK=bk)
+    lib = fmt in LIBRARY_FORMATS
+    if lib:
+        zero, g_idx, shifts = _library_operands(w, scale, zero, g_idx, shifts, fmt)
+    args = dict(w=w, scale=scale, zero=zero if zero is not None else scale, g_idx=g_idx if g_idx is not None else scale,
+                shifts=shifts if shifts is not None else scale,
+                out=out, N=N, K=K, stride_wn=w.stride(0), stride_sn=scale.stride(0), FMT=fmt, G=max(G, 1),
+                HAS_ZERO=zero is not None and not lib, LIB=lib, BN=bn, BK=bk)
     return Launch(_dequant_kernel, (cdiv(N, bn), cdiv(K, bk)), args, ("out",), 4)
 
 
@@ -128,18 +166,19 @@ def _run(launch: Launch, warmup: bool) -> None:
 
 
 def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
-            fmt: str, G: int, cfg: Config, warmup: bool = False, sum_here: bool = True) -> None:
+            fmt: str, G: int, cfg: Config, warmup: bool = False, sum_here: bool = True,
+            g_idx: Tensor | None = None, shifts: Tensor | None = None) -> None:
     """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``, now; operands as for
     :func:`product_launch`.  A split K is summed by the tile's last program
     where counters can be had and ``sum_here`` (the default), else by a second
     kernel."""
     M, K = x.shape
-    N = w.shape[0]
+    N = out_features(w, fmt, scale)
     if fmt == "fp8":
         w = w.view(torch.uint8)
     if cfg.kind == "cublas":
         wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
-        _run(dequant_launch(w, scale, zero, wd, fmt, G), warmup)
+        _run(dequant_launch(w, scale, zero, wd, fmt, G, g_idx, shifts), warmup)
         if warmup:
             return
         if bias is None:
@@ -153,6 +192,6 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     if split > 1 and sum_here:  # (a compile-only warmup needs only the pointer's type)
         ctr = torch.empty(0, dtype=torch.int32, device=x.device) if warmup else _split_counters(x.device,
                                                                                                   tiles(cfg, M, N))
-    _run(product_launch(x, w, scale, zero, bias, out, fmt, G, cfg, part, ctr), warmup)
+    _run(product_launch(x, w, scale, zero, bias, out, fmt, G, cfg, part, ctr, g_idx, shifts), warmup)
     if split > 1 and ctr is None:
         _run(reduce_launch(part, bias, out), warmup)

@@ -9,7 +9,15 @@ import math
 import torch
 from torch import Tensor
 
-from fusepass.formats import FORMATS, KERNEL_DTYPES, WEIGHT_DTYPES, dequantize
+from fusepass.formats import (
+    CODEBOOKS,
+    KERNEL_DTYPES,
+    OP_FORMATS,
+    WEIGHT_DTYPES,
+    dequantize,
+    in_features,
+    out_features,
+)
 from fusepass.kernels._common import call, inline_enabled, on_device, register_inline, rows, run_kernel
 from fusepass.kernels.dequant_matmul.config import Config, Problem, valid
 from fusepass.kernels.dequant_matmul.launch import _launch, dequant_launch, product_launch, splits, tiles
@@ -35,12 +43,13 @@ def _operands(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bia
 
 
 def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
-                       fmt: str, group_size: int, *, config: Config | None = None) -> Tensor:
+                       fmt: str, group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None, *,
+                       config: Config | None = None) -> Tensor:
     """The op's CUDA body: ``config`` overrides the plan (tests, sweeps)."""
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"no kernel for {x.dtype} activations")
     K = x.shape[-1]
-    N = weight.shape[0]
+    N = out_features(weight, fmt, scale)
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -48,19 +57,20 @@ def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | 
         return out.copy_(bias.expand_as(out) if bias is not None else torch.zeros((), dtype=x.dtype))
     x2, weight, scale, zero, bias = _operands(x, weight, scale, zero, bias)
     M = x2.shape[0]
-    G = group_size if fmt == "int4" else 0
+    G = group_size if fmt in ("int4", "nf4", "fp4", "hqq4") else 0
     cfg = config or _plan(M, N, K, fmt, G, x.dtype, x.device)
     if not valid(cfg, Problem(M, N, K, fmt, G, x.dtype, "")):
         raise ValueError(f"config {cfg.label()} cannot run M{M} K{K} {fmt} g{G} {x.dtype}")
     with on_device(x):
-        _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg)
+        _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg, g_idx=g_idx, shifts=shifts)
     return out
 
 
 def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
-                             fmt: str, group_size: int, compute_dtype: torch.dtype = torch.float32) -> Tensor:
+                             fmt: str, group_size: int, compute_dtype: torch.dtype = torch.float32,
+                             g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Tensor:
     """fp32 (or ``compute_dtype``) dequantise-then-matmul, rounded once to x's dtype."""
-    w = dequantize(weight, scale, zero, fmt, group_size, compute_dtype)
+    w = dequantize(weight, scale, zero, fmt, group_size, compute_dtype, g_idx=g_idx, shifts=shifts)
     y = x.to(compute_dtype) @ w.t()
     if bias is not None:
         y = y + bias.to(compute_dtype)
@@ -68,14 +78,36 @@ def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Ten
 
 
 def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
-           group_size: int) -> None:
-    torch._check(fmt in FORMATS, lambda: f"fmt must be one of {FORMATS}, got {fmt!r}")
+           group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None) -> None:
+    torch._check(fmt in OP_FORMATS, lambda: f"fmt must be one of {OP_FORMATS}, got {fmt!r}")
     torch._check(weight.dtype == WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
     torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
-    N = weight.shape[0]
-    K = weight.shape[1] * (2 if fmt == "int4" else 1)
+    N = out_features(weight, fmt, scale)
+    K = in_features(weight, fmt, scale)
     torch._check(x.shape[-1] == K, lambda: f"x has {x.shape[-1]} features, the weight {K}")
-    if fmt == "int4":
+    torch._check((g_idx is not None) == fmt.startswith("gptq4"), lambda: "g_idx is for gptq4 only, and needed there")
+    if fmt in ("nf4", "fp4"):
+        torch._check(group_size > 0 and K % group_size == 0, lambda: f"K = {K} is not a multiple of block {group_size}")
+        torch._check(tuple(scale.shape) == (N, K // group_size),
+                     lambda: f"absmax is {tuple(scale.shape)}, not {(N, K // group_size)}")
+        torch._check(scale.dtype == torch.float32, lambda: f"absmax must be fp32, got {scale.dtype}")
+        torch._check(zero is None, lambda: f"{fmt} takes no zero point")
+    elif fmt == "hqq4":
+        torch._check(group_size == weight.shape[1], lambda: f"hqq4: the group is the packed rows' {weight.shape[1]}")
+        torch._check(scale.dim() == 2 and scale.shape[0] * scale.shape[1] == 2 * weight.shape[0],
+                     lambda: f"scale {tuple(scale.shape)} is not [N, K / G] with N K / G = {2 * weight.shape[0]}")
+        torch._check(zero is not None and tuple(zero.shape) == tuple(scale.shape),
+                     lambda: "hqq4 takes a zero point of the scale's shape")
+    elif fmt.startswith("gptq4"):
+        torch._check(scale.dim() == 2 and scale.shape[1] == N, lambda: f"scale is {tuple(scale.shape)}, not (groups, {N})")
+        torch._check(zero is not None and zero.dtype == torch.int32
+                     and tuple(zero.shape) == (scale.shape[0], (N + 7) // 8),
+                     lambda: f"zero must be int32 ({scale.shape[0]}, {(N + 7) // 8}) (eight per word along N)")
+        torch._check(tuple(g_idx.shape) == (K,) and not g_idx.dtype.is_floating_point,
+                     lambda: f"g_idx must be ({K},) integers, got {g_idx.dtype}{tuple(g_idx.shape)}")
+        torch._check(shifts is None or (shifts.numel() == 8 and shifts.dtype == torch.int32),
+                     lambda: "shifts must be eight int32 bit offsets")
+    elif fmt == "int4":
         torch._check(group_size > 0 and K % group_size == 0, lambda: f"K = {K} is not a multiple of group {group_size}")
         torch._check(tuple(scale.shape) == (N, K // group_size),
                      lambda: f"scale is {tuple(scale.shape)}, not {(N, K // group_size)}")
@@ -92,33 +124,34 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
 # ----------------------------------------------------------------------- op ----
 
 
-def _reference_out(x, weight, scale, zero, bias, fmt, group_size) -> Tensor:
-    return dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size).contiguous()
+def _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None) -> Tensor:
+    return dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size, g_idx=g_idx,
+                                    shifts=shifts).contiguous()
 
 
 @torch.library.custom_op("fusepass::dequant_matmul", mutates_args=())
 def dequant_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
-                   group_size: int) -> Tensor:
+                   group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Tensor:
     """x @ dequant(weight)^T + bias, [..., N] contiguous in x's dtype.  This body serves CPU and every non-CUDA device."""
-    _check(x, weight, scale, zero, bias, fmt, group_size)
-    return _reference_out(x, weight, scale, zero, bias, fmt, group_size)
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
+    return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
 
 
 @dequant_matmul.register_fake
-def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size):
-    _check(x, weight, scale, zero, bias, fmt, group_size)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
+    return x.new_empty((*x.shape[:-1], out_features(weight, fmt, scale)))
 
 
 @dequant_matmul.register_kernel("cuda")
-def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size):
-    _check(x, weight, scale, zero, bias, fmt, group_size)
+def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
     if x.dtype not in KERNEL_DTYPES:  # fp64: the reference
-        return _reference_out(x, weight, scale, zero, bias, fmt, group_size)
+        return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
     return run_kernel(
         "dequant_matmul",
-        lambda: dequant_matmul_fwd(x, weight, scale, zero, bias, fmt, group_size),
-        lambda: _reference_out(x, weight, scale, zero, bias, fmt, group_size),
+        lambda: dequant_matmul_fwd(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts),
+        lambda: _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts),
     )
 
 
@@ -126,22 +159,23 @@ def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size):
 
 
 def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
-                          fmt: str, group_size: int) -> Tensor:
+                          fmt: str, group_size: int, g_idx: Tensor | None = None,
+                          shifts: Tensor | None = None) -> Tensor:
     """The op's launches as nodes of the graph (:meth:`Launch.traced`), with the
     plan chosen now, for this M: the fused product, with a split K's slices and
     zeroed counters allocated in the graph (the tile's last program sums the
     slices and leaves the counters at zero), or the dequantising pass and the
     graph's own ``mm`` (Inductor's cuBLAS call)."""
     K = x.shape[-1]
-    N = weight.shape[0]
+    N = out_features(weight, fmt, scale)
     x2, weight, scale, zero, bias = _operands(x, weight, scale, zero, bias)
     M = x2.shape[0]
-    G = group_size if fmt == "int4" else 0
+    G = group_size if fmt in ("int4", "nf4", "fp4", "hqq4") else 0
     cfg = _plan(M, N, K, fmt, G, x.dtype, x.device)
     w = weight.view(torch.uint8) if fmt == "fp8" else weight
     if cfg.kind == "cublas":
         wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
-        wd = dequant_launch(w, scale, zero, wd, fmt, G).traced()["out"]
+        wd = dequant_launch(w, scale, zero, wd, fmt, G, g_idx, shifts).traced()["out"]
         y = torch.mm(x2, wd.t()) if bias is None else torch.addmm(bias.to(x.dtype), x2, wd.t())
     else:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -150,7 +184,7 @@ def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor
         if split > 1:
             part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
             ctr = torch.zeros(tiles(cfg, M, N), dtype=torch.int32, device=x.device)
-        y = product_launch(x2, w, scale, zero, bias, out, fmt, G, cfg, part, ctr).traced()["out"]
+        y = product_launch(x2, w, scale, zero, bias, out, fmt, G, cfg, part, ctr, g_idx, shifts).traced()["out"]
     return y.view(*x.shape[:-1], N)
 
 
@@ -158,10 +192,13 @@ def _static(*sizes) -> bool:
     return all(isinstance(s, int) for s in sizes)
 
 
-def _inline_ok(x, weight, scale, zero, bias, fmt, group_size) -> bool:
+def _inline_ok(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None) -> bool:
     # The plan depends on M (the GEMV's row count is a constexpr): a symbolic
-    # M goes through the op, which plans per call.
-    return (inline_enabled(x) and x.dtype in KERNEL_DTYPES and fmt in FORMATS and weight.dim() == 2
+    # M goes through the op, which plans per call.  The code-book formats
+    # read their table from a tensor the op makes (no graph holds one): called.
+    return (inline_enabled(x) and x.dtype in KERNEL_DTYPES and fmt in OP_FORMATS and fmt not in CODEBOOKS
+            and (shifts is not None or not fmt.startswith("gptq4"))
+            and weight.dim() == 2
             and _static(*x.shape, *x.stride(), *weight.shape, *weight.stride())
             and math.prod(x.shape[:-1]) > 0 and weight.shape[0] > 0 and x.shape[-1] > 0)
 
@@ -169,7 +206,10 @@ def _inline_ok(x, weight, scale, zero, bias, fmt, group_size) -> bool:
 register_inline(torch.ops.fusepass.dequant_matmul.default, _inline_ok, dequant_matmul_traced)
 
 
-def dequant_matmul_call(x, weight, scale, zero, bias, fmt, group_size):
+def dequant_matmul_call(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
     """What the rules put in a graph: the launches themselves when the engine
     inlines kernels for a CUDA graph, else the ``fusepass::dequant_matmul`` op."""
-    return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size)
+    if g_idx is None:
+        return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size)
+    return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size, g_idx,
+                shifts)

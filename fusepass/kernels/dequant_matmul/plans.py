@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fusepass.formats import KERNEL_DTYPES
+from fusepass.formats import KERNEL_DTYPES, LIBRARY_FORMATS
 from fusepass.kernels._common import cdiv
 from fusepass.kernels.dequant_matmul.config import _GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, valid
 
@@ -64,6 +64,17 @@ def _int4_gemv(M: int, N: int, K: int, G: int, n_sm: int) -> Config:
 def heuristic(p: Problem) -> Config:
     """The plan when there is no measured one (no entry for this GPU, the interpreter)."""
     M, N, K, fmt, G, dtype, n_sm = p.M, p.N, p.K, p.fmt, p.group, p.dtype, p.sms
+    if fmt in LIBRARY_FORMATS:
+        # Not measured yet (the GPU run): the GEMV for a few rows, the tensor-core
+        # kernel to 256 rows in 16-bit, dequantise + cuBLAS beyond.
+        if M <= _GEMV_MAX_M:
+            bn = 8 if M == 1 else max(1, 8 // _pow2(M))
+            return Config("gemv", BN=bn, BK=256, split=_auto_split(cdiv(N, bn), K, 256, n_sm), warps=4)
+        if dtype == torch.float32 or M > 256:
+            return CUBLAS
+        bm = min(64, max(16, _pow2(M)))
+        return Config("mm", BM=bm, BN=64, BK=64, split=_auto_split(cdiv(M, bm) * cdiv(N, 64), K, 64, n_sm),
+                      warps=4, stages=3)
     if M > (2 if fmt == "int4" else 1) and N >= 2048 and (fmt != "int4" or G % 32 == 0) and dtype != torch.float32 \
             and M <= 64:
         # A few rows to 64 on a large weight: the transposed kernel (rows padded

@@ -13,6 +13,7 @@ from fusepass.kernels.dequant_matmul.tiles import (
     _int4_offset,
     _int8_to_f32,
     _int8_word,
+    _library_tile,
     _nibbles_to_f32,
     _word_128,
 )
@@ -20,13 +21,13 @@ from fusepass.kernels.dequant_matmul.tiles import (
 
 @triton.jit
 def _dequant_mm_kernel(
-    x, w, scale, zero, bias, out, part, ctr,
+    x, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-    PERM: tl.constexpr,
+    PERM: tl.constexpr, LIB: tl.constexpr = False,
 ):
     # Tiles in groups of GROUP_M row blocks, so that consecutive programs
     # share weight tiles in L2 when M spans several blocks.
@@ -104,6 +105,17 @@ def _dequant_mm_kernel(
                 b_hi = (b_hi * b_s - b_zs).to(dt)
                 acc = _dot(b_xe, b_lo, acc, DOT_F32)
                 acc = _dot(b_xo, b_hi, acc, DOT_F32)
+    elif LIB:
+        # Another library's layout: each value gathered and scaled (_library_tile),
+        # the [BK, BN] tile rounded to x's dtype for the dot, as the model's own
+        # dequantised weight is.
+        o_k = tl.arange(0, BK)
+        for k0 in range(k_lo, k_hi, BK):
+            m_k = k0 + o_k < k_hi
+            b_x = tl.load(p_xm[:, None] + (k0 + o_k)[None, :], mask=m_m[:, None] & m_k[None, :], other=0)
+            b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[None, :], (k0 + o_k)[:, None],
+                                m_n[None, :] & m_k[:, None], N, K, stride_wn, stride_sn, FMT, G)
+            acc = _dot(b_x, b_w.to(dt), acc, DOT_F32)
     else:
         # int8 and fp8 values are exact in bf16 and fp16: the dot is exact in
         # the weight and the per-row scale goes on the fp32 result.
@@ -131,12 +143,12 @@ def _dequant_mm_kernel(
 
 @triton.jit
 def _dequant_mmt_kernel(
-    x, w, scale, zero, bias, out, part, ctr,
+    x, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-    ASM: tl.constexpr = False, WORDS: tl.constexpr = False,
+    ASM: tl.constexpr = False, WORDS: tl.constexpr = False, LIB: tl.constexpr = False,
 ):
     # Small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
     # The dequantised weight tile is the dot's A operand, used from registers,

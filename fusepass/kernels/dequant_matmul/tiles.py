@@ -152,6 +152,50 @@ def _int4_dequant(b_v, b_s, b_c, b_z, ZERO_F32: tl.constexpr):
 
 
 @triton.jit
+def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, stride_wn, stride_sn, FMT: tl.constexpr,
+                  G: tl.constexpr):
+    """fp32 W[o_n, o_k] of another library's layout (fusepass.formats, LIBRARY_FORMATS),
+    scale applied, for offsets that broadcast to the tile (either orientation), mask m.
+
+    Each value is gathered where it is stored: nf4 / fp4 a byte per two columns
+    of a row (high nibble the even one) and a lookup in the 16-entry code book
+    (``zero``: 64 bytes, L1-resident); gptq4 a word per eight values of a column
+    along K, the zero point a nibble of a word per eight columns, both indexed
+    by the group ``g_idx`` gives each k, each code at the bit offset ``shifts``
+    holds for its place in the word (the model's own table, read, not assumed).  Correct in any tile shape and any
+    group size; a layout-specific loop (wide loads, one group per tile) is what
+    the GPU still needs for speed."""
+    if FMT == "nf4" or FMT == "fp4":
+        b_b = tl.load(w + o_n.to(tl.int64) * stride_wn + o_k // 2, mask=m, other=0).to(tl.int32)
+        b_q = (b_b >> ((1 - o_k % 2) * 4)) & 0xF
+        b_v = tl.load(zero + b_q)
+        b_s = tl.load(scale + o_n.to(tl.int64) * stride_sn + o_k // G, mask=m, other=0).to(tl.float32)
+        return b_v * b_s
+    elif FMT == "hqq4":
+        # HQQ: group row r = n K / G + k // G; the first half of the rows in the
+        # high nibbles of the packed [R / 2, G] bytes, the second half in the low.
+        b_r = o_n.to(tl.int64) * (K // G) + o_k // G
+        half = (N * (K // G)) // 2
+        b_hi = b_r < half
+        b_b = tl.load(w + tl.where(b_hi, b_r, b_r - half) * stride_wn + o_k % G, mask=m, other=0).to(tl.int32)
+        b_q = tl.where(b_hi, b_b >> 4, b_b & 0xF).to(tl.float32)
+        p_s = o_n.to(tl.int64) * stride_sn + o_k // G
+        b_z = tl.load(zero + p_s, mask=m, other=0).to(tl.float32)
+        b_s = tl.load(scale + p_s, mask=m, other=0).to(tl.float32)
+        return (b_q - b_z) * b_s
+    else:
+        b_wd = tl.load(w + (o_k // 8).to(tl.int64) * stride_wn + o_n, mask=m, other=0)
+        b_q = (b_wd >> tl.load(shifts + o_k % 8)) & 0xF
+        b_g = tl.load(g_idx + o_k, mask=m, other=0)
+        b_zw = tl.load(zero + b_g.to(tl.int64) * ((N + 7) // 8) + o_n // 8, mask=m, other=0)
+        b_z = (b_zw >> tl.load(shifts + o_n % 8)) & 0xF
+        if FMT == "gptq4_v1":
+            b_z += 1
+        b_s = tl.load(scale + b_g.to(tl.int64) * stride_sn + o_n, mask=m, other=0).to(tl.float32)
+        return (b_q - b_z).to(tl.float32) * b_s
+
+
+@triton.jit
 def _pair_to_f32(b_x, DT: tl.constexpr):
     """Two adjacent values of x in one word (int32 for 16-bit x, int64 for fp32;
     the lower address in the low half) -> (first, second) as fp32."""

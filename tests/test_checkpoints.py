@@ -1,0 +1,215 @@
+"""fusepass.load_quantized: int4 checkpoints of GPTQ, AWQ and compressed-tensors
+loaded into fusepass's int4 layers without their libraries.
+
+The GPTQ and AWQ tensors are written here from the formats' published
+descriptions (int32 words of eight codes, GPTQ's zero points stored minus
+one, AWQ's 0 2 4 6 1 3 5 7 word order, g_idx); compressed-tensors' by its own
+compressor, whose decompression is the reference.  Each loaded layer must
+compute the checkpoint's weight, dequantized in fp32 from the stored tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusepass
+from fusepass.checkpoints import AWQ_ORDER, PackedInt4Linear
+from fusepass.testing import assert_close, compile_and_run
+
+N, K = 40, 256
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2**32) as the int32 a checkpoint stores (two's complement)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """codes [R, 8 * C] (0..15) -> int32 [R, C], code j of each eight at bits 4j."""
+    r, c = codes.shape
+    parts = codes.to(torch.int64).reshape(r, c // 8, 8) << (4 * torch.arange(8))
+    return _int32(parts.sum(-1))
+
+
+def _grouped_params(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool):
+    """scale, zero [groups, N] of w [N, K] over the columns of each group; q [K, N] codes."""
+    n = w.shape[0]
+    scale, zero = torch.empty(groups, n), torch.empty(groups, n)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        if sym:
+            scale[g] = cols.abs().amax(1) / 7.5
+            zero[g] = 8
+        else:
+            lo, hi = cols.amin(1), cols.amax(1)
+            scale[g] = (hi - lo) / 15
+            zero[g] = torch.round(-lo / scale[g]).clamp(0, 15)
+    scale = scale.half()
+    q = torch.round(w.t() / scale.float()[g_idx] + zero[g_idx]).clamp(0, 15).to(torch.int64)
+    return scale, zero.to(torch.int64), q
+
+
+def gptq_tensors(w, group, act_order=False, sym=False, v1=True, seed=0):
+    """GPTQ's layout of w [N, K]: (state dict tensors, fp32 weight they stand for)."""
+    n, k = w.shape
+    gen = torch.Generator().manual_seed(seed)
+    g_idx = torch.arange(k) // group
+    if act_order:  # desc_act: columns quantized in a data-dependent order, groups follow that order
+        order = torch.randperm(k, generator=gen)
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[order] = torch.arange(k) // group
+    groups = k // group
+    scale, zero, q = _grouped_params(w, g_idx, groups, sym)
+    if not sym:
+        zero[0, :3] = 0  # GPTQ v1 cannot store 0 (it wraps to 15, read back as 16): the format's own semantics
+    stored = (zero - 1) & 0xF if v1 else zero
+    qweight = _words(q.t()).t().contiguous()  # eight codes along K per word: [K / 8, N]
+    qzeros = _words(stored)  # eight along N: [groups, N / 8]
+    z = (stored + 1) if v1 else stored
+    ref = (q - z[g_idx]).float() * scale.float()[g_idx]  # [K, N]
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scale, "g_idx": g_idx.to(torch.int32)}, ref.t()
+
+
+def _awq_words(codes):
+    """codes [R, 8 * C] -> int32 [R, C] in AWQ's order: nibble i holds column 8c + ORDER[i]."""
+    r, c = codes.shape
+    reordered = codes.reshape(r, c // 8, 8)[:, :, list(AWQ_ORDER)].reshape(r, c)
+    return _words(reordered)
+
+
+def awq_tensors(w, group):
+    n, k = w.shape
+    g_idx = torch.arange(k) // group
+    scale, zero, q = _grouped_params(w, g_idx, k // group, sym=False)
+    ref = (q - zero[g_idx]).float() * scale.float()[g_idx]
+    return {"qweight": _awq_words(q), "qzeros": _awq_words(zero), "scales": scale}, ref.t()
+
+
+def _load_one(tensors, fmt, bias=True, dtype=torch.float32, n=N, k=K):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias)).to(dtype)
+    sd = {f"0.{key}": value for key, value in tensors.items()}
+    b = torch.randn(n).to(dtype) if bias else None
+    if bias:
+        sd["0.bias"] = b
+    summary = fusepass.load_quantized(model, sd, fmt)
+    return model, summary, b
+
+
+def _check(model, ref_w, bias, dtype=torch.float32):
+    x = torch.randn(3, 5, ref_w.shape[1]).to(dtype)
+    expected = x.double() @ ref_w.double().t() + (bias.double() if bias is not None else 0)
+    assert_close(model(x), expected.to(dtype), "loaded layer vs the checkpoint's weight")
+
+
+@pytest.mark.parametrize("act_order,sym,v1,group", [
+    (False, False, True, 64), (True, False, True, 64), (False, True, True, 128), (True, False, False, 32),
+    (False, False, True, 256)], ids=["asym-g64", "act-order-g64", "sym-g128", "act-order-v2-g32", "g256"])
+def test_gptq(act_order, sym, v1, group):
+    w = torch.randn(N, K)
+    tensors, ref = gptq_tensors(w, group, act_order, sym, v1)
+    model, summary, bias = _load_one(tensors, "gptq" if v1 else "gptq_v2")
+    layer = model[0]
+    assert summary.converted == ["0"] and not summary.unused and not summary.missing, str(summary)
+    assert isinstance(layer, PackedInt4Linear) and layer.group_size == group
+    assert (layer.perm is not None) == act_order and (summary.act_order == ["0"]) == act_order
+    assert (layer.zero is None) == sym  # all zero points 8: the symmetric form
+    _check(model, ref, bias)
+
+
+def test_gptq_per_channel_is_regrouped_and_fp16():
+    k = 384  # group -1 (per channel): one scale per row over K = 384 = 3 kernel groups of 128
+    w = torch.randn(N, k) / k ** 0.5  # outputs O(1): fp16's own rounding of them stays in the table
+    tensors, ref = gptq_tensors(w, k)
+    model, summary, bias = _load_one(tensors, "gptq", dtype=torch.float16, k=k)
+    assert summary.regrouped == [("0", 384, 128)] and model[0].scale.shape == (N, 3)
+    assert model[0].scale.dtype == torch.float16
+    _check(model, ref, bias, torch.float16)
+
+
+def test_awq():
+    w = torch.randn(N, K)
+    tensors, ref = awq_tensors(w, 64)
+    model, summary, bias = _load_one(tensors, "awq", bias=False)
+    assert summary.converted == ["0"] and model[0].bias is None
+    _check(model, ref, None)
+
+
+def _ct_tensors(w, strategy, symmetric, group=None):
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    n, k = w.shape
+    g = w.reshape(n, k // group, group) if strategy == "group" else w.reshape(n, 1, k)
+    scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
+    sd = {"weight": w, "weight_scale": scale}
+    if not symmetric:
+        sd["weight_zero_point"] = zp
+    packed = PackedQuantizationCompressor.compress(sd, scheme)
+    ref = PackedQuantizationCompressor.decompress(packed, scheme)["weight"]
+    return packed, ref.float()
+
+
+@pytest.mark.parametrize("strategy,symmetric,group", [("group", False, 32), ("group", True, 128),
+                                                      ("channel", True, None), ("channel", False, None)])
+def test_compressed_tensors(strategy, symmetric, group):
+    pytest.importorskip("compressed_tensors")
+    w = torch.randn(N, K)
+    tensors, ref = _ct_tensors(w, strategy, symmetric, group)
+    model, summary, bias = _load_one(tensors, "compressed-tensors")
+    assert summary.converted == ["0"], str(summary)
+    assert (model[0].zero is None) == symmetric
+    _check(model, ref, bias)
+
+
+def test_refusals_leave_the_layer():
+    w = torch.randn(N, 64)
+    tensors, _ = gptq_tensors(w, 16)
+    model, summary, _ = _load_one(tensors, "gptq", k=64)
+    assert isinstance(model[0], torch.nn.Linear) and not isinstance(model[0], PackedInt4Linear)
+    assert "group size 16" in dict(summary.skipped)["0"]
+    assert "0.qweight" in summary.unused
+    tensors, _ = gptq_tensors(torch.randn(N, K), 64)
+    tensors["g_idx"] = torch.cat([torch.zeros(70), torch.ones(K - 70)]).to(torch.int32)  # groups of 70 and 186
+    model, summary, _ = _load_one(tensors, "gptq")
+    assert "no sorting of K makes whole groups" in dict(summary.skipped)["0"]
+    tensors, _ = gptq_tensors(torch.randn(N, K), 64)
+    model, summary, _ = _load_one(tensors, "gptq", n=48)
+    assert "the model's linear [48, 256]" in dict(summary.skipped)["0"]
+    with pytest.raises(ValueError, match="4-bit"):
+        fusepass.load_quantized(model, {}, "gptq", bits=8)
+
+
+# -- a transformers Llama loaded from GPTQ act-order tensors, compiled ---------------------
+
+def test_llama_from_gptq_checkpoint_runs_fused():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(cfg).eval()
+    sd = {}
+    for name, tensor in source.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and "proj" in module:
+            tensors, _ = gptq_tensors(tensor.float(), 32, act_order=True)
+            sd.update({f"{module}.{key}": value for key, value in tensors.items()})
+        else:
+            sd[name] = tensor
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    summary = fusepass.load_quantized(model, sd, "gptq", dtype=torch.float32)
+    model.eval()
+    assert len(summary.converted) == 14 and len(summary.act_order) == 14 and not summary.unused, str(summary)
+    assert not summary.missing, summary.missing
+    model.model.rotary_emb.inv_freq = source.model.rotary_emb.inv_freq  # a non-persistent buffer
+    ids = torch.randint(0, 96, (1, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+        out, report = compile_and_run(lambda i: model(i).logits, [ids], rules=["dequant_matmul_int4"])
+    assert report.count("dequant_matmul_int4") == 14, str(report)
+    assert_close(out, expected, "llama loaded from GPTQ tensors")

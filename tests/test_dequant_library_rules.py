@@ -1,0 +1,175 @@
+"""The quantization libraries' own graph forms: bitsandbytes 4-bit, HQQ's
+plain-PyTorch backend, GPTQ's torch dequantization, per-channel checkpoint
+scales.  Each through the library itself where it installs on CPU
+(bitsandbytes, hqq), compiled with fusepass: one fused call per quantized
+linear, eager's result within the dtype table.  The rules' forms and
+near-misses also run in tests/test_rules.py (check_rule).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusepass.testing import assert_close, compile_and_run
+
+LIB_RULES = ["dequant_matmul", "dequant_matmul_bnb", "dequant_matmul_gptq", "dequant_matmul_hqq"]
+
+
+def _no_cpu_repack(model):
+    """bitsandbytes repacks 4-bit weights for AVX512-BF16 at the first CPU forward
+    (then gemv_4bit, a CPU-only layout); off, the graph holds gemm_4bit as on a GPU."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+
+
+@pytest.fixture(scope="module")
+def bnb_llama():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as folder:
+        transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+        q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, quantization_config=q, device_map="cpu",
+                                                              dtype=torch.bfloat16).eval()
+    _no_cpu_repack(model)
+    return model
+
+
+def test_bnb_nf4_llama_one_fused_call_per_linear(bnb_llama):
+    ids = torch.randint(0, 96, (1, 7))
+    with torch.no_grad():
+        expected = bnb_llama(ids).logits
+        out, report = compile_and_run(lambda i: bnb_llama(i).logits, [ids], rules=LIB_RULES)
+    assert report.count("dequant_matmul_bnb") == 14 and len(report.hits) == 14, str(report)
+    assert {h.form for h in report.hits} == {"nf4_nested"}
+    assert_close(out, expected, "bitsandbytes NF4 (double quant) Llama")
+
+
+def test_bnb_cpu_layout_is_refused_with_its_reason():
+    bnb = pytest.importorskip("bitsandbytes")
+    if not bnb.functional.has_avx512bf16():
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes keeps its gemm_4bit layout")
+    lin = bnb.nn.Linear4bit(64, 32, compute_dtype=torch.bfloat16, quant_type="nf4")
+    lin.weight = bnb.nn.Params4bit(torch.randn(32, 64), requires_grad=False, quant_type="nf4")._quantize("cpu")
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = lin.eval()(x)
+        out, report = compile_and_run(lin, [x], rules=LIB_RULES)
+    assert not report.hits
+    assert any("gemv_4bit" in r.reason and "AVX512" in r.reason for r in report.refusals), str(report)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hqq_linear_from_the_library(dtype):
+    hqq = pytest.importorskip("hqq.core.quantize")
+    hqq.HQQLinear.set_backend(hqq.HQQBackend.PYTORCH)
+    torch.manual_seed(0)
+    layers = []
+    for k, n, group in ((128, 96, 64), (96, 40, 32)):
+        lin = torch.nn.Linear(k, n, bias=n == 40)
+        cfg = hqq.BaseQuantizeConfig(nbits=4, group_size=group, axis=1)
+        layers.append(hqq.HQQLinear(lin, quant_config=cfg, compute_dtype=dtype, device="cpu"))
+    model = torch.nn.Sequential(layers[0], torch.nn.ReLU(), layers[1])
+    x = torch.randn(2, 3, 128, dtype=dtype)
+    with torch.no_grad():
+        expected = model(x)
+        out, report = compile_and_run(model, [x], rules=LIB_RULES)
+    assert report.count("dequant_matmul_hqq") == 2 and len(report.hits) == 2, str(report)
+    assert_close(out, expected, "HQQLinear x2")
+
+
+class GptqTorchLinear(torch.nn.Module):
+    """GPTQ's 4-bit layer as its plain-torch kernel computes it (published layout:
+    qweight int32 [K / 8, N] along K, qzeros [groups, N / 8] along N, g_idx)."""
+
+    def __init__(self, qweight, qzeros, scales, g_idx, bias=None, v1=False):
+        super().__init__()
+        for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
+            self.register_buffer(name, t)
+        self.register_buffer("wf", torch.arange(0, 32, 4, dtype=torch.int32).unsqueeze(0))
+        self.bias, self.v1 = bias, v1
+
+    def forward(self, x):
+        z = torch.bitwise_right_shift(self.qzeros.unsqueeze(2).expand(-1, -1, 8), self.wf.unsqueeze(0))
+        z = torch.bitwise_and(z.to(torch.int8), 15).reshape(self.qzeros.shape[0], -1)
+        if self.v1:
+            z = z + 1
+        q = torch.bitwise_right_shift(self.qweight.unsqueeze(1).expand(-1, 8, -1), self.wf.unsqueeze(-1))
+        q = torch.bitwise_and(q.to(torch.int8), 15).reshape(-1, self.qweight.shape[1])
+        g = self.g_idx.long()
+        out = torch.matmul(x, self.scales[g] * (q - z[g]))
+        return out + self.bias if self.bias is not None else out
+
+
+@pytest.mark.parametrize("v1,act_order", [(False, True), (True, False)], ids=["v2-act-order", "v1"])
+def test_gptq_torch_form(v1, act_order):
+    from fusepass.patterns.dequant_matmul_gptq import gptq_weights
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = gptq_weights(40, 256, 64, torch.float16, act_order=act_order, gen=gen)[:4]
+    model = GptqTorchLinear(*tensors, bias=torch.randn(40, dtype=torch.float16), v1=v1)
+    x = torch.randn(2, 5, 256, dtype=torch.float16)
+    with torch.no_grad():
+        expected = model(x)
+        out, report = compile_and_run(model, [x], rules=LIB_RULES)
+    assert report.count("dequant_matmul_gptq") == 1 and len(report.hits) == 1, str(report)
+    assert report.hits[0].form == ("v1" if v1 else "gptq")
+    assert_close(out, expected, "GPTQ torch form")
+
+
+class ChannelInt8(torch.nn.Module):
+    """int8 per channel as compressed-tensors' int8 checkpoints dequantize it: an
+    [N, 1] fp32 scale, the weight dequantized in fp32, then converted."""
+
+    def __init__(self, n, k, fp8_per_tensor=False):
+        super().__init__()
+        if fp8_per_tensor:
+            self.register_buffer("weight", (torch.randn(n, k) * 100).to(torch.float8_e4m3fn))
+            self.register_buffer("weight_scale", torch.tensor(0.5 / (100 * k ** 0.5)))
+        else:
+            self.register_buffer("weight", torch.randint(-127, 128, (n, k), dtype=torch.int8))
+            self.register_buffer("weight_scale", (0.5 + torch.rand(n, 1)) / (73 * k ** 0.5))
+
+    def forward(self, x):
+        w = (self.weight.to(self.weight_scale.dtype) * self.weight_scale).to(x.dtype)
+        return F.linear(x, w)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8-col-fp32", "fp8-per-tensor"])
+def test_checkpoint_channel_scales(fp8):
+    model = ChannelInt8(40, 96, fp8)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+        out, report = compile_and_run(model, [x], rules=LIB_RULES)
+    assert report.count("dequant_matmul") == 1 and report.hits[0].form == "dequant_fp32", str(report)
+    assert_close(out, expected, "per-channel checkpoint form")
+
+
+def test_other_libraries_ops_get_a_report_line():
+    """An opaque kernel of a library fusepass does not read (here one registered
+    under gptqmodel's namespace) stays, with a line in the report saying so."""
+    @torch.library.custom_op("gptqmodel::fusepass_test_gemm", mutates_args=())
+    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.t()
+
+    @gemm.register_fake
+    def _(x, w):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    out, report = compile_and_run(lambda a, b: gemm(a, b) + 1, [x, w])
+    assert not report.hits
+    reasons = report.reasons("library_ops")
+    assert any("gptqmodel::fusepass_test_gemm" in r and "load_quantized" in r for r in reasons), str(report)
+    assert torch.equal(out, x @ w.t() + 1)
