@@ -2,7 +2,7 @@
 
 A quantized model made by a library fusepass does not read (its CUDA
 kernels registered as custom ops: gptqmodel's Marlin / ExLlama kernels,
-AutoAWQ's GEMM, gemlite, vLLM's, torchao's low-bit kernels) reaches the
+AutoAWQ's GEMM, gemlite, torchao's low-bit kernels) reaches the
 graph as one opaque op per linear, which Inductor cannot look inside and
 fusepass does not replace.  This rule replaces nothing: it names each such
 op in the report, with what a user can do instead (fusepass.load_quantized
@@ -26,7 +26,6 @@ LIBRARIES = {
     "autoawq": "load the checkpoint with fusepass.load_quantized(model, state_dict, 'awq') instead",
     "gemlite": "HQQ's PYTORCH backend gives the form fusepass fuses (dequant_matmul_hqq)",
     "hqq": "HQQ's PYTORCH backend gives the form fusepass fuses (dequant_matmul_hqq)",
-    "_C": "vLLM's kernels: a model outside vLLM uses its checkpoint through fusepass.load_quantized",
     "torchao": "torchao's Int8WeightOnlyConfig is fused (dequant_matmul_torchao); its other kernels are not",
 }
 
