@@ -103,10 +103,18 @@ class CompiledForm:
     # The dtype of each tensor argument as traced (None: not a tensor): the
     # pattern's casts are constants that mean what they mean at these dtypes.
     arg_dtypes: tuple[torch.dtype | None, ...] = ()
-    # Other forms whose trace at these dtypes is this very pattern (each with
-    # its argument names): at other dtypes they may differ (one upcasts, one
-    # does not), so a match at other dtypes is re-checked against each.
-    aliases: list[tuple[Form, tuple[str, ...]]] = field(default_factory=list)
+    # Other (form, dtype) traces that gave this very pattern, each with its
+    # argument names and traced dtypes: the fp32 trace of the upcasting norm
+    # and the fp16 trace of the one without casts are one pattern, each right
+    # at its own dtypes.  The pattern is matched once; the trace whose dtypes
+    # are the graph's is the match's form.
+    aliases: list[tuple[Form, torch.dtype, str, tuple[str, ...], tuple[torch.dtype | None, ...]]] = \
+        field(default_factory=list)
+
+    def traces(self) -> list[CompiledForm]:
+        """This form and its aliases, each as a CompiledForm of the same pattern."""
+        return [self] + [replace(self, form=f, dtype=d, variant=v, argnames=list(a), arg_dtypes=t, aliases=[])
+                         for f, d, v, a, t in self.aliases]
 
     @property
     def root_target(self) -> Any:
@@ -228,15 +236,12 @@ def _trace_rule(rule: Rule) -> list[CompiledForm]:
                 pattern = _trace_form(form, variant, argnames, args, workaround, rule.any_reshape)
                 if pattern is None:
                     continue
-                # One pattern traced from two forms at the same dtypes means the
-                # same computation: kept once.  At other dtypes it is kept again
-                # (the fp32 trace of the upcasting form and the fp16 trace of the
-                # one without casts are one pattern; each is right at its dtypes).
-                key = f"{pattern!r} at {_dtypes(args)}"
-                if key in seen:
+                key = repr(pattern)
+                if key in seen:  # e.g. fp32 traces of forms that differ only in casts
                     first = seen[key]
-                    if first.form is not form and all(f is not form for f, _ in first.aliases):
-                        first.aliases.append((form, tuple(argnames)))
+                    trace = (form, dtype, variant, tuple(argnames), _dtypes(args))
+                    if all((t.form, t.arg_dtypes) != (form, trace[4]) for t in first.traces()):
+                        first.aliases.append(trace)
                     continue
                 seen[key] = CompiledForm(rule, form, dtype, variant, pattern, argnames, _dtypes(args))
                 out.append(seen[key])
@@ -275,6 +280,7 @@ _retraced: dict[tuple[int, int, str, tuple[Any, ...]], PatternExpr | str] = {}
 
 
 def _graph_dtypes(cf: CompiledForm, m: Match) -> tuple[torch.dtype | None, ...]:
+    """The graph's dtype for each of ``cf``'s traced tensor arguments (in ``cf.argnames`` order)."""
     out = []
     for name, traced in zip(cf.argnames, cf.arg_dtypes):
         val = m.kwargs.get(name)
@@ -311,7 +317,7 @@ def _casts(nodes: list[torch.fx.Node]) -> list[str]:
 def match_form(cf: CompiledForm, node: torch.fx.Node) -> tuple[Match | None, str | None, CompiledForm]:
     """``cf``'s pattern matched at ``node``: (None, None, cf) where it does not match; else the match, why it
     must be refused whatever the rule's check says (a node carrying an argument the pattern does not write,
-    roundings that differ from the form's at the graph's own dtypes) or None, and the form it is a match of
+    roundings that differ from the form's at the graph's own dtypes) or None, and the trace it is a match of
     (``cf`` or one of its aliases)."""
     m = cf.pattern.match(node)
     if not is_match(m):
@@ -319,20 +325,21 @@ def match_form(cf: CompiledForm, node: torch.fx.Node) -> tuple[Match | None, str
     reason = unwritten_argument(m)
     if reason:
         return m, reason, cf
+    traces = cf.traces()
+    for t in traces:
+        if _graph_dtypes(t, m) == tuple(t.arg_dtypes):
+            return m, None, t
     dtypes = _graph_dtypes(cf, m)
-    if dtypes == tuple(cf.arg_dtypes):
-        return m, None, cf
     at = ", ".join(f"{n}: {str(d).replace('torch.', '')}" for n, d in zip(cf.argnames, dtypes) if d is not None)
     first = None
-    for form, argnames in [(cf.form, tuple(cf.argnames)), *cf.aliases]:
-        candidate = cf if form is cf.form else replace(cf, form=form, argnames=list(argnames), aliases=[])
-        pattern = _retrace(candidate, dtypes)
+    for t in traces:
+        pattern = _retrace(t, _graph_dtypes(t, m))
         if isinstance(pattern, str):
             first = first or f"at the graph's dtypes ({at}) {pattern}"
             continue
         m2 = pattern.match(node)
         if is_match(m2):
-            return m2, unwritten_argument(m2), candidate
+            return m2, unwritten_argument(m2), t
     casts = ", ".join(_casts(m.nodes)) or "none"
     return m, first or (f"the graph rounds differently from the rule's form at its own dtypes ({at}): the form "
                         f"traced at {str(cf.dtype).replace('torch.', '')} matched, with casts to {casts}"), cf
@@ -349,7 +356,7 @@ def match_form(cf: CompiledForm, node: torch.fx.Node) -> tuple[Match | None, str
 # search function calls) and the torch version (its decompositions).  A file
 # that fails to load is ignored and the rule traced again.
 
-_PATTERN_FORMAT = "fusepass-patterns-3"
+_PATTERN_FORMAT = "fusepass-patterns-4"
 _package_digest: str | None = None
 
 
@@ -459,7 +466,7 @@ def _load_patterns(rule: Rule, key: str) -> list[CompiledForm] | None:
             warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
             entries = _PatternUnpickler(f).load()
         return [CompiledForm(rule, rule.forms[i], dtype, variant, pattern, list(argnames), tuple(arg_dtypes),
-                             [(rule.forms[j], tuple(names)) for j, names in aliases])
+                             [(rule.forms[j], d, v, tuple(names), tuple(t)) for j, d, v, names, t in aliases])
                 for i, dtype, variant, pattern, argnames, arg_dtypes, aliases in entries]
     except Exception as exc:  # noqa: BLE001 - a stale or broken file: trace again
         log.debug("fusepass: pattern cache %s not used (%s: %s)", path, type(exc).__name__, exc)
@@ -472,7 +479,7 @@ def _store_patterns(rule: Rule, key: str, forms: list[CompiledForm]) -> None:
         return
     index = {id(form): i for i, form in enumerate(rule.forms)}
     entries = [(index[id(cf.form)], cf.dtype, cf.variant, cf.pattern, cf.argnames, cf.arg_dtypes,
-                [(index[id(f)], names) for f, names in cf.aliases]) for cf in forms]
+                [(index[id(f)], d, v, names, t) for f, d, v, names, t in cf.aliases]) for cf in forms]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
