@@ -55,7 +55,7 @@ from torch.utils import _pytree as pytree
 from .kernels import fingerprint as kernel_data_fingerprint
 from .kernels._common import inline_kernels
 from .match import MatchInfo, concrete, hint, scalar_input
-from .guards import outside_use, replacement_mismatch, unwritten_argument
+from .guards import nondefault_argument, outside_use, replacement_mismatch, unwritten_argument
 from .matvec import decompose_kept_matvecs
 from .options import Options
 from .regions import inline_op_nodes, region_match
@@ -653,6 +653,12 @@ def _run_finder(rule: Rule, gm: torch.fx.GraphModule, options: Options, report: 
             path, source = where(region.anchor)
             refused.setdefault((rule.name, region.anchor), Refusal(rule.name, region.reason, path, source))
             continue
+        if not region.arguments_checked:
+            reason = next(filter(None, (nondefault_argument(n) for n in region.nodes)), None)
+            if reason:
+                path, source = where(region.anchor)
+                refused.setdefault((rule.name, region.anchor), Refusal(rule.name, reason, path, source))
+                continue
         stale = [n for n in (*region.nodes, *region.args) if isinstance(n, torch.fx.Node) and n._erased]
         if stale:  # overlapping regions: the first one replaced took these nodes
             path, source = where(region.anchor)

@@ -94,9 +94,20 @@ def unwritten_argument(m: Match) -> str | None:
     return None
 
 
+def _factory(node: torch.fx.Node) -> bool:
+    """A tensor made from nothing (``empty``, ``full``, ``iota``): its keyword arguments (dtype, device,
+    layout) make the value the graph records for it, which whoever reads it checks."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and not any(isinstance(a.type, torch.TensorType) or "Tensor" in str(a.type)
+                                          for a in schema.arguments)
+
+
 def nondefault_argument(node: torch.fx.Node, written: Any = ()) -> str | None:
     """Why ``node`` carries a keyword argument not in ``written`` with a value other than its schema's
-    default: for nodes a rule's ``find`` takes by their target alone (an ``add`` whose ``alpha`` it ignores)."""
+    default: for nodes a rule's ``find`` takes by their target alone (an ``add`` whose ``alpha`` it ignores).
+    Factories are not held to it (see :func:`_factory`)."""
+    if _factory(node):
+        return None
     for name, value in node.kwargs.items():
         if name in written:
             continue

@@ -93,6 +93,13 @@ class Region:
     replace: Callable[..., Any] | None = None
     reason: Reason = None
     names: list[str] = field(default_factory=list)  # of ``args``, for ``check``'s MatchInfo
+    # Whether ``find`` has proved every argument of every node means what the
+    # replacement computes: by running the region's own nodes against it on
+    # random inputs (the GDN finders), or by matching through the engine's
+    # guards.  Otherwise the engine refuses a region any of whose nodes
+    # carries a keyword argument at other than its default (an ``add`` with
+    # ``alpha=2`` that a finder took by its target alone).
+    arguments_checked: bool = False
 
 
 @dataclass(frozen=True)

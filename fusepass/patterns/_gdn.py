@@ -444,7 +444,8 @@ def _region(body: Body, name: str, c: Candidate, op: Any) -> Region:
     order = ["q", "k", "v", "g", "beta"] + (["state"] if roles["state"] is not None else [])
     replace = functools.partial(_call, op, c.flag, c.scale, roles["state"] is not None, body.state_out is not None)
     return Region(name, body.anchor, sorted(nodes, key=pos.__getitem__), outputs, [roles[r] for r in order],
-                  replace, names=[r if r != "state" else "initial_state" for r in order])
+                  replace, names=[r if r != "state" else "initial_state" for r in order],
+                  arguments_checked=True)  # verify() ran these very nodes against the op
 
 
 def _call(op: Any, flag: bool, scale: float, has_state: bool, want_state: bool, q, k, v, g, beta, *state):

@@ -187,7 +187,10 @@ def _region(ar: torch.fx.Node, chain: list[torch.fx.Node], add: torch.fx.Node | 
     eps = scalar_input(m.kwargs["eps"])
     args = [x, residual, m.kwargs["weight"], eps] if add is not None else [x, m.kwargs["weight"], eps]
     names = ["x", "residual", "weight", "eps"] if add is not None else ["x", "weight", "eps"]
-    return Region(name, anchor, list(dict.fromkeys(nodes)), outputs, args, replace, names=names)
+    # The norm matched through the engine's guards, the add's alpha checked above, the collective's
+    # arguments in _refusal: every argument of the region accounted for.
+    return Region(name, anchor, list(dict.fromkeys(nodes)), outputs, args, replace, names=names,
+                  arguments_checked=True)
 
 
 def _replace(flags, shape, group_name, has_residual, x, *rest):
