@@ -122,7 +122,7 @@ def gemlite_stack(model: Stack, fmt: str, device: str):
         from gemlite.helper import A16W4_HQQ_INT, A16W8_INT8
     except Exception:  # noqa: BLE001 - optional peer
         return None
-    from fusepass.kernels.dequant_matmul import unpack_int4
+    from fusepass.formats import unpack_int4
 
     layers = {}
     for name, mod in model.named_modules():
