@@ -181,7 +181,7 @@ def _tune_parser(sub: argparse._SubParsersAction) -> None:
     from fusepass import tune
 
     tune.add_arguments(sub.add_parser("tune", help="measure the quantized linears' kernel plans on this GPU",
-                                      description=tune.__doc__.split("\n\n")[0]))
+                                      description=tune.DESCRIPTION))
 
 
 # -- fusepass bench ----------------------------------------------------------------

@@ -23,6 +23,15 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+DESCRIPTION = """\
+Time the quantized linears' kernel plans on this GPU, for the linear layers of
+a random-weight model (--model) or for given weight shapes (--shapes), and
+keep the fastest plan of each problem in the user cache
+(~/.cache/fusepass/dequant_matmul.json, or FUSEPASS_DEQUANT_MATMUL_CACHE),
+where compiles look it up; without one a compile takes the plan shipped for
+the GPU, else a heuristic, and never times anything.  --list prints the
+problems and the plan each gets now, timing nothing (it runs on a CPU too)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from fusepass.formats import FORMATS

@@ -116,12 +116,12 @@ def test_outputs_go_outside_the_checkout_by_default():
 def test_every_command_says_what_it_does(capsys):
     from fusepass.cli import main
 
-    for argv in ([], ["demo"], ["rules"], ["bench"], ["bench", "ops"], ["bench", "e2e"], ["bench", "plot"]):
+    for argv in ([], ["demo"], ["rules"], ["tune"], ["bench"], ["bench", "ops"], ["bench", "e2e"], ["bench", "plot"]):
         with pytest.raises(SystemExit) as info:
             main([*argv, "--help"])
         assert info.value.code == 0
         text = capsys.readouterr().out
-        assert "The ``fusepass`` command" not in text
+        assert "The ``fusepass`` command" not in text and "``" not in text  # plain text, not markup
         described = text.split("\n\n")[1]  # argparse: usage, blank line, description
         assert len(described.split()) >= 8 and not described.lstrip().startswith(("positional", "options")), text
 

@@ -120,3 +120,33 @@ def test_no_import_circle():
 
 def test_a_circle_is_found():
     assert circles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+
+
+_QUIET = """
+import sys
+import torch
+import fusepass
+
+def norm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+x, w = torch.randn(4, 64), torch.randn(64)
+out = torch.compile(norm, backend="fusepass")(x, w)
+torch.testing.assert_close(out, norm(x, w))
+assert fusepass.last_report().hits, "the compile rewrote nothing"
+sys.stdout.write(" ".join(sorted({m.split(".")[0] for m in sys.modules} & {"torchao", "transformers"})))
+"""
+
+
+def test_importing_and_compiling_print_nothing():
+    """A fresh process imports fusepass and compiles a tiny function with the backend: nothing reaches
+    stdout or stderr (no torchao extension failures, no pytree deprecations, no transformers advice), and
+    neither torchao nor transformers was imported on the way."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _QUIET], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr == "", out.stderr[-3000:]
+    assert out.stdout == "", f"imported: {out.stdout}"
