@@ -127,6 +127,20 @@ def test_every_command_says_what_it_does(capsys):
         assert len(described.split()) >= 8 and not described.lstrip().startswith(("positional", "options")), text
 
 
+def test_commands_refuse_int4_group_sizes_the_kernels_lack(capsys):
+    """Refused while parsing, naming the sizes there are: before a model is built or a layer converted."""
+    from fusepass.cli import main
+    from fusepass.formats import GROUP_SIZES
+
+    for argv in (["demo", "--quantize", "int4", "--group-size", "48"], ["tune", "--group-size", "16"],
+                 ["bench", "e2e", "--quantize", "int4", "--group-size", "16"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--group-size" in err and ", ".join(map(str, GROUP_SIZES)) in err, err
+
+
 def test_readme_demo_at_tiny_size_checks_shows_steps_and_prints_no_library_noise(tmp_path):
     """README's demo command (the hybrid, int8) at tiny size, as a user runs it:
     a fresh process, so what reaches stdout and stderr is all there is.
