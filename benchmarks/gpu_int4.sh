@@ -11,14 +11,17 @@
 # Each step runs under faulthandler with its exit status printed: a sweep of
 # an earlier version ended silently twice after its header (H100, d27199b),
 # and its kernels ran correctly when launched alone.
-#   STEPS=tests,sweeps bash benchmarks/gpu_int4.sh     (~7 min; from the repository root, logs in $OUT)
+#   STEPS=tests,sweeps bash benchmarks/gpu_int4.sh     (~7 min; from the repository root)
 #   STEPS=floor GEMLITE=1 bash benchmarks/gpu_int4.sh   (~4 min; with gemlite)
+# Logs and plan files go to $OUT (default gpu-out/int4, ignored by git).  The
+# user's plan cache is left out: the plans measured are the shipped ones and
+# the heuristic's.
 set -u
 STEPS=${STEPS:-tests,sweeps,floor}
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
-OUT=${OUT:-out}
+OUT=${OUT:-gpu-out/int4}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} FUSEPASS_DEQUANT_MATMUL_TUNE=0 FUSEPASS_DEQUANT_MATMUL_CACHE=
+export PYTHONUNBUFFERED=1 FUSEPASS_DEQUANT_MATMUL_CACHE=
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 PY="python -X faulthandler"

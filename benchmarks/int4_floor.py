@@ -18,9 +18,10 @@ costs seconds per new M).
         [--formats bf16,int4,int8,fp8] [--gemlite] [--inductor-quantized] [--budget 240]
     TRITON_INTERPRET=1 python benchmarks/int4_floor.py --cpu-smoke --out /tmp/x
 
-Plans: tuning at first call is off (``FUSEPASS_DEQUANT_MATMUL_TUNE=0``), so
-every shape runs the shipped plan or, outside the table, the heuristic --
-what a first compile gets.  ``--tune`` lets the op tune instead.
+Plans: the user cache is left out (``FUSEPASS_DEQUANT_MATMUL_CACHE`` set
+empty), so every shape runs the shipped plan or, outside the table, the
+heuristic -- what a compile gets where nothing was tuned.  ``--user-plans``
+keeps the user cache (the plans ``fusepass tune`` measured).
 
 Prints one line per (stack, format, M, backend) as it goes, then the table:
 time, floor and % of the floor, the ratio to bf16 under Inductor and to int8,
@@ -122,7 +123,7 @@ def gemlite_stack(model: Stack, fmt: str, device: str):
         from gemlite.helper import A16W4_HQQ_INT, A16W8_INT8
     except Exception:  # noqa: BLE001 - optional peer
         return None
-    from fusepass.kernels.dequant_matmul import unpack_int4
+    from fusepass.formats import unpack_int4
 
     layers = {}
     for name, mod in model.named_modules():
@@ -162,23 +163,27 @@ def _backend(name: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=os.environ.get("OUT"),
+                   help="folder for the table and JSON (default: $OUT, else a new folder under <tmp>/fusepass-bench/)")
     p.add_argument("--stacks", default=",".join(STACKS), help=f"comma list of {', '.join(STACKS)}")
     p.add_argument("--ms", default="1,16,64")
     p.add_argument("--formats", default="bf16,int4,int8,fp8")
     p.add_argument("--gemlite", action="store_true", help="also time gemlite's int4 and int8 layers")
     p.add_argument("--inductor-quantized", action="store_true",
                    help="also compile the quantized stacks with Inductor (slow kernels, long compiles)")
-    p.add_argument("--tune", action="store_true", help="let the op tune shapes without a plan (default: off)")
+    p.add_argument("--user-plans", action="store_true",
+                   help="use the user cache's plans (fusepass tune) too; default: shipped plans and the heuristic")
     p.add_argument("--rep", type=float, default=50.0, help="ms of CUDA-graph replays per timing")
     p.add_argument("--budget", type=float, default=1e9, help="seconds; later rows are skipped")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny stacks on the CPU (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
-    if not args.tune:
-        os.environ["FUSEPASS_DEQUANT_MATMUL_TUNE"] = "0"
+    if not args.user_plans:
+        os.environ["FUSEPASS_DEQUANT_MATMUL_CACHE"] = ""
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
-    out_dir = Path(args.out)
+    from fusepass.bench.output import default_out
+
+    out_dir = Path(args.out or default_out("int4_floor"))
     out_dir.mkdir(parents=True, exist_ok=True)
 
     import fusepass

@@ -49,6 +49,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusepass.bench.registry.dequant_matmul import _gemlite, quantize  # noqa: E402
+from fusepass.formats import dequantize  # noqa: E402
 from fusepass.kernels import dequant_matmul as dm  # noqa: E402
 from fusepass.kernels.dequant_matmul import launch, plans as dm_plans, tuner  # noqa: E402
 
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
             q, s, z = qw["weight"], qw["scale"], qw["zero"]
             ring = tuner._cold_ring(q, s, z, MAX_COPIES) if cold else [(q, s, z)]
             n_q = len(ring)
-            wd = None if smoke else dm.dequantize(q, s, z, fmt, G, torch.bfloat16)
+            wd = None if smoke else dequantize(q, s, z, fmt, G, torch.bfloat16)
             n_b = dm.cold_copies(wd.numel() * 2, wd.device, MAX_COPIES) if cold else 1
             ring_bf16 = [wd] + [wd.clone() for _ in range(n_b - 1)] if wd is not None else []
             gem = None if smoke or fmt == "fp8" else _gemlite(qw, fmt, device)

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from fusepass.formats import FORMATS, GROUP_SIZES
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -143,9 +145,9 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
     d.add_argument("--batch", type=int, default=2)
     d.add_argument("--seq", type=int, default=16)
-    d.add_argument("--quantize", choices=["int8", "int4", "fp8"], default=None,
+    d.add_argument("--quantize", choices=FORMATS, default=None,
                    help="quantize the linear layers first (fusepass.quantize) to show the dequant_matmul rules")
-    d.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64, 128 or 256 (default 32)")
+    d.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32, help="int4 group size (default 32)")
     d.add_argument("--json", default=None, help="also write the report as JSON here")
     d.add_argument("--no-time", dest="time", action="store_false", help="GPU: skip the timing")
     d.add_argument("--compare-inductor", action="store_true",
@@ -181,7 +183,7 @@ def _tune_parser(sub: argparse._SubParsersAction) -> None:
     from fusepass import tune
 
     tune.add_arguments(sub.add_parser("tune", help="measure the quantized linears' kernel plans on this GPU",
-                                      description=tune.__doc__.split("\n\n")[0]))
+                                      description=tune.DESCRIPTION))
 
 
 # -- fusepass bench ----------------------------------------------------------------

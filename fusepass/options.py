@@ -158,25 +158,33 @@ def arm(backend: Any) -> None:
         handler.register_start_callback(_check_at_compile_start)
 
 
-def _compile_options() -> tuple[bool, Any]:
-    """(True, options) when the compile Dynamo is starting uses the fusepass backend; (False, None) otherwise
-    or when it cannot be told."""
+def backend_options(fn: Any) -> tuple[bool, Any]:
+    """(True, the raw ``options=``) when the compiler function ``fn`` is the fusepass backend, however
+    Dynamo wrapped it (``WrapBackendDebug``, ``_TorchCompileWrapper``, ``functools.partial``);
+    (False, None) otherwise.  :func:`arm` names the backend, so modules that ask (the pre-trace path)
+    need not import it."""
     backend = _backend
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals):
-        frame = frame.f_back
-    fn = frame.f_locals["compiler_fn"] if frame is not None else None
-    for _ in range(8):  # WrapBackendDebug -> _TorchCompileWrapper -> the backend
+    for _ in range(8):
         if fn is None or backend is None:
             return False, None
-        if getattr(fn, "compiler_fn", None) is backend:
+        if fn is backend:
+            return True, None
+        inner = getattr(fn, "compiler_fn", None)
+        if inner is backend:
             return True, (getattr(fn, "kwargs", None) or {}).get("options")
         if getattr(fn, "func", None) is backend:  # functools.partial(backend, options=...)
             return True, fn.keywords.get("options")
-        if fn is backend:
-            return True, None
-        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "__wrapped__", None)
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or inner or getattr(fn, "__wrapped__", None)
     return False, None
+
+
+def _compile_options() -> tuple[bool, Any]:
+    """(True, options) when the compile Dynamo is starting uses the fusepass backend; (False, None) otherwise
+    or when it cannot be told."""
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals):
+        frame = frame.f_back
+    return backend_options(frame.f_locals["compiler_fn"] if frame is not None else None)
 
 
 def _check_at_compile_start(args: Any) -> None:

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.fx
 
+from .formats import KERNEL_DTYPES
 from .match import MatchInfo
 
 Reason = str | None
@@ -108,7 +109,7 @@ class Rule:
     forms: Sequence[Form]
     example_inputs: Callable[[torch.dtype], Sequence[Any]]
     check: Callable[[MatchInfo], Reason] = lambda m: None
-    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16)
+    dtypes: Sequence[torch.dtype] = KERNEL_DTYPES
     scalars: Mapping[str, float] = field(default_factory=dict)
     anchor: Any = None  # an OpOverload, or a tuple of them
     explain: Callable[[torch.fx.Node], Reason] | None = None

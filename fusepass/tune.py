@@ -23,15 +23,24 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+DESCRIPTION = """\
+Time the quantized linears' kernel plans on this GPU, for the linear layers of
+a random-weight model (--model) or for given weight shapes (--shapes), and
+keep the fastest plan of each problem in the user cache
+(~/.cache/fusepass/dequant_matmul.json, or FUSEPASS_DEQUANT_MATMUL_CACHE),
+where compiles look it up; without one a compile takes the plan shipped for
+the GPU, else a heuristic, and never times anything.  --list prints the
+problems and the plan each gets now, timing nothing (it runs on a CPU too)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from fusepass.formats import FORMATS
+    from fusepass.formats import FORMATS, GROUP_SIZES
     from fusepass.models import MODELS
 
     p.add_argument("--model", choices=MODELS, default=None, help="tune the shapes of this random-weight model")
     p.add_argument("--size", choices=["tiny", "small", "medium"], default="small")
     p.add_argument("--quantize", "--fmt", dest="fmt", choices=FORMATS, default="int8", help="weight format")
-    p.add_argument("--group-size", type=int, default=32, help="int4 group size (default 32)")
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32, help="int4 group size (default 32)")
     p.add_argument("--batch", type=int, default=2, help="prefill batch (with --model)")
     p.add_argument("--seq", type=int, default=16, help="prefill tokens per sequence (with --model)")
     p.add_argument("--decode-batch", default=None, help="comma list of decode batches (default: --batch)")

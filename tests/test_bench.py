@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -116,17 +117,31 @@ def test_outputs_go_outside_the_checkout_by_default():
 def test_every_command_says_what_it_does(capsys):
     from fusepass.cli import main
 
-    for argv in ([], ["demo"], ["rules"], ["bench"], ["bench", "ops"], ["bench", "e2e"], ["bench", "plot"]):
+    for argv in ([], ["demo"], ["rules"], ["tune"], ["bench"], ["bench", "ops"], ["bench", "e2e"], ["bench", "plot"]):
         with pytest.raises(SystemExit) as info:
             main([*argv, "--help"])
         assert info.value.code == 0
         text = capsys.readouterr().out
-        assert "The ``fusepass`` command" not in text
+        assert "The ``fusepass`` command" not in text and "``" not in text  # plain text, not markup
         described = text.split("\n\n")[1]  # argparse: usage, blank line, description
         assert len(described.split()) >= 8 and not described.lstrip().startswith(("positional", "options")), text
 
 
-def test_readme_demo_at_tiny_size_checks_shows_steps_and_prints_no_library_noise():
+def test_commands_refuse_int4_group_sizes_the_kernels_lack(capsys):
+    """Refused while parsing, naming the sizes there are: before a model is built or a layer converted."""
+    from fusepass.cli import main
+    from fusepass.formats import GROUP_SIZES
+
+    for argv in (["demo", "--quantize", "int4", "--group-size", "48"], ["tune", "--group-size", "16"],
+                 ["bench", "e2e", "--quantize", "int4", "--group-size", "16"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--group-size" in err and ", ".join(map(str, GROUP_SIZES)) in err, err
+
+
+def test_readme_demo_at_tiny_size_checks_shows_steps_and_prints_no_library_noise(tmp_path):
     """README's demo command (the hybrid, int8) at tiny size, as a user runs it:
     a fresh process, so what reaches stdout and stderr is all there is.
     transformers imports torchao, which logs its C++ extensions' failures and
@@ -134,11 +149,20 @@ def test_readme_demo_at_tiny_size_checks_shows_steps_and_prints_no_library_noise
     packages for its eager GDN code: fusepass drops exactly those."""
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, "-m", "fusepass.cli", "demo", "--model", "qwen3_5", "--quantize", "int8",
-                          "--size", "tiny"], capture_output=True, text=True, timeout=600)
+                          "--size", "tiny", "--json", str(tmp_path / "report.json")],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "rewrite report" in out.stdout and ": OK" in out.stdout
     assert "gdn_chunk" in out.stdout and "dequant_matmul" in out.stdout
     assert "model.layers.0" in out.stdout and "L['" not in out.stdout
+    # Every "where" is the path of a module of the model (as named_modules() spells it), whole in the table.
+    from fusepass import models
+
+    names = {n for n, _ in models.build("qwen3_5", size="tiny").named_modules()}
+    wheres = {h["where"] for g in json.loads((tmp_path / "report.json").read_text())["graphs"] for h in g["hits"]}
+    assert wheres and wheres <= names, wheres - names
+    shown = set(re.findall(r"model\.[\w.]*\w", out.stdout))
+    assert shown and shown <= names, shown - names
     assert "test path" in out.stdout
     assert "compiling with fusepass" in out.stderr  # progress, step by step
     for noise in ("Failed to load", "Enum subclass", "_C_mxfp8", "falling back to its reference"):

@@ -27,7 +27,7 @@ from fusepass.testing import differential
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # id -> (fmt, group, asymmetric)
-FORMATS = {
+WEIGHT_CASES = {
     "int8": ("int8", 0, False),
     "int4-g32": ("int4", 32, True),
     "int4-g64-sym": ("int4", 64, False),
@@ -99,7 +99,7 @@ def _poisoned_workspace(monkeypatch):
 
 def _cases():
     for path, cfg in PATHS.items():
-        for fid, (fmt, group, asym) in FORMATS.items():
+        for fid, (fmt, group, asym) in WEIGHT_CASES.items():
             for did, dtype in DTYPES.items():
                 if cfg.kind in ("mm", "mmt") and dtype == torch.float32:
                     continue  # fp32 takes the GEMV or the cuBLAS path (see _valid)
@@ -127,7 +127,7 @@ def test_gemv_non_finite_activation_like_the_dequantised_matmul(fid):
     """An infinite activation gives +-inf where the dequantised matmul does, and
     NaN where it does (0 * inf): a zero point folded out of the sum (sum v x -
     z sum x) once turned every +-inf into inf - inf = NaN."""
-    fmt, group, asym = FORMATS[fid]
+    fmt, group, asym = WEIGHT_CASES[fid]
     x, w, s, z, b = _inputs(2, 16, 256, fmt, group, asym, torch.float32, bias=False)
     x[0, 5] = float("inf")
     x[1, 100] = float("-inf")
@@ -197,7 +197,7 @@ def test_split_k_sums_in_the_kernel_or_a_second_one(monkeypatch, launched, path,
         return counters[:tiles]
 
     monkeypatch.setattr(launch, "_split_counters", fake_counters)
-    fmt, group, asym = FORMATS["int4-g32"] if cfg.kind != "mmt" else FORMATS["int8"]
+    fmt, group, asym = WEIGHT_CASES["int4-g32"] if cfg.kind != "mmt" else WEIGHT_CASES["int8"]
     K = 384 if cfg.split == 3 else 128
     for seed in (0, 1):
         x, w, s, z, b = _inputs(3 if cfg.kind == "gemv" else 17, 24, K, fmt, group, asym, torch.bfloat16, seed=seed)
@@ -521,7 +521,7 @@ def test_gpu_int4_gemv_non_finite_and_odd_row_stride(fid):
     """The GPU's int4 GEMV builds its floats with inline PTX (the interpreter
     never runs it): infinities as the dequantised matmul gives them, and an x
     whose rows start at odd element offsets (copied before the pairwise view)."""
-    fmt, group, asym = FORMATS[fid]
+    fmt, group, asym = WEIGHT_CASES[fid]
     cfg = dm.Config("gemv", BN=8, BK=1024, split=2)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x, w, s, z, b = (t.cuda() if t is not None else None

@@ -6,6 +6,7 @@ Inductor compile of one of these takes 10-45 s on a 2-core machine).
 """
 
 import functools
+import re
 
 import pytest
 import torch
@@ -31,6 +32,18 @@ def compiled(name, dtype=torch.float32):
 
 def layers(model):
     return model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_where_is_a_module_of_the_model_printed_whole(name):
+    """transformers 5 passes ``self`` through a decorator (Dynamo's source is ``L['args'][0].model...``):
+    every hit's "where" is a path of named_modules(), and the table prints each path it shows unbroken."""
+    model, _, _, report = compiled(name)
+    names = {n for n, _ in model.named_modules()}
+    wheres = {h.where for h in report.hits}
+    assert wheres and wheres <= names, wheres - names
+    shown = set(re.findall(r"model\.[\w.]*\w", str(report)))
+    assert shown and shown <= names, shown - names
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "qwen3_next"])

@@ -216,7 +216,7 @@ def test_experts_refuse_bad_arguments(case, message):
 # dtype is checked at the kernels' own roundings.
 
 from fusepass.kernels.moe import _tiles, decode, prefill  # noqa: E402
-from fusepass.kernels.dequant_matmul import unpack_int4  # noqa: E402
+from fusepass.formats import unpack_int4  # noqa: E402
 
 INTERPRET = __import__("os").environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"

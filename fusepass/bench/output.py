@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import textwrap
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -28,6 +29,11 @@ CPU_TITLE = "CPU test path, not a speed claim"
 
 def is_cpu(env: dict[str, Any]) -> bool:
     return env.get("device_type", "cuda" if "CPU" not in env.get("device", "") else "cpu") == "cpu"
+
+
+def _wrapped(title: str, width: int) -> str:
+    """A plot title in lines that fit the figure (matplotlib cuts a long one off at the edge)."""
+    return "\n".join(textwrap.wrap(title, width))
 
 
 def device_title(env: dict[str, Any]) -> str:
@@ -137,7 +143,7 @@ def bandwidth_plots(folder: Path, rows: list[dict[str, Any]], copy_gbps: float, 
         ax.set_xlabel("bytes moved per call (inputs read once, outputs written once)")
         ax.set_ylabel("GB/s")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{op}: bandwidth against size ({device})", fontsize=10)
+        ax.set_title(_wrapped(f"{op}: bandwidth against size ({device})", 80), fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -166,7 +172,7 @@ def speedup_plot(path: Path, workloads: Iterable[tuple[str, dict[str, float]]], 
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xlabel("speed-up over Inductor (>1: faster)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_wrapped(title, 90), fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

@@ -82,6 +82,20 @@ def time_graph(fn: Callable[[], Any], rep_ms: float) -> Timing:
     return Timing.of(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=QUANTILES))
 
 
+def captured(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` captured in one CUDA graph after three warm-up calls on a side stream; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def copy_bandwidth(device: str | torch.device) -> float:
     """Device-to-device ``copy_`` of a large bf16 buffer, bytes read + written per second, in GB/s.
 

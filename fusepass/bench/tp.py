@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from .timing import captured
+
 MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama3-70b": ("LlamaForCausalLM", "LlamaConfig", dict(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -114,20 +116,6 @@ def _time(fn, cuda: bool, calls: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / calls
 
 
-def _graphed(fn):
-    """``fn`` captured in a CUDA graph (after warm-up on a side stream); returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) -> list[dict[str, Any]]:
     import fusepass
     from transformers import StaticCache
@@ -180,7 +168,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
                 run, how = step, "plain calls"
                 if cuda:
                     try:
-                        run, how = _graphed(step), "CUDA graph replays"
+                        run, how = captured(step), "CUDA graph replays"
                     except Exception as exc:  # noqa: BLE001 - a capture every rank refuses alike: time plain calls
                         how = f"plain calls (capture failed: {type(exc).__name__})"
                 ms = _time(run, cuda, args.calls * 10)
@@ -224,7 +212,7 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
             try:
                 got = fn()
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
-                rows.append(dict(row, ms=_time(_graphed(fn), True, 200), check=f"max diff {err:.3g}"))
+                rows.append(dict(row, ms=_time(captured(fn), True, 200), check=f"max diff {err:.3g}"))
             except Exception as exc:  # noqa: BLE001 - one contender failing must not lose the others
                 rows.append(dict(row, ms=float("nan"), check=f"FAILED {type(exc).__name__}: {exc}"[:100]))
     return rows

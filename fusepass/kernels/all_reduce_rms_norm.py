@@ -37,12 +37,12 @@ from torch import Tensor
 
 from fusepass.kernels._common import call, eps_args, op_eps, register_inline, run_kernel
 from fusepass.kernels.rms_norm import (
+    _add_rms_norm_ref_out,
     _check_residual,
     _inline_ok,
     _kernel_handles,
     _traced,
     add_rms_norm_fwd,
-    add_rms_norm_reference,
     rms_norm_fwd,
     rms_norm_reference,
 )
@@ -62,9 +62,7 @@ def _reference(h, residual, weight, eps, weight_offset, cast_before_weight, out_
     """The op after its collective, in plain torch."""
     if residual is None:
         return rms_norm_reference(h, weight, eps, weight_offset, cast_before_weight, out_dtype).contiguous(), h
-    _check_residual(h, residual)
-    y, h = add_rms_norm_reference(h, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
-    return y.contiguous(), h.contiguous()
+    return _add_rms_norm_ref_out(h, residual, weight, eps, weight_offset, cast_before_weight, out_dtype)
 
 
 @torch.library.custom_op("fusepass::all_reduce_rms_norm", mutates_args=())

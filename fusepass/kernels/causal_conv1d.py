@@ -41,10 +41,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels._common import Launch, cdiv, inline_enabled, on_device, register_inline, run_kernel
 
 _ACTIVATIONS = (None, "silu", "swish")
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_K = 8
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

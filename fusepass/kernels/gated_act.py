@@ -103,8 +103,8 @@ _ACTIVATIONS = {"silu": "silu", "none": "gelu", "tanh": "gelu_tanh"}
 # programs (11008 columns in a 16384-lane block, 16 warps, 32 elements per
 # thread) reach 4265 GB/s on an H200 against a 4270 GB/s copy, Inductor 3057
 # (DESIGN.md): we read that as bytes in flight per thread mattering more than
-# idle masked lanes.  Chosen without a GPU at hand; `python
-# benchmarks/swiglu.py --sweep` times the (block, warps) grid.
+# idle masked lanes.  Chosen without a GPU at hand; `python -m
+# fusepass.bench.registry.swiglu --sweep` times the (block, warps) grid.
 _BN_MAX = 4096
 # 16 elements per thread: two 16-byte vectors per operand in bf16, four in fp32.
 _ELEMS_PER_THREAD = 16

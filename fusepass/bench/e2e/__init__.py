@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from ...formats import GROUP_SIZES
 from .. import output
 from .models import MODELS
 from .phases import phase_decode, phase_prefill, phase_replay
@@ -109,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int8", "int4", "torchao-int8"], default=None,
                    help="weight-only quantization: int8/int4 through fusepass.quantize, torchao-int8 through "
                         "torchao's Int8WeightOnlyConfig (lm_head stays bf16 in both)")
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128, help="int4 group size (default 128)")
     p.add_argument("--prefill", default=None, help="prompt lengths for the prefill phase (default 512,2048,8192)")
     p.add_argument("--batch", default=None, help="batch sizes for decode and replay (default 1,32)")
     p.add_argument("--prompt", type=int, default=None, help="prompt length for decode/replay/startup (default 128)")

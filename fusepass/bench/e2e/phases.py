@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..ops import rel_err
-from ..timing import Timing, sync, time_cpu
+from ..timing import Timing, captured, sync, time_cpu
 from .run import Run, _fresh, _report_text, _start_report
 
 
@@ -206,22 +206,14 @@ def phase_replay(run: Run) -> None:
                                   cache_position=pos, use_cache=True).logits
 
                     if run.cuda:
-                        stream = torch.cuda.Stream()
-                        stream.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(stream):
-                            for _ in range(3):
-                                step()
-                        torch.cuda.current_stream().wait_stream(stream)
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            step()
+                        replay = captured(step)
                         replays = run.args.replays
                         for _ in range(10):
-                            graph.replay()
+                            replay()
 
                         def replay_k() -> None:
                             for _ in range(replays):
-                                graph.replay()
+                                replay()
 
                         per = run.time_calls(replay_k, 5)
                         per = Timing(per.median / replays, per.p20 / replays, per.p80 / replays)
@@ -244,7 +236,7 @@ def phase_replay(run: Run) -> None:
             run.say(f"replay B={batch} {backend}: {per.median * 1e3:.1f} µs/step (floor {floor * 1e3:.1f} µs)")
             del cache, step
             if run.cuda:
-                del graph, replay_k
+                del replay, replay_k
                 torch.cuda.empty_cache()
 
 

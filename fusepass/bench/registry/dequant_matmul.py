@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 
 from fusepass.bench.registry.common import Case, compiled
-from fusepass.formats import FORMATS
+from fusepass.formats import FORMATS, dequantize
 from fusepass.kernels import dequant_matmul as dm  # registers fusepass::dequant_matmul
 from fusepass.kernels.dequant_matmul import Problem, plans, tuner
 from fusepass.kernels.dequant_matmul.config import valid
@@ -206,7 +206,7 @@ def _weights(fmt: str, N: int, K: int, device: str):
     gen = torch.Generator(device=device).manual_seed(N * 7 + K)
     w = torch.randn(N, K, device=device, generator=gen) * 0.02
     qw = quantize(w, fmt)
-    w_deq = dm.dequantize(qw["weight"], qw["scale"], qw["zero"], fmt, qw["group"], torch.bfloat16)
+    w_deq = dequantize(qw["weight"], qw["scale"], qw["zero"], fmt, qw["group"], torch.bfloat16)
     return qw, w_deq
 
 

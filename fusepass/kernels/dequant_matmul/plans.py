@@ -4,7 +4,7 @@ The lookup takes, in order: a plan measured on this machine (``fusepass
 tune`` writes them to the user cache, ``FUSEPASS_DEQUANT_MATMUL_CACHE``,
 default ``~/.cache/fusepass/dequant_matmul.json``), a plan shipped for this
 GPU (``plans/<gpu>.json`` beside this file, measured on that GPU by
-``benchmarks/dequant_matmul.py --tune``), then the heuristic.  It reads files
+``python -m fusepass.bench.registry.dequant_matmul --tune``), then the heuristic.  It reads files
 once and runs nothing on the GPU, so a rule's ``check`` can ask it while
 compiling, the op asks it when it runs, and both get the same answer.
 """

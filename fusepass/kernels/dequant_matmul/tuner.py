@@ -1,7 +1,7 @@
 """The tuner: the candidate configs of a problem, timed on the GPU.
 
-Run only when asked (``fusepass tune``, ``benchmarks/dequant_matmul.py
---tune``): it compiles a few Triton kernels and times them, which has no
+Run only when asked (``fusepass tune``, ``python -m
+fusepass.bench.registry.dequant_matmul --tune``): it compiles a few Triton kernels and times them, which has no
 place inside a compile or a model's call.  :func:`tune_and_save` keeps the
 fastest in the user cache, where :func:`fusepass.kernels.dequant_matmul.plans.lookup`
 finds it.

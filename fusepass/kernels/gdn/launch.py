@@ -9,6 +9,8 @@ launch does not use are given ``g``: read by every launch, written by none.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton.language as tl
 from torch import Tensor
@@ -173,6 +175,15 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
 
     ``out`` / ``final_state`` receive the results when given (tests poison
     them); ``choices`` are :func:`chunk_launches`' overrides (tests, sweeps)."""
+    return _forward(q, k, v, initial_state, out, final_state,
+                    lambda q, k, v, h0, o, hT: chunk_launches(q, k, v, g, beta, h0, o, hT, use_qk_l2norm, scale,
+                                                             **choices))
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, initial_state: Tensor | None, out: Tensor | None,
+             final_state: Tensor | None, launches: Callable[..., list[Launch]]) -> tuple[Tensor, Tensor]:
+    """Both pipelines' run: the outputs made (or checked), an empty problem answered without a launch,
+    then ``launches(q, k, v, h0, out, final_state)`` run on q's device with unit-stride heads."""
     B, T = q.shape[:2]
     HV = v.shape[-2]
     out, final_state = _outputs(q, v, out, final_state)
@@ -181,7 +192,7 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     h0 = None if initial_state is None else initial_state.contiguous()
     with on_device(q):
-        run_all(chunk_launches(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale, **choices))
+        run_all(launches(q, k, v, h0, out, final_state))
     return out, final_state
 
 
@@ -219,13 +230,6 @@ def gdn_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
                       final_state: Tensor | None = None, block_v: int | None = None,
                       num_warps: int | None = None) -> tuple[Tensor, Tensor]:
     """The token loop in one launch; arguments as :func:`gdn_chunk_fwd`."""
-    B, T = q.shape[:2]
-    HV = v.shape[-2]
-    out, final_state = _outputs(q, v, out, final_state)
-    if B == 0 or T == 0 or HV == 0:
-        return _empty(initial_state, out, final_state)
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    h0 = None if initial_state is None else initial_state.contiguous()
-    with on_device(q):
-        recurrent_launch(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale, block_v, num_warps).run()
-    return out, final_state
+    return _forward(q, k, v, initial_state, out, final_state,
+                    lambda q, k, v, h0, o, hT: [recurrent_launch(q, k, v, g, beta, h0, o, hT, use_qk_l2norm, scale,
+                                                                 block_v, num_warps)])

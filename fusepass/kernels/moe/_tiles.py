@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusepass.kernels.dequant_matmul.tiles import _dot as dot  # noqa: F401 - the kernels' dot, shared
 from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _nibbles_to_f32
 
 
@@ -102,16 +103,6 @@ def row_scale(p_srows, m_rows, FMT: tl.constexpr):
         return tl.load(p_srows, mask=m_rows, other=0).to(tl.float32)
     else:
         return tl.full(m_rows.shape, 1.0, tl.float32)
-
-
-@triton.jit
-def dot(a, b, acc, F32: tl.constexpr):
-    # F32: fp32 operands ("ieee": no TF32, as eager's fp32 matmul), and the
-    # interpreter, whose bf16 dot returns garbage (Triton 3.9 on CPU).
-    if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit

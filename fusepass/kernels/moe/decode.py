@@ -25,7 +25,7 @@ across K once at the end, or (``defer=False``) every tile, which takes fewer
 registers for deeper tiles.  Weight tiles are laid out with the dim that is
 contiguous in memory fastest ([BN, BK] for [E, N, K] weights, [BK, BN] for
 gpt-oss's [E, K, N]), so every weight load is a 16-byte vector
-(``benchmarks/moe.py --ptx`` checks the PTX for sm90).
+(``python -m fusepass.bench.registry.moe --ptx`` checks the PTX for sm90).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class DecodeConfig:
 
 def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int) -> DecodeConfig:
     """Tiles for T tokens.  Products are summed elementwise and reduced across K
-    once at the end (defer): on an H100 (benchmarks/moe.py, commit 0890f1a,
+    once at the end (defer): on an H100 (fusepass.bench.registry.moe, commit 0890f1a,
     Qwen3-30B-A3B block at T = 1) that ran 36.4 µs in bf16 and 23.6 in int4,
     where reducing every tile (8 columns x 1024) ran 1448 and 1047 µs.  A tile
     holds 4096 fp32 partial products (BM x BN x BK; 32 registers a thread at 4

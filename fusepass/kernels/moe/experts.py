@@ -67,7 +67,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fusepass.kernels._common import on_device, run_kernel, sm_count
-from fusepass.kernels.dequant_matmul import FORMATS, WEIGHT_DTYPES, dequantize
+from fusepass.formats import FORMATS, WEIGHT_DTYPES, dequantize
+from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels.moe import _tiles, decode, plans, prefill
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gpt_oss")
@@ -231,7 +232,6 @@ def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
 # --------------------------------------------------------------------- plan ----
 
 PLANS = ("decode", "sorted", "grouped_mm", "reference")
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The decode kernels' programs each read all T * k ids, and an expert chosen
 # by many tokens is read once per BM of them: past a hundred or so slots the
 # alignment step costs less.  Chosen without a GPU at hand; plans.PLANS holds

@@ -1,5 +1,5 @@
 """Measured plans for ``fusepass::moe_experts``: which path is fastest per
-(GPU, dtype, format, E, H, I, k, token bucket), from ``benchmarks/moe.py``'s
+(GPU, dtype, format, E, H, I, k, token bucket), from ``python -m fusepass.bench.registry.moe``'s
 sweep on that GPU.  A missing entry leaves the choice to the heuristic in
 ``experts.moe_experts_plan``."""
 

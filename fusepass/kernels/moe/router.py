@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusepass.formats import KERNEL_DTYPES
 from fusepass.kernels._common import cdiv, interpreting, on_device, run_kernel
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.moe import _tiles
@@ -294,8 +295,7 @@ def _whole(BEA: int, H: int) -> RouterConfig:
 
 def _kernel_ok(x, weight, kind, n_group) -> bool:
     E = weight.shape[0]
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype not in (
-            torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
         return False
     if E > 1024:  # one program holds a token's E logits
         return False
