@@ -55,6 +55,9 @@ from typing import Any, Callable
 
 import torch
 
+from .options import Options, backend_options
+from .rule import rules
+
 log = logging.getLogger("fusepass")
 
 # transformers' function name -> the op it is routed to.
@@ -313,27 +316,13 @@ def traced_options() -> Any:
     """fusepass's Options of the compile Dynamo is tracing now, or None (not tracing, another backend)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
-    from .backend import fusepass_backend
-    from .options import Options
-
     tx = InstructionTranslator.current_tx()
-    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
-    for _ in range(8):
-        if fn is None:
-            return None
-        inner = getattr(fn, "compiler_fn", None)
-        if fn is fusepass_backend or inner is fusepass_backend:
-            return Options.parse((getattr(fn, "kwargs", None) or {}).get("options"))[0]
-        if getattr(fn, "func", None) is fusepass_backend:  # functools.partial(fusepass_backend, ...)
-            return Options.parse(fn.keywords.get("options"))[0]
-        fn = getattr(fn, "_torchdynamo_orig_backend", None) or inner or getattr(fn, "__wrapped__", None)
-    return None
+    ours, options = backend_options(getattr(getattr(tx, "output", None), "compiler_fn", None))
+    return Options.parse(options)[0] if ours else None
 
 
 def owners() -> dict[str, str]:
     """op name -> the rule whose ``pretraced`` names it: the rule a pre-trace route belongs to."""
-    from .rule import rules
-
     return {op._schema.name.split("::")[-1]: rule.name for rule in rules() for op in rule.pretraced}
 
 
