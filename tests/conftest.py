@@ -15,23 +15,10 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 
+from fusepass.testing import without_inductor_cpu_int8_woq  # noqa: E402 - after TRITON_INTERPRET is set
 
-def _no_inductor_cpu_int8_woq() -> None:
-    """Inductor's CPU lowering of int8 weight-only linears (bf16 x, int8 w, bf16
-    scale -> ``aten._weight_int8pack_mm``) is wrong on torch 2.13 where K is not
-    a multiple of 16 and crashes the process where K < 8 (measured here: K = 8
-    off by 469 on values of ~100, K = 40 by 384, K = 2 and 4 a segfault).  Every
-    quantized-linear program fusepass refuses goes to Inductor, so the suite's
-    generated programs would hit it: the lowering is left unregistered for the
-    test process (it is registered once, at Inductor's first post-grad pass)."""
-    from torch._inductor.fx_passes import mkldnn_fusion, quantization
-
-    for module in (mkldnn_fusion, quantization):
-        if hasattr(module, "_register_woq_lowerings"):
-            module._register_woq_lowerings = lambda: None
-
-
-_no_inductor_cpu_int8_woq()
+if not HAS_CUDA:  # the lowering's CPU kernel is the broken one
+    without_inductor_cpu_int8_woq()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 

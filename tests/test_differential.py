@@ -12,14 +12,16 @@ programs, blocks, rewrites, refusals by reason.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
 import fusepass
 from fusepass.testing import differential as diff
+from fusepass.testing.differential.parallel import run_specs
 from fusepass.testing import registered
 
 # 200 programs of 20-30 blocks, plus the explicit ones holding every form and
@@ -31,20 +33,23 @@ BLOCKS = (20, 30)
 
 
 def _run(programs: int, derandomize: bool = True, seed: int | None = None) -> diff.Stats:
-    stats = diff.Stats()
+    """Draw ``programs`` programs (plus the catalogue's), then run them on ``FUSEPASS_WORKERS`` processes
+    (default: up to two, one per core)."""
+    specs = list(diff.catalogue_programs())
 
     @settings(max_examples=programs, derandomize=derandomize, database=None, deadline=None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(diff.strategies(min_blocks=BLOCKS[0], max_blocks=BLOCKS[1]))
-    def one(spec):
-        stats.add(diff.run(diff.build(spec)))
+    def draw(spec):
+        specs.append(spec)
 
-    for spec in diff.catalogue_programs():
-        one = example(spec)(one)
     if seed is not None:
-        one = hypothesis_seed(seed)(one)
-    one()
-    print("\n" + stats.summary())
+        draw = hypothesis_seed(seed)(draw)
+    draw()
+    workers = int(os.environ.get("FUSEPASS_WORKERS", min(2, os.cpu_count() or 1)))
+    t0 = time.perf_counter()
+    stats = run_specs(specs, workers=workers)
+    print("\n" + stats.summary() + f"\n  wall time {time.perf_counter() - t0:.0f} s on {workers} worker(s)")
     return stats
 
 

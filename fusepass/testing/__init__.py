@@ -88,6 +88,23 @@ def registered(rule: Rule) -> Iterator[None]:
             registry.register_rule(previous, replace=True)
 
 
+def without_inductor_cpu_int8_woq() -> None:
+    """Leave Inductor's CPU lowering of int8 weight-only linears unregistered in this process.
+
+    That lowering (bf16 x, int8 w, bf16 scale -> ``aten._weight_int8pack_mm``)
+    is wrong on torch 2.13 where K is not a multiple of 16 and kills the
+    process where K < 8 (measured on the CPU: K = 8 off by 469 on values of
+    ~100, K = 40 by 384, K = 2 and 4 a segfault).  Every quantized-linear
+    program fusepass refuses goes to Inductor, so the test suite's and the
+    differential run's programs would hit it.  Call before the process's
+    first compile: Inductor registers its post-grad patterns once."""
+    from torch._inductor.fx_passes import mkldnn_fusion, quantization
+
+    for module in (mkldnn_fusion, quantization):
+        if hasattr(module, "_register_woq_lowerings"):
+            module._register_woq_lowerings = lambda: None
+
+
 def check_rule(rule: Rule, dtypes: Sequence[torch.dtype] | None = None, device: str | torch.device | None = None,
                near_miss_dtype: torch.dtype = torch.float32) -> list[CheckResult]:
     """Check a rule end to end; returns one row per case, raises AssertionError on the first failure."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .check import Outcome
 
@@ -63,6 +63,17 @@ class Stats:
         if o.inductor:
             self.inductor.append(p.listing() + "\n" + "\n".join(f"  ?? {f}" for f in o.inductor))
         self.seconds += o.seconds
+
+    def merge(self, other: Stats) -> None:
+        """Add another run's counts (a worker process's, see :func:`run_specs`)."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, Counter):
+                mine.update(theirs)
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, f.name, mine + theirs)
 
     def summary(self) -> str:
         lines = [
