@@ -709,3 +709,36 @@ def test_library_op_cuda_body_under_interpreter(fmt):
         out = torch.ops.fusepass.dequant_matmul(x.view(1, 5, 128), w, s, z, None, fmt, group, g)
     ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
     torch.testing.assert_close(out.view(5, 24), ref, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nf4", "fp4", "gptq4", "gptq4_v1", "hqq4"])
+def test_gpu_library_layouts_real_sizes(fmt):
+    """The libraries' layouts on a GPU at a real layer's size, every path and the op's plan in a CUDA graph."""
+    N, K = 4096, 4096
+    paths = [dm.Config("gemv", BN=8, BK=256, split=1), dm.Config("gemv", BN=16, BK=256, split=4),
+             dm.Config("mm", BM=16, BN=64, BK=32, split=1, stages=3), dm.Config("mm", BM=64, BN=128, BK=32, split=2),
+             dm.CUBLAS]
+    for cfg in paths:
+        for M, dtype in ((1, torch.bfloat16), (5, torch.float16), (77, torch.bfloat16)):
+            if cfg.kind == "gemv" and M > 8 or (fmt == "fp4" and dtype == torch.float16):
+                continue
+            if not _valid(cfg, M, K, fmt, 64 if fmt in ("nf4", "fp4") else 32, dtype):
+                continue
+            x, w, s, z, g, group = (t.cuda() if isinstance(t, torch.Tensor) else t
+                                    for t in _library_inputs(fmt, M, N, K, dtype, seed=M))
+            out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+            launch._launch(x, w, s, z, None, out, fmt, group if fmt in ("nf4", "fp4", "hqq4") else 0, cfg, g_idx=g)
+            ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
+            assert torch.isfinite(out).all(), (cfg, M)
+            tol = TOLERANCES[dtype]
+            torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol, msg=lambda m: f"{cfg} M{M}: {m}")
+    x, w, s, z, g, group = (t.cuda() if isinstance(t, torch.Tensor) else t
+                            for t in _library_inputs(fmt, 16, N, K, torch.bfloat16))
+    expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected)
