@@ -32,20 +32,29 @@ SEEDED_PROGRAMS = 200
 BLOCKS = (20, 30)
 
 
-def _run(programs: int, derandomize: bool = True, seed: int | None = None) -> diff.Stats:
-    """Draw ``programs`` programs (plus the catalogue's), then run them on ``FUSEPASS_WORKERS`` processes
-    (default: up to two, one per core)."""
-    specs = list(diff.catalogue_programs())
+def draw_specs(programs: int, derandomize: bool = True, seed: int | None = None) -> list[diff.ProgramSpec]:
+    """The catalogue's programs and ``programs`` distinct drawn ones (the same every time when derandomized)."""
+    drawn: dict[str, diff.ProgramSpec] = {}
 
-    @settings(max_examples=programs, derandomize=derandomize, database=None, deadline=None,
+    # Hypothesis draws some programs twice (182 distinct of 200 at this size):
+    # drawn until ``programs`` distinct ones are in hand.
+    @settings(max_examples=programs * 2, derandomize=derandomize, database=None, deadline=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(diff.strategies(min_blocks=BLOCKS[0], max_blocks=BLOCKS[1]))
     def draw(spec):
-        specs.append(spec)
+        if len(drawn) < programs:
+            drawn.setdefault(repr(spec), spec)
 
     if seed is not None:
         draw = hypothesis_seed(seed)(draw)
     draw()
+    return list(diff.catalogue_programs()) + list(drawn.values())
+
+
+def _run(programs: int, derandomize: bool = True, seed: int | None = None) -> diff.Stats:
+    """Run the programs of :func:`draw_specs` on ``FUSEPASS_WORKERS`` processes (default: up to two, one
+    per core)."""
+    specs = draw_specs(programs, derandomize, seed)
     workers = int(os.environ.get("FUSEPASS_WORKERS", min(2, os.cpu_count() or 1)))
     t0 = time.perf_counter()
     stats = run_specs(specs, workers=workers)

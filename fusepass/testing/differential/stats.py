@@ -122,6 +122,11 @@ def known_inductor_bug(text: str) -> str | None:
     return next((why for sig, why in KNOWN_INDUCTOR_BUGS.items() if sig in text), None)
 
 
+# Lines Dynamo appends to every error it re-raises: not the error.
+_BOILERPLATE = ("Set TORCHDYNAMO_VERBOSE", "For even more developer context", "You can suppress this exception")
+
+
 def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip().strip("^~ ") and not ln.strip().startswith(_BOILERPLATE)]
     return lines[-1] if lines else ""
