@@ -386,7 +386,9 @@ def _slice(s: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Found | str | Non
     D = _moe.descendants([ids], pos[s], pos)
     if s not in D:
         return None
-    core, boundary = _moe.backward(s, lambda a: a in D)
+    # The routing weights may be computed from the ids (DeepSeek-V3 gathers them): a [T, k] tensor
+    # ends the region whatever it depends on.
+    core, boundary = _moe.backward(s, lambda a: a in D and not _moe.shape_is(_moe.tensor(a), T, k))
     out = s
     while len(out.users) == 1:
         (u,) = out.users
