@@ -533,13 +533,20 @@ def _substitute_experts(cls: type, fn: types.FunctionType) -> Callable[..., Any]
         name, gate_layout, transposed, bias = layout
         b1 = self.gate_up_proj_bias if bias else None
         b2 = self.down_proj_bias if bias else None
-        tensors = [x, w, self.gate_up_proj, self.down_proj] + ([b1, b2] if bias else [])
+        fmt = getattr(self, "_fusepass_fmt", "none")  # experts fusepass.quantize converted: their stored codes
+        if fmt == "none":
+            w1, w2, quant, group = self.gate_up_proj, self.down_proj, (None, None, None, None), 0
+        else:
+            w1, w2, transposed = self.gate_up_proj_q, self.down_proj_q, False  # stored [E, N, K]
+            quant = (self.gate_up_proj_scale, getattr(self, "gate_up_proj_zero", None), self.down_proj_scale,
+                     getattr(self, "down_proj_zero", None))
+            group = self._fusepass_group_size
+        tensors = [x, w, w1, w2] + ([b1, b2] if bias else [])
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return original(self, *args, **kwargs)  # the op has no backward: training traces the loop
         alpha = float(getattr(self, "alpha", 0.0)) if name == "gpt_oss" else 0.0
         limit = float(getattr(self, "limit", 0.0)) if name == "gpt_oss" else 0.0
-        return op(x, ids, w, self.gate_up_proj, self.down_proj, b1, b2, None, None, None, None, name, gate_layout,
-                  transposed, "none", 0, alpha, limit)
+        return op(x, ids, w, w1, w2, b1, b2, *quant, name, gate_layout, transposed, fmt, group, alpha, limit)
 
     substitute.__name__ = f"fusepass_{fn.__name__}"
     return substitute

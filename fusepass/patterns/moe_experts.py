@@ -57,13 +57,15 @@ aten = torch.ops.aten
 OP = torch.ops.fusepass.moe_experts.default
 
 # Relative error norm (||op - region|| / ||region||) on random inputs below
-# which a region computes the op.  Measured on the rules' forms and the
-# transformers blocks (E 4-16, H 32-64, I 16-32): fp32 1e-7..4e-7, fp16
-# 2e-4..6e-4, bf16 1.5e-3..4e-3 (both round the same steps; the sums differ in
-# order).  Misses measured: gelu for silu 0.08, gate and up swapped 0.6,
-# halves for interleaved 1.0, alpha 1.0 for gpt-oss's 1.702 0.05, an expert's
-# projections transposed 1.0.
-REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# which a region computes the op; of the readings that pass, the closest is
+# taken.  Measured on transformers' blocks (Qwen3-MoE, gpt-oss; E 8, H 64,
+# I 32, 5 tokens) and the rule's forms: plain weights 0 in bf16 and fp16 (the
+# op rounds where they round) and 2e-7 in fp32; stored int8/int4/fp8 stacks,
+# dequantised in the model's dtype by the region and in fp32 by the op,
+# 4.4e-3..6.8e-3 in bf16 and 3.5e-4..7.4e-4 in fp16.  Wrong readings: 0.018
+# (gpt-oss's down scale and zero point swapped, fp16) to 0.22; gate and up
+# swapped 0.45.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 _STORED = {dt: fmt for fmt, dt in WEIGHT_DTYPES.items()}
 _CLAMPS = {aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.minimum.default,
            aten.maximum.default, aten.clamp.Tensor}
@@ -351,8 +353,8 @@ def _random(role: str, n: torch.fx.Node, gen: torch.Generator, E: int, k: int, f
         return (torch.rand(shape, generator=gen) * 0.5 + 0.5).mul(fan).to(device=dev, dtype=t.dtype)
     if role == "weight":
         return (torch.randn(shape, generator=gen) * fan).to(device=dev, dtype=t.dtype)
-    if role.startswith("bias"):
-        return (torch.randn(shape, generator=gen) * 0.1).to(device=dev, dtype=t.dtype)
+    if role.startswith("bias"):  # as large as the projections: a swapped pair of biases must show
+        return torch.randn(shape, generator=gen).to(device=dev, dtype=t.dtype)
     return torch.randn(shape, generator=gen).to(device=dev, dtype=t.dtype)
 
 
@@ -419,8 +421,10 @@ def _slice(s: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Found | str | Non
             roles[b] = "topk_ids" if _moe.is_int(t) else "topk_weights"
         elif t.is_floating_point() and _moe.shape_is(t, T, H):
             roles[b] = "x"
+        elif t.is_floating_point() and t.dim() >= 2 and (w := _dequant(b, core)).fmt != "none":
+            weights.append(w)  # stored codes dequantised in the graph (an int4 stack's groups: 4-D)
         elif t.dim() == 3:
-            weights.append(_dequant(b, core))
+            weights.append(Weight(b))
         elif t.dim() == 2 and t.is_floating_point():
             biases.append(b)
         else:
@@ -532,8 +536,9 @@ def _verify(f: Found, cands: list[tuple[Spec, dict[torch.fx.Node, str]]]) -> tup
     dtype = _moe.tensor(f.out).dtype
     tol = REL_TOL.get(dtype, 1e-4)
     E = hint(_moe.tensor(f.weights[0].stored if f.weights[0].fmt != "none" else f.weights[0].node).shape[0])
-    k, H = hint(f.k), hint(f.H)
+    k = hint(f.k)
     best = (float("inf"), "")
+    chosen: tuple[float, int] | None = None
     values: dict[tuple[torch.fx.Node, str], torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
     with _moe.concrete():
@@ -566,11 +571,13 @@ def _verify(f: Found, cands: list[tuple[Spec, dict[torch.fx.Node, str]]]) -> tup
                                                 f"{actual.dtype}{tuple(actual.shape)}"))
                 continue
             err = _moe.rel_error(actual, expected)
-            if err <= tol:
-                return i, ""
+            if err <= tol and (chosen is None or err < chosen[0]):
+                chosen = (err, i)
             best = min(best, (err, f"{spec.describe()}: relative error {err:.3g} (tolerance {tol:g})"))
-    del H
-    return None, best[1]
+    # Every reading is tried and the closest taken: two biases of one shape (gpt-oss: [E, 2I] and
+    # [E, H] with H = 2I) swapped, or scale and zero swapped, are off by less than a wrong
+    # activation, and the right reading is off by rounding alone.
+    return (chosen[1], "") if chosen is not None else (None, best[1])
 
 
 _verdicts = _moe.Verdicts()
