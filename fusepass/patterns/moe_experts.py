@@ -597,7 +597,9 @@ def find(gm: torch.fx.GraphModule):
             yield Region("experts", s, reason=f)
             continue
         covered.update(f.nodes)
-        reason = _outside(f)
+        x = _moe.tensor(next(b for b in f.inputs if f.roles.get(b) == "x"))
+        reason = _outside(f) or (None if x.dtype in SUPPORTED else
+                                 f"x is {x.dtype}: the experts kernels take fp32, fp16 and bf16")
         if reason:
             yield Region(f.form, f.anchor, reason=reason)
             continue

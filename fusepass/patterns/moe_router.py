@@ -525,7 +525,10 @@ def find(gm: torch.fx.GraphModule):
             yield Region("router", t, reason=f)
             continue
         covered.update(f.nodes)
+        x, w = _moe.tensor(f.x), _moe.tensor(f.weight if f.weight is not None else f.weight_t)
         cands, reason = _candidates(f)
+        if x.dtype not in SUPPORTED or w.dtype not in SUPPORTED:  # before any run: the op would refuse it
+            reason = f"x is {x.dtype}, the router weight {w.dtype}: the router kernel takes fp32, fp16 and bf16"
         if reason:
             yield Region("router", f.anchor, reason=reason)
             continue
