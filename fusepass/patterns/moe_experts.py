@@ -458,7 +458,8 @@ def _candidates(f: Found) -> tuple[list[tuple[Spec, dict[torch.fx.Node, str]]], 
     acts, layouts, pairs = _activations(f.nodes)
     if not acts:
         ops = sorted({str(n.target).split(".")[-2] for n in f.nodes if n.op == "call_function"
-                      and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags})
+                      and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
+                      and n.target not in _moe.LAYOUT and n.target not in _moe.CASTS})
         return [], ("the activation between the expert projections is none of silu, gelu, gelu_tanh, gpt-oss's "
                     f"clamped form (pointwise ops in the region: {', '.join(ops)})")
     fmts = {w.fmt for w in f.weights}
@@ -584,6 +585,15 @@ _verdicts = _moe.Verdicts()
 
 
 def find(gm: torch.fx.GraphModule):
+    # Latest first: a region whose input another region computes (one block's output is the next
+    # one's x) is replaced while that input still exists; the earlier region's replacement then
+    # hands its users, the later op among them, the op's output.
+    regions = list(_find(gm))
+    pos = _moe.position(gm.graph)
+    return sorted(regions, key=lambda r: -pos[r.anchor])
+
+
+def _find(gm: torch.fx.GraphModule):
     graph = gm.graph
     pos = _moe.position(graph)
     covered: set[torch.fx.Node] = set()

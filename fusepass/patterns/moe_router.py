@@ -168,9 +168,11 @@ def sized_inputs(dtype, shape):
 
 
 def _nm_values_reused(x, weight):
-    w, ids, logits = softmax_topk(x, weight, renormalize=False)
-    top = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), 2, dim=-1)[0]
-    return (*_chosen(w, ids, logits), top * 3)
+    """The top-k probabilities before renormalising are also read: not an output the op has."""
+    logits = F.linear(x, weight)
+    top, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), 2, dim=-1)
+    w = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+    return (*_chosen(w, ids, logits), top.amax(dim=0))
 
 
 def _nm_probs_reused(x, weight):
@@ -226,6 +228,10 @@ class Found:
     ids: torch.fx.Node
     logits_out: bool
     sizes: list[torch.fx.Node]
+
+
+def _outputs(R: set[torch.fx.Node], pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
+    return sorted({n for n in R if any(u not in R for u in n.users)}, key=pos.__getitem__)
 
 
 def _logits_of(t: torch.fx.Node, T: Any, limit: int = 40) -> torch.fx.Node | None:
@@ -296,11 +302,21 @@ def _slice(t: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Found | str | Non
             if n.target in _moe.LAYOUT and n.users and all(u not in R for u in n.users):
                 R.discard(n)
                 trimmed = True
-    outs = sorted({n for n in R if any(u not in R for u in n.users)}, key=pos.__getitem__)
+    outs = _outputs(R, pos)
     ids = [n for n in outs if _moe.is_int(_moe.tensor(n)) and _moe.tensor(n).dim() == 2]
     if len(ids) != 1:
         return None if not ids else "the router hands on more than one set of expert ids"
     k = _moe.tensor(ids[0]).shape[1]
+    weights = [n for n in outs if _moe.tensor(n) is not None and _moe.tensor(n).is_floating_point()
+               and _moe.shape_is(_moe.tensor(n), T, k)]
+    if len(weights) > 1:
+        # What the model computes from the routing weights (a scale, a cast) grew into the region
+        # with them: the first weights read outside end it.
+        first = min(weights, key=pos.__getitem__)
+        after = _moe.descendants([first], len(pos), pos) & R
+        if ids[0] not in after:
+            R -= after
+            outs = _outputs(R, pos)
     tws = [n for n in outs if _moe.tensor(n) is not None and _moe.tensor(n).is_floating_point()
            and _moe.shape_is(_moe.tensor(n), T, k)]
     extra = [n for n in outs if n not in ids and n not in tws and n is not logits]
@@ -512,6 +528,14 @@ _verdicts = _moe.Verdicts()
 
 
 def find(gm: torch.fx.GraphModule):
+    # Latest first: a region whose input another region computes is replaced while that input
+    # still exists; the earlier region's replacement then hands its users the op's output.
+    regions = list(_find(gm))
+    pos = _moe.position(gm.graph)
+    return sorted(regions, key=lambda r: -pos[r.anchor])
+
+
+def _find(gm: torch.fx.GraphModule):
     graph = gm.graph
     pos = _moe.position(graph)
     covered: set[torch.fx.Node] = set()
