@@ -12,9 +12,10 @@ The region is found from the router's matmul (the ``mm``/``addmm`` feeding a
 ops a router uses (pointwise ops, row reductions, ``topk``, ``gather``,
 ``scatter``, layout ops, casts) on tensors of T rows, whatever reads only
 those and the router's own [E] biases.  Its outputs must be the routing
-weights [T, k], the expert ids [T, k] and, optionally, the logits; anything
-else read outside (the top-k values also used elsewhere, the probabilities
-kept for an auxiliary loss) refuses it.  The kind of scores is read off the
+weights [T, k], the expert ids [T, k] and, optionally, the logits: the first
+[T, k] weights read outside end it (what the model computes from them later is
+its own), and anything else read outside (the probabilities kept for an
+auxiliary loss, a sigmoid router's choice scores) refuses it.  The kind of scores is read off the
 ops (sigmoid; an ``exp`` before or after the ``topk``), the group structure
 off a ``topk`` of a [T, G, E / G] view, the scaling off a constant multiplier;
 the region is accepted only if it equals the op on random inputs, ties
@@ -167,11 +168,16 @@ def sized_inputs(dtype, shape):
 # -- near-misses -----------------------------------------------------------------------------
 
 
-def _nm_values_reused(x, weight):
-    """The top-k probabilities before renormalising are also read: not an output the op has."""
-    logits = F.linear(x, weight)
-    top, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), 2, dim=-1)
-    w = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+def _nm_values_reused(correction_bias, x, weight):
+    """DeepSeek-V3's final top-k values (choice scores, bias included) also read: the op hands on
+    the weights gathered from the sigmoid scores, not these."""
+    T, E = x.shape[0], weight.shape[0]
+    logits = F.linear(x.float(), weight.float())
+    scores = logits.sigmoid()
+    choice = scores + correction_bias
+    top, ids = torch.topk(choice, k=4, dim=-1)
+    w = scores.gather(1, ids)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     return (*_chosen(w, ids, logits), top.amax(dim=0))
 
 
@@ -593,7 +599,7 @@ RULE = Rule(
     check=check,
     priority=30,
     near_misses=[
-        NearMiss("top-k values also used", _nm_values_reused, example_inputs, "also used outside"),
+        NearMiss("top-k values also used", _nm_values_reused, _group_inputs, "also used outside"),
         NearMiss("probabilities also used", _nm_probs_reused, example_inputs, "also used outside"),
         NearMiss("relu scores", _nm_relu_scores, example_inputs, "none of softmax"),
     ],
