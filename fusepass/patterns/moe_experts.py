@@ -332,30 +332,34 @@ def _activations(core: list[torch.fx.Node]) -> tuple[list[str], list[str], list[
     return [], layouts, pairs
 
 
-def _random(role: str, n: torch.fx.Node, gen: torch.Generator, E: int, k: int, fan: float) -> torch.Tensor:
+def _random(role: str, n: torch.fx.Node, gens: dict[torch.device, torch.Generator], E: int, k: int,
+            fan: float) -> torch.Tensor:
+    """A random value for one of the region's inputs, made on its device (an expert stack of a
+    30B model is 0.4 G values: drawn on the GPU where it lives, not on the host)."""
     t = _moe.tensor(n)
     shape = _moe.concrete_shape(n)
     dev = t.device
+    if dev not in gens:
+        gens[dev] = torch.Generator(device=dev).manual_seed(0)
+    r = dict(generator=gens[dev], device=dev)
     if role == "topk_ids":
         T = shape[0]
-        ids = torch.rand(T, E, generator=gen).argsort(dim=-1)[:, :k] if k <= E else \
-            torch.randint(0, E, (T, k), generator=gen)
-        return ids.to(device=dev, dtype=t.dtype)
+        ids = torch.rand(T, E, **r).argsort(dim=-1)[:, :k] if k <= E else torch.randint(0, E, (T, k), **r)
+        return ids.to(t.dtype)
     if role == "topk_weights":
-        return (torch.rand(shape, generator=gen) + 0.1).to(device=dev, dtype=t.dtype)
+        return (torch.rand(shape, **r) + 0.1).to(t.dtype)
     if role == "stored":
         if t.dtype == torch.int8:
-            return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(dev)
+            return torch.randint(-127, 128, shape, dtype=torch.int8, **r)
         if t.dtype == torch.uint8:
-            return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).to(dev)
-        return torch.randn(shape, generator=gen).clamp(-400, 400).to(device=dev, dtype=t.dtype)
-    if role == "quant_float":  # a scale or a zero point: positive, a few units (zeros of int4 codes)
-        return (torch.rand(shape, generator=gen) * 0.5 + 0.5).mul(fan).to(device=dev, dtype=t.dtype)
+            return torch.randint(0, 256, shape, dtype=torch.uint8, **r)
+        return torch.randn(shape, **r).clamp(-400, 400).to(t.dtype)
+    if role == "quant_float":  # a scale or a zero point: positive, small
+        return (torch.rand(shape, **r) * 0.5 + 0.5).mul(fan).to(t.dtype)
     if role == "weight":
-        return (torch.randn(shape, generator=gen) * fan).to(device=dev, dtype=t.dtype)
-    if role.startswith("bias"):  # as large as the projections: a swapped pair of biases must show
-        return torch.randn(shape, generator=gen).to(device=dev, dtype=t.dtype)
-    return torch.randn(shape, generator=gen).to(device=dev, dtype=t.dtype)
+        return (torch.randn(shape, **r) * fan).to(t.dtype)
+    # x, and biases as large as the projections: a swapped pair of biases must show
+    return torch.randn(shape, **r).to(t.dtype)
 
 
 @dataclass
@@ -541,7 +545,7 @@ def _verify(f: Found, cands: list[tuple[Spec, dict[torch.fx.Node, str]]]) -> tup
     best = (float("inf"), "")
     chosen: tuple[float, int] | None = None
     values: dict[tuple[torch.fx.Node, str], torch.Tensor] = {}
-    gen = torch.Generator().manual_seed(0)
+    gens: dict[torch.device, torch.Generator] = {}
     with _moe.concrete():
         for i, (spec, roles) in enumerate(cands):
             args = []
@@ -557,7 +561,7 @@ def _verify(f: Found, cands: list[tuple[Spec, dict[torch.fx.Node, str]]]) -> tup
                 if key not in values:
                     shape = _moe.concrete_shape(b)
                     fan = (shape[-1] * shape[-2]) ** -0.25 if kind == "weight" else 1.0 / 64
-                    values[key] = _random(kind, b, gen, E, k, fan)
+                    values[key] = _random(kind, b, gens, E, k, fan)
                 args.append(values[key])
             by_role = {roles.get(b) or f.roles.get(b): v for b, v in zip(f.inputs, args)}
             try:

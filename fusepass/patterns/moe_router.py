@@ -474,7 +474,7 @@ def _agree(ids_a: torch.Tensor, w_a: torch.Tensor, ids_e: torch.Tensor, w_e: tor
 def _verify(f: Found, cands: list[Spec]) -> tuple[int | None, str]:
     outputs = [f.tw, f.ids] + ([f.logits] if f.logits_out else [])
     gm = _moe.extract(f.nodes, f.inputs, outputs)
-    gen = torch.Generator().manual_seed(0)
+    gens: dict[torch.device, torch.Generator] = {}
     with _moe.concrete():
         vals: list[Any] = []
         for b in f.inputs:
@@ -483,7 +483,9 @@ def _verify(f: Found, cands: list[Spec]) -> tuple[int | None, str]:
                 vals.append(_moe.size_value(b))
                 continue
             shape = _moe.concrete_shape(b)
-            r = torch.randn(shape, generator=gen)
+            if t.device not in gens:
+                gens[t.device] = torch.Generator(device=t.device).manual_seed(0)
+            r = torch.randn(shape, generator=gens[t.device], device=t.device)
             if b is f.x:
                 pass
             elif b is f.weight or b is f.weight_t:
