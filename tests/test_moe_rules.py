@@ -115,14 +115,15 @@ def test_every_familys_block_is_one_router_and_one_experts_call(impl):
             assert torch.equal(a, e), f"{family} {impl}: {(a.float() - e.float()).abs().max().item()}"
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_quantized_expert_stacks_reach_the_op_packed(fmt):
+@pytest.mark.parametrize("impl,fmt", [("grouped_mm", "int4"), ("batched_mm", "int8"), ("eager", "fp8")])
+def test_quantized_expert_stacks_reach_the_op_packed(impl, fmt):
     """``fusepass.quantize`` stores the stacks as codes; the rule finds their
-    dequantisation (gpt-oss's transposed stacks too) and hands the codes to the op."""
-    impl = "grouped_mm" if fmt == "int4" else "batched_mm"
+    dequantisation (gpt-oss's transposed stacks too) and hands the codes to the
+    op, and the pre-trace path passes them straight."""
     actual, expected, report = blocks_run(impl, torch.bfloat16, fmt)
     experts = [h for h in report.hits if h.rule == "moe_experts"]
-    assert [h.form for h in experts] == [f"{impl}+{fmt}"] * len(FAMILIES), str(report)
+    form = "pretrace" if impl == "eager" else f"{impl}+{fmt}"
+    assert [h.form for h in experts] == [form] * len(FAMILIES), str(report)
     assert report.count("moe_router") == len(FAMILIES)
     for family, a, e in zip(FAMILIES, actual, expected):
         # The model dequantises to bf16 before its GEMMs, the op in fp32: 5e-3 relative measured.
