@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepass.formats import KERNEL_DTYPES as SUPPORTED
-from fusepass.formats import WEIGHT_DTYPES, dequantize_int4
+from fusepass.formats import WEIGHT_DTYPES
 from fusepass.kernels._common import call
 from fusepass.match import MatchInfo, hint, same
 from fusepass.patterns import _moe
@@ -479,7 +480,7 @@ def _candidates(f: Found) -> tuple[list[tuple[Spec, dict[torch.fx.Node, str]]], 
             (E, N1, K1), (E2, N2, K2) = a, b
             if not (same(E, E2) and same(K1, f.H) and same(N2, f.H) and same(N1, 2 * K2)):
                 continue
-            E, I = hint(E), K2
+            E = hint(E)
             roles: dict[torch.fx.Node, str] = {}
             group = 0
             quant_sets: list[list[tuple[str, torch.fx.Node]]] = [[]]
@@ -638,7 +639,7 @@ def _outside(f: Found) -> str | None:
     """Checked before any run: an intermediate read outside the region (training saves them for backward)."""
     members = set(f.nodes)
     for n in f.nodes:
-        if n is f.out or _moe.constant(n) or _moe.tensor(n) is None and n.target is not __import__("operator").getitem:
+        if n is f.out or _moe.constant(n) or (_moe.tensor(n) is None and n.target is not operator.getitem):
             continue
         users = [u for u in n.users if u not in members]
         if users:

@@ -171,7 +171,6 @@ def sized_inputs(dtype, shape):
 def _nm_values_reused(correction_bias, x, weight):
     """DeepSeek-V3's final top-k values (choice scores, bias included) also read: the op hands on
     the weights gathered from the sigmoid scores, not these."""
-    T, E = x.shape[0], weight.shape[0]
     logits = F.linear(x.float(), weight.float())
     scores = logits.sigmoid()
     choice = scores + correction_bias
