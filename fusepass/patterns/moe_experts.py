@@ -613,20 +613,21 @@ def _find(gm: torch.fx.GraphModule):
             continue
         covered.update(f.nodes)
         x = _moe.tensor(next(b for b in f.inputs if f.roles.get(b) == "x"))
-        reason = _outside(f) or (None if x.dtype in SUPPORTED else
-                                 f"x is {x.dtype}: the experts kernels take fp32, fp16 and bf16")
-        if reason:
-            yield Region(f.form, f.anchor, reason=reason)
-            continue
+        dtype = None if x.dtype in SUPPORTED else f"x is {x.dtype}: the experts kernels take fp32, fp16 and bf16"
         cands, reason = _candidates(f)
+        reason = _outside(f) or reason
         if reason:
             yield Region(f.form, f.anchor, reason=reason)
             continue
         key = _moe.canonical(f.nodes, f.inputs, [f.out])
         chosen, why = _verdicts.get(key, lambda: _verify(f, cands))
-        if chosen is None:
-            yield Region(f.form, f.anchor, reason=(f"the region does not compute fusepass::moe_experts "
-                                                   f"({len(cands)} reading(s) tried; closest: {why})"))
+        if chosen is None:  # (the dtype too, where the kernels lack it: both reasons hold)
+            yield Region(f.form, f.anchor, reason=(f"{dtype}; and " if dtype else "") + (
+                f"the region does not compute fusepass::moe_experts ({len(cands)} reading(s) tried; closest: "
+                f"{why})"))
+            continue
+        if dtype:
+            yield Region(f.form, f.anchor, reason=dtype)
             continue
         spec, roles = cands[chosen]
         label = f.form + (f"+{spec.fmt}" if spec.fmt != "none" else "")

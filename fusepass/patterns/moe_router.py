@@ -155,12 +155,14 @@ def _group_inputs(dtype):
 
 
 def sized_inputs(dtype, shape):
-    """(*leading, hidden): T the leading dims' product (0 too), the hidden size as drawn (capped
-    at 256: a router is a small matmul), 8 experts (16 in 4 groups for the sigmoid form)."""
+    """(*leading, hidden): T the leading dims' product (0 too), the hidden size as drawn (8 to
+    256: a router is a small matmul), 16 experts (in 4 groups for the sigmoid form)."""
     T = 1
     for s in shape[:-1]:
         T *= s
-    H = min(shape[-1], 256)
+    # At least 8: Inductor turns a matmul over 0 or 1 features into zeros or a broadcast product,
+    # and no router's logits come from those.
+    H = min(max(shape[-1], 8), 256)
     d = sized(dtype, T=T, H=H, E=16, bias=True, groups=True)
     return d
 
@@ -558,17 +560,20 @@ def _find(gm: torch.fx.GraphModule):
         covered.update(f.nodes)
         x, w = _moe.tensor(f.x), _moe.tensor(f.weight if f.weight is not None else f.weight_t)
         cands, reason = _candidates(f)
-        if x.dtype not in SUPPORTED or w.dtype not in SUPPORTED:  # before any run: the op would refuse it
-            reason = f"x is {x.dtype}, the router weight {w.dtype}: the router kernel takes fp32, fp16 and bf16"
+        dtype = None if x.dtype in SUPPORTED and w.dtype in SUPPORTED else \
+            f"x is {x.dtype}, the router weight {w.dtype}: the router kernel takes fp32, fp16 and bf16"
         if reason:
             yield Region("router", f.anchor, reason=reason)
             continue
         outputs = [f.tw, f.ids] + ([f.logits] if f.logits_out else [])
         key = _moe.canonical(f.nodes, f.inputs, outputs)
         chosen, why = _verdicts.get(key, lambda: _verify(f, cands))
-        if chosen is None:
-            yield Region("router", f.anchor, reason=(f"the region does not compute fusepass::moe_router "
-                                                     f"({len(cands)} reading(s) tried; closest: {why})"))
+        if chosen is None:  # (the dtype too, where the kernel lacks it: both reasons hold)
+            yield Region("router", f.anchor, reason=(f"{dtype}; and " if dtype else "") + (
+                f"the region does not compute fusepass::moe_router ({len(cands)} reading(s) tried; closest: {why})"))
+            continue
+        if dtype:
+            yield Region("router", f.anchor, reason=dtype)
             continue
         spec = cands[chosen]
         args = [n for n in f.inputs if _moe.tensor(n) is not None]
