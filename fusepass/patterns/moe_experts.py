@@ -677,8 +677,9 @@ RULE = Rule(
     find=find,
     check=check,
     pretraced=(OP,),
-    # Before swiglu and geglu: the activation between the projections is the region's.
-    priority=30,
+    # Before swiglu and geglu (the activation between the projections is the region's), and
+    # before moe_router, which takes an unordered top-k only where the experts op reads it.
+    priority=31,
     near_misses=[
         NearMiss("relu activation", _nm_relu, example_inputs, "activation between the expert projections"),
         NearMiss("gate and up swapped", _nm_up_gate, example_inputs, "does not compute fusepass::moe_experts"),

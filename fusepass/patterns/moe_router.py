@@ -56,7 +56,9 @@ REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # chosen experts: two experts of equal scores are both a right choice, and
 # eager's CPU top-k picks among equals arbitrarily where the op takes the
 # lower index (see fusepass.kernels.moe.router); the logits they carry are the
-# same either way.
+# same either way.  A token whose inputs are not all finite (the generator's
+# NaN and inf) has scores that are all NaN or tie at inf, and logits that do
+# not: its chosen logits are NaN on both sides.
 
 
 def softmax_topk(x, weight, k=2, renormalize=True):
@@ -92,41 +94,49 @@ def sigmoid_groups(x, weight, correction_bias, k=4, n_group=4, topk_group=2, sca
     return w * scaling, ids, logits
 
 
-def _chosen(w, ids, logits):
-    return w, logits[torch.arange(ids.shape[0], device=ids.device)[:, None], ids]
+def _chosen(w, ids, logits, *inputs):
+    chosen = logits[torch.arange(ids.shape[0], device=ids.device)[:, None], ids]
+    finite = torch.isfinite(inputs[0]).all(dim=-1, keepdim=True)  # per token
+    for t in inputs[1:]:
+        finite = finite & torch.isfinite(t).all()
+    return w, torch.where(finite, chosen, float("nan"))
 
 
 def search_softmax(x, weight):
-    return _chosen(*softmax_topk(x, weight))
+    return _chosen(*softmax_topk(x, weight), x, weight)
 
 
 def search_topk_softmax(x, weight, bias):
-    return _chosen(*topk_softmax(x, weight, bias))
+    return _chosen(*topk_softmax(x, weight, bias), x, weight, bias)
 
 
 def search_sigmoid(correction_bias, x, weight):
     # The correction bias first: the generator's special values (NaN, inf) go into the first
     # argument, and one expert's NaN or inf choice score is still one top-k without ties.
-    w, ids, logits = sigmoid_groups(x, weight, correction_bias)
-    w, order = w.sort(dim=-1)  # sorted=False: any order of the same choice is the model's answer
-    return w, logits.gather(1, ids.gather(1, order))
+    return _sorted(*sigmoid_groups(x, weight, correction_bias), x, weight, correction_bias)
+
+
+def _sorted(w, ids, logits, *inputs):
+    """``_chosen`` for an unordered top-k (sorted=False: any order of the same choice is the
+    model's answer), in ascending weight order."""
+    w, order = w.sort(dim=-1)
+    return _chosen(w, ids.gather(1, order), logits, *inputs)
 
 
 def _replace_softmax(x, weight):
     w, ids, logits = call(OP, x, weight, None, None, "softmax", 2, True, 1, 1, 1.0, x.dtype, x.dtype)
-    return _chosen(w, ids, logits)
+    return _chosen(w, ids, logits, x, weight)
 
 
 def _replace_topk_softmax(x, weight, bias):
     w, ids, logits = call(OP, x, weight, bias, None, "topk_softmax", 2, False, 1, 1, 1.0, x.dtype, x.dtype)
-    return _chosen(w, ids, logits)
+    return _chosen(w, ids, logits, x, weight, bias)
 
 
 def _replace_sigmoid(correction_bias, x, weight):
     w, ids, logits = call(OP, x, weight, None, correction_bias, "sigmoid", 4, True, 4, 2, 2.5, torch.float32,
                           torch.float32)
-    w, order = w.sort(dim=-1)
-    return w, logits.gather(1, ids.gather(1, order))
+    return _sorted(w, ids, logits, x, weight, correction_bias)
 
 
 def sized(dtype, T=5, H=32, E=8, bias=False, groups=False):
@@ -179,20 +189,20 @@ def _nm_values_reused(correction_bias, x, weight):
     top, ids = torch.topk(choice, k=4, dim=-1)
     w = scores.gather(1, ids)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return (*_chosen(w, ids, logits), top.amax(dim=0))
+    return (*_chosen(w, ids, logits, x, weight, correction_bias), top.amax(dim=0))
 
 
 def _nm_probs_reused(x, weight):
     logits = F.linear(x, weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     w, ids = torch.topk(probs, 2, dim=-1)
-    return (*_chosen(w.to(logits.dtype), ids, logits), probs.mean(0))
+    return (*_chosen(w.to(logits.dtype), ids, logits, x, weight), probs.mean(0))
 
 
 def _nm_relu_scores(x, weight):
     logits = F.linear(x, weight)
     w, ids = torch.topk(torch.relu(logits), 2, dim=-1)
-    return _chosen(w, ids, logits)
+    return _chosen(w, ids, logits, x, weight)
 
 
 # -- finding regions ----------------------------------------------------------------------------
@@ -575,12 +585,41 @@ def _find(gm: torch.fx.GraphModule):
         if dtype:
             yield Region("router", f.anchor, reason=dtype)
             continue
+        reader = _order_reader(f) if _unordered(f.anchor) else None
+        if reader is not None:
+            yield Region("router", f.anchor, reason=(
+                f"the model's top-k is unordered (sorted=False) and {reader.name} reads the order of the chosen "
+                "experts: the op orders them by score"))
+            continue
         spec = cands[chosen]
         args = [n for n in f.inputs if _moe.tensor(n) is not None]
         names = ["x", "weight"] + (["bias"] if spec.has_bias else []) + (["correction_bias"] if spec.has_correction
                                                                           else [])
         yield Region(spec.kind, f.anchor, f.nodes, [f.tw, f.ids, f.logits if f.logits_out else None], args,
                      functools.partial(_call, spec, f.logits_out), names=names)
+
+
+def _unordered(topk: torch.fx.Node) -> bool:
+    return not (topk.args[4] if len(topk.args) > 4 else topk.kwargs.get("sorted", True))
+
+
+def _order_reader(f: Found) -> torch.fx.Node | None:
+    """Where the model's top-k is unordered (``sorted=False``: DeepSeek-V3), a reader of the
+    ids or weights that may depend on the order of the k choices (the op returns them by
+    descending score), or None.  Order-free readers: the experts op (the ``moe_experts`` rule
+    runs first), a sort along the choices, and a gather of the ids by that sort's order."""
+    members = set(f.nodes)
+    sorts = {u for u in f.tw.users if u.target == aten.sort.default and (u.args[1] if len(u.args) > 1 else
+                                                                        u.kwargs.get("dim", -1)) in (-1, 1)}
+    orders = {g for s in sorts for g in s.users if g.target is operator.getitem and g.args[1] == 1}
+    for out in (f.tw, f.ids):
+        for u in out.users:
+            if u in members or u.target == torch.ops.fusepass.moe_experts.default or u in sorts:
+                continue
+            if out is f.ids and u.target == aten.gather.default and u.args[0] is f.ids and u.args[2] in orders:
+                continue
+            return u
+    return None
 
 
 def check(m: MatchInfo) -> str | None:
