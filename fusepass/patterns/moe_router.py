@@ -57,8 +57,8 @@ REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # eager's CPU top-k picks among equals arbitrarily where the op takes the
 # lower index (see fusepass.kernels.moe.router); the logits they carry are the
 # same either way.  A token whose inputs are not all finite (the generator's
-# NaN and inf) has scores that are all NaN or tie at inf, and logits that do
-# not: its chosen logits are NaN on both sides.
+# NaN and inf) has scores that are all NaN or tie at inf, with logits and
+# weights that do not: its weights and chosen logits are NaN on both sides.
 
 
 def softmax_topk(x, weight, k=2, renormalize=True):
@@ -99,7 +99,7 @@ def _chosen(w, ids, logits, *inputs):
     finite = torch.isfinite(inputs[0]).all(dim=-1, keepdim=True)  # per token
     for t in inputs[1:]:
         finite = finite & torch.isfinite(t).all()
-    return w, torch.where(finite, chosen, float("nan"))
+    return torch.where(finite, w, float("nan")), torch.where(finite, chosen, float("nan"))
 
 
 def search_softmax(x, weight):
