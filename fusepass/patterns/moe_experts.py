@@ -408,7 +408,14 @@ def _slice(s: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Found | str | Non
         t = _moe.tensor(b)
         return (_moe.shape_is(t, T, H) and t.is_floating_point()) or _moe.shape_is(t, T, k)
 
-    boundary = _moe.absorb(core, boundary, lambda b: _moe.constant(b) or (b.target in _moe.LAYOUT and not stop(b)))
+    def shared(b: torch.fx.Node) -> bool:
+        """An expand along dim 0 (one weight broadcast over the experts): the op reads it as it is."""
+        src, t = _moe.tensor(b.args[0]) if b.args else None, _moe.tensor(b)
+        return (b.target == aten.expand.default and src is not None and t is not None and src.dim() == t.dim()
+                and not same(src.shape[0], t.shape[0]))
+
+    boundary = _moe.absorb(core, boundary, lambda b: _moe.constant(b) or (
+        b.target in _moe.LAYOUT and not stop(b) and not shared(b)))
     matmuls = [n for n in core if n.target in (aten._grouped_mm.default, aten.bmm.default, aten.mm.default)
                or str(n.target).startswith("transformers.grouped_mm_fallback")]
     if not matmuls:

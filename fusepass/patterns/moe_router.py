@@ -311,6 +311,8 @@ def _slice(t: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Found | str | Non
             R.update(a for a in ins if _moe.constant(a))  # shared ones stay for their other readers
             frontier.update(u.users)
             changed = True
+    if t not in R:
+        return None  # a top-k of something computed from another router's scores: not this router's
     # Layout ops at the edge only reshape an output for its readers: theirs, not the router's.
     trimmed = True
     while trimmed:
