@@ -19,7 +19,11 @@ auxiliary loss, a sigmoid router's choice scores) refuses it.  The kind of score
 ops (sigmoid; an ``exp`` before or after the ``topk``), the group structure
 off a ``topk`` of a [T, G, E / G] view, the scaling off a constant multiplier;
 the region is accepted only if it equals the op on random inputs, ties
-allowed (see :func:`_agree`).
+allowed (see :func:`_agree`).  The op returns the k choices by descending
+score; where the model's top-k is unordered (``sorted=False``, DeepSeek-V3)
+the region is taken only if nothing downstream reads that order (the experts
+op, which the ``moe_experts`` rule puts there first, or a sort of the
+weights).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ _REDUCTIONS = {aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.
 _ROUTING = {aten.topk.default, operator.getitem, aten.gather.default, aten.scatter.value, aten.scatter.src,
             aten._softmax.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
 _MATMULS = {aten.mm.default, aten.addmm.default}
-# Relative error norm of the logits (both accumulate in fp32 and round once).
+# Relative error norm of the logits: both accumulate in fp32 and round once;
+# measured 0 on the rules' forms and five model families' routers (fp32, bf16).
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
