@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5", "qwen3_moe")
+MODELS = ("llama", "qwen3", "gemma", "phi3", "qwen3_next", "qwen3_5", "qwen3_moe", "qwen3_5_moe")
 
 # What importing and running transformers' models prints around fusepass:
 # torchao (imported by transformers for its quantizer) trying C++ extensions
@@ -113,6 +113,13 @@ def _base_config(tf: Any, name: str, hidden: int, heads: int, layers: int, commo
         return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
             **common, head_dim=hidden // heads, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if name == "qwen3_5_moe":
+        # Qwen3.5's GDN + attention layers with Qwen3-MoE's sparse blocks (and a sigmoid-gated shared expert).
+        return tf.Qwen3_5MoeForCausalLM, tf.Qwen3_5MoeTextConfig(
+            **common, head_dim=hidden // heads, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2))
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
@@ -125,7 +132,7 @@ def build(name: str = "llama", dtype: torch.dtype = torch.float32, device: str |
     with torch.no_grad():
         for module in model.modules():
             if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
-                module.weight.normal_(0.0, 0.5).add_(0.0 if name in ("gemma", "qwen3_next", "qwen3_5") else 1.0)
+                module.weight.normal_(0.0, 0.5).add_(0.0 if name in ("gemma", "qwen3_next", "qwen3_5", "qwen3_5_moe") else 1.0)
     return model.to(device=device, dtype=dtype).eval()
 
 

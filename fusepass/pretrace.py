@@ -147,6 +147,7 @@ def install(ready: str = "") -> None:
             fn = namespace.get(fname)
             if callable(fn):
                 _register(inspect.unwrap(fn), op, f"{name}.{fname}")
+        _install_experts(name, namespace)
 
 
 def _code_key(code: types.CodeType) -> str:
@@ -335,3 +336,206 @@ def routed() -> tuple[str, ...]:
     if options is None or not options.pretrace:
         return ()
     return tuple(sorted(op for op, rule in owners().items() if options.enabled(rule)))
+
+
+# -- MoE experts: the per-expert loop ------------------------------------------------------
+#
+# transformers' experts classes (``@use_experts_implementation``) dispatch on
+# ``config._experts_implementation``; ``eager`` calls the class's own forward,
+# a Python loop over the experts hit that breaks the graph at ``nonzero`` and
+# never reaches a backend.  That original forward (the decorator keeps it as
+# ``forward.__wrapped__``) is routed to ``fusepass::moe_experts``.  A copy is
+# accepted by what it computes: run on a stand-in module (4 experts, hidden 24,
+# intermediate 8, 6 tokens, fp32, one expert left without tokens) under each
+# layout it may serve -- [E, 2I, H] weights or [E, H, 2I] with biases, the
+# default gate (``act_fn(gate) * up`` on the halves) with SiLU, GELU and
+# GELU-tanh, or the class's own ``_apply_gate`` read as gpt-oss's clamped form
+# -- it must equal the op within 1e-4 relative; what it passes is kept per
+# class.  At trace time the substitute routes a call only for a module whose
+# flags (``is_transposed``, ``has_bias``, gate, activation) name a layout its
+# class passed, no expert parallelism, no post-expert norm, and no gradients
+# wanted; anything else traces the original.
+
+_EXPERTS_FORWARD = "use_experts_implementation.<locals>.wrapper.<locals>.forward"
+_experts_accepted: dict[int, frozenset] = {}  # id(original forward) -> {(activation, layout, transposed, bias)}
+_experts_verdicts: dict[str, frozenset] = {}  # code content -> the same, for identical copies
+_ACT_CLASSES: dict[type, str] | None = None
+# transformers' names of activations that may compute one of the op's (each class is checked).
+_ACT_NAMES = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate")
+
+
+def _install_experts(name: str, namespace: dict[str, Any]) -> None:
+    """Substitute the eager forward of every experts class defined in ``namespace``."""
+    for cname, cls in list(namespace.items()):
+        fwd = getattr(cls, "forward", None) if isinstance(cls, type) else None
+        code = getattr(fwd, "__code__", None)
+        if getattr(code, "co_qualname", "") != _EXPERTS_FORWARD or getattr(cls, "__module__", "") != name:
+            continue
+        original = getattr(fwd, "__wrapped__", None)
+        if isinstance(original, types.FunctionType) and id(original) not in _done:
+            _done.add(id(original))
+            _register_experts(cls, original, f"{name}.{cname}.forward")
+
+
+def _activation_classes() -> dict[type, str]:
+    """transformers' activation classes that compute one of the op's activations, checked on random inputs."""
+    global _ACT_CLASSES
+    if _ACT_CLASSES is None:
+        from transformers import activations
+
+        from .kernels.moe.experts import _activation
+
+        gen = torch.Generator().manual_seed(0)
+        gu = torch.randn(16, 8, generator=gen) * 3
+        out: dict[type, str] = {}
+        classes = {torch.nn.SiLU, torch.nn.GELU}
+        for n in _ACT_NAMES:
+            entry = activations.ACT2CLS.get(n)
+            if isinstance(entry, type):
+                classes.add(entry)
+        for cls in classes:
+            try:
+                act = cls()
+                got = act(gu[:, :4]) * gu[:, 4:]
+            except Exception:  # noqa: BLE001 - a class that needs arguments: not one of ours
+                continue
+            for name in ("silu", "gelu", "gelu_tanh"):
+                want = _activation(gu, name, "halves", 0.0, 0.0, lambda t: t)
+                if ((got - want).norm() / want.norm()).item() <= 1e-6:
+                    out[cls] = name
+                    break
+        _ACT_CLASSES = out
+    return _ACT_CLASSES
+
+
+class _StandIn(torch.nn.Module):
+    """What an experts forward reads of its module, for checking a copy."""
+
+    def __init__(self, cls: type, E: int, H: int, I: int, transposed: bool, bias: bool, act: Any,
+                 gen: torch.Generator) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, I
+        self.hidden_size, self.intermediate_size = H, I
+        w1, w2 = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5, torch.randn(E, H, I, generator=gen) * I ** -0.5
+        if transposed:
+            w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+        self.gate_up_proj, self.down_proj = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
+        if bias:
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.randn(E, 2 * I, generator=gen) * 0.1)
+            self.down_proj_bias = torch.nn.Parameter(torch.randn(E, H, generator=gen) * 0.1)
+        self.act_fn = act
+        self.alpha, self.limit = 1.5, 2.5  # not gpt-oss's own: the copy must read them
+        self.has_gate, self.has_bias, self.is_transposed = True, bias, transposed
+        self.has_post_expert_norm, self._is_expert_parallel = False, False
+        self._apply_gate = types.MethodType(cls._apply_gate, self)
+
+
+def _register_experts(cls: type, original: types.FunctionType, where: str) -> None:
+    key = _code_key(original.__code__) + _code_key(getattr(cls._apply_gate, "__code__", original.__code__))
+    if key not in _experts_verdicts:
+        _experts_verdicts[key] = _check_experts(cls, original)
+    accepted = _experts_accepted[id(original)] = _experts_verdicts[key]
+    if not accepted:
+        notes.append(f"{where}: not substituted (computes fusepass::moe_experts in none of its layouts)")
+        return
+    try:
+        torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(_substitute_experts(cls, original))
+    except ValueError as exc:  # already registered by someone else
+        notes.append(f"{where}: not substituted ({exc})")
+
+
+def _gate_kind(cls: type) -> str:
+    """``default`` for transformers' own gate (act_fn on the halves), else ``own``."""
+    gate = getattr(cls, "_apply_gate", None)
+    return "default" if getattr(gate, "__qualname__", "") == "_default_apply_gate" else "own"
+
+
+def _check_experts(cls: type, original: types.FunctionType) -> frozenset:
+    """The layouts (activation, gate layout, transposed, bias) in which ``original`` computes the op."""
+    op = torch.ops.fusepass.moe_experts
+    E, H, I, T, k = 4, 24, 8, 6, 2
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.tensor([[0, 1], [1, 3], [3, 0], [1, 0], [3, 1], [0, 3]])  # expert 2 without tokens
+    w = torch.rand(T, k, generator=gen) + 0.1
+    if _gate_kind(cls) == "default":
+        acts = [(cls_, name, "halves") for cls_, name in _activation_classes().items()
+                if cls_ in (torch.nn.SiLU, torch.nn.GELU) or cls_.__module__.startswith("transformers")]
+        acts = list({name: (c, name, layout) for c, name, layout in acts}.values())
+    else:
+        acts = [(None, "gpt_oss", "interleaved")]
+    accepted = set()
+    with torch.no_grad():
+        for act_cls, name, layout in acts:
+            for transposed, bias in ((False, False), (True, True), (True, False), (False, True)):
+                m = _StandIn(cls, E, H, I, transposed, bias, act_cls() if act_cls else None, gen)
+                try:
+                    got = original(m, x, ids, w)
+                    want = op(x, ids, w, m.gate_up_proj, m.down_proj, getattr(m, "gate_up_proj_bias", None),
+                              getattr(m, "down_proj_bias", None), None, None, None, None, name, layout, transposed,
+                              "none", 0, m.alpha, m.limit)
+                except Exception:  # noqa: BLE001 - not this layout
+                    continue
+                if isinstance(got, torch.Tensor) and got.shape == want.shape and \
+                        ((got.double() - want.double()).norm() / want.double().norm()).item() <= _TOL:
+                    accepted.add((name, layout, transposed, bias))
+    return frozenset(accepted)
+
+
+def _experts_layout(module: Any, gate: str, acts: tuple[tuple[type, str], ...]) -> tuple[str, str, bool, bool] | None:
+    """The module's (activation, layout, transposed, bias), or None where the op does not serve it
+    (``gate``: its class's :func:`_gate_kind`, found before tracing: Dynamo does not see a function's
+    ``__qualname__``)."""
+    if not getattr(module, "has_gate", False) or getattr(module, "has_post_expert_norm", False) \
+            or getattr(module, "_is_expert_parallel", False):
+        return None
+    transposed, bias = bool(getattr(module, "is_transposed", False)), bool(getattr(module, "has_bias", False))
+    if gate == "default":
+        act = getattr(module, "act_fn", None)
+        for act_cls, name in acts:  # pairs, not a dict keyed by class: Dynamo traces this
+            if type(act) is act_cls:
+                return (name, "halves", transposed, bias)
+        return None
+    return ("gpt_oss", "interleaved", transposed, bias)
+
+
+def _substitute_experts(cls: type, fn: types.FunctionType) -> Callable[..., Any]:
+    params = [p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    original = _copy(fn)
+    op = torch.ops.fusepass.moe_experts
+    accepted = _experts_accepted[id(fn)]
+    acts = tuple(_activation_classes().items())
+    gate = _gate_kind(cls)
+
+    def substitute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if "moe_experts" not in routed() or len(args) + len(kwargs) != 3:
+            return original(self, *args, **kwargs)
+        bound = dict(zip(params, args))
+        bound.update(kwargs)
+        if set(bound) != set(params):
+            return original(self, *args, **kwargs)
+        x, ids, w = (bound[p] for p in params)
+        layout = _experts_layout(self, gate, acts)
+        if layout not in accepted or not isinstance(x, torch.Tensor) or x.dim() != 2:
+            return original(self, *args, **kwargs)
+        name, gate_layout, transposed, bias = layout
+        b1 = self.gate_up_proj_bias if bias else None
+        b2 = self.down_proj_bias if bias else None
+        fmt = getattr(self, "_fusepass_fmt", "none")  # experts fusepass.quantize converted: their stored codes
+        if fmt == "none":
+            w1, w2, quant, group = self.gate_up_proj, self.down_proj, (None, None, None, None), 0
+        else:
+            w1, w2, transposed = self.gate_up_proj_q, self.down_proj_q, False  # stored [E, N, K]
+            quant = (self.gate_up_proj_scale, getattr(self, "gate_up_proj_zero", None), self.down_proj_scale,
+                     getattr(self, "down_proj_zero", None))
+            group = self._fusepass_group_size
+        tensors = [x, w, w1, w2] + ([b1, b2] if bias else [])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return original(self, *args, **kwargs)  # the op has no backward: training traces the loop
+        alpha = float(getattr(self, "alpha", 0.0)) if name == "gpt_oss" else 0.0
+        limit = float(getattr(self, "limit", 0.0)) if name == "gpt_oss" else 0.0
+        return op(x, ids, w, w1, w2, b1, b2, *quant, name, gate_layout, transposed, fmt, group, alpha, limit)
+
+    substitute.__name__ = f"fusepass_{fn.__name__}"
+    return substitute

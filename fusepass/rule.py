@@ -165,6 +165,8 @@ class Rule:
 
 
 BUILTIN_RULE_MODULES = (
+    "fusepass.patterns.moe_router",
+    "fusepass.patterns.moe_experts",
     "fusepass.patterns.rms_norm_gated",
     "fusepass.patterns.all_reduce_rms_norm",
     "fusepass.patterns.add_rms_norm",

@@ -488,3 +488,37 @@ def test_decode_kernels_compile_for_sm90_with_vector_loads():
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("spill    0") >= 12, proc.stdout
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the launches on CPU tensors, under the interpreter")
+@pytest.mark.parametrize("plan", ["decode", "sorted", "grouped_mm"])
+def test_inlined_experts_every_plan(poisoned, plan, monkeypatch):
+    """The inlined form (each launch a functional graph node, buffers between
+    them allocated in the graph) computes the op on every plan; the op's test
+    in tests/test_ops.py takes only the plan its small cases get (decode)."""
+    monkeypatch.setattr(ex, "moe_experts_plan", lambda *a, **k: plan)
+    dtype = torch.bfloat16 if plan == "grouped_mm" else torch.float16
+    inputs = _experts_inputs(9, 8, 64, 32, 2, dtype, bias=plan != "decode")
+    args = (*inputs, "silu", "halves", False, "none", 0, 0.0, 0.0)
+    try:
+        out = ex.moe_experts_traced(*args)
+    except (RuntimeError, NotImplementedError) as exc:  # a torch build without a CPU grouped_mm
+        if plan != "grouped_mm":
+            raise
+        pytest.skip(f"torch._grouped_mm: {exc}")
+    ref = ex.moe_experts_reference(*args, torch.float64)
+    _assert_experts_close(out, ref, loose=plan == "grouped_mm")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the launches on CPU tensors, under the interpreter")
+@pytest.mark.parametrize("T", [3, 40])
+def test_inlined_router_split_and_whole(T):
+    """The router's inlined launch: split over experts with counters zeroed in the
+    graph (few tokens), all experts in each program (more)."""
+    x, w, b, cb = _router_inputs(T, 16, 32, "fp16", False, True, "fp32")
+    args = (x, w, b, cb, "sigmoid", 4, True, 4, 2, 2.5, torch.float32, torch.float32)
+    tw, tid, logits = rt.router_traced(*args)
+    etw, etid, elogits = rt.moe_router_reference(*args, compute_dtype=torch.float64)
+    assert torch.equal(tid, etid)
+    torch.testing.assert_close(tw.double(), etw.double(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits.double(), elogits.double(), atol=1e-5, rtol=1e-5)

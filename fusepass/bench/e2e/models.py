@@ -41,6 +41,43 @@ MODELS: dict[str, dict[str, Any]] = {
                                         "partial_rotary_factor": 0.25},
                        eos_token_id=248044),
     },
+    # Qwen3-30B-A3B: 48 sparse layers of 128 experts (top-8, intermediate 768).
+    "qwen3-30b-a3b": {
+        "class": "Qwen3MoeForCausalLM", "config": "Qwen3MoeConfig", "norm_offset": 1.0,
+        "fields": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                       num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                       num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=[], hidden_act="silu", max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                       bos_token_id=151643, eos_token_id=151645),
+    },
+    # gpt-oss-20b: 24 layers (sliding and full attention alternating), 32 experts, top-4, biased
+    # transposed experts with the clamped activation, a top-k-then-softmax router.
+    "gpt-oss-20b": {
+        "class": "GptOssForCausalLM", "config": "GptOssConfig", "norm_offset": 1.0,
+        "fields": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                       num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, swiglu_limit=7.0, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                        "original_max_position_embeddings": 4096},
+                       eos_token_id=200002, pad_token_id=199999),
+    },
+    # Qwen3.5-35B-A3B's text model: 10 x (3 Gated DeltaNet layers, 1 gated attention layer), each
+    # with a sparse block of 256 experts (top-8, intermediate 512) and a gated shared expert.
+    "qwen3.5-35b-a3b": {
+        "class": "Qwen3_5MoeForCausalLM", "config": "Qwen3_5MoeTextConfig", "norm_offset": 0.0,
+        "fields": dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                       num_key_value_heads=2, head_dim=256, hidden_act="silu", linear_conv_kernel_dim=4,
+                       linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                       linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                       num_experts=256, num_experts_per_tok=8, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25},
+                       eos_token_id=248044),
+    },
     # --quick: fusepass.models' tiny Llama, on the CPU, for CI.
     "tiny-llama": {
         "class": "LlamaForCausalLM", "config": "LlamaConfig", "norm_offset": 1.0,
@@ -54,6 +91,24 @@ MODELS: dict[str, dict[str, Any]] = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
                        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                        linear_num_value_heads=4, max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25}),
+    },
+    # The MoE models at tiny size (CPU smoke tests: --quick --model tiny-qwen3-moe / tiny-qwen3.5-moe).
+    "tiny-qwen3-moe": {
+        "class": "Qwen3MoeForCausalLM", "config": "Qwen3MoeConfig", "norm_offset": 1.0,
+        "fields": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=[], max_position_embeddings=4096),
+    },
+    "tiny-qwen3.5-moe": {
+        "class": "Qwen3_5MoeForCausalLM", "config": "Qwen3_5MoeTextConfig", "norm_offset": 0.0,
+        "fields": dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+                       num_experts_per_tok=2, max_position_embeddings=4096,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                         "partial_rotary_factor": 0.25}),
     },

@@ -648,42 +648,45 @@ def ptx_report(only: str | None) -> int:
 
 
 def cases(quick: bool = False, device: str = "cuda") -> list[Case]:
-    """Qwen3-30B-A3B's block at decode and prefill T (tiny dims on CPU): fusepass's
-    op pair, Inductor on transformers' grouped_mm form ("inductor") and batched_mm
-    form; the reference is fp32 with the models' bf16 roundings on the op's routing
-    convention (ties to the lower expert index).  bytes_moved counts every
-    expert's weights once (the floor at T >= 64; at T = 1 the active ones are 8 of 128)."""
+    """Qwen3-30B-A3B's and gpt-oss-20b's blocks at decode and prefill T (tiny dims
+    on CPU): fusepass's op pair, Inductor on transformers' grouped_mm form
+    ("inductor") and batched_mm form; the reference is fp32 with the models' bf16
+    roundings on the op's routing convention (ties to the lower expert index).
+    bytes_moved counts every expert's weights once (the floor at T >= 64; at
+    T = 1 the active ones are k of E)."""
     smoke = device == "cpu"
-    ts = (1, 17) if smoke else ((1, 64) if quick else (1, 8, 64, 512, 4096))
     out = []
-    holder: dict = {}
+    for name, full in (("qwen3-30b-a3b", TS), ("gpt-oss-20b", GPT_OSS_TS)):
+        ts = (1, 17) if smoke else ((1, 64) if quick else full)
+        holder: dict = {}
 
-    def block() -> Block:
-        if "b" not in holder:
-            holder["b"] = Block("qwen3-30b-a3b", device, smoke=smoke)
-        return holder["b"]
+        def block(name=name, holder=holder) -> Block:
+            if "b" not in holder:
+                holder["b"] = Block(name, device, smoke=smoke)
+            return holder["b"]
 
-    for T in ts:
-        def make_inputs(T=T):
-            b = block()
-            return (torch.randn(T, b.m["H"], device=device, dtype=torch.bfloat16),)
+        for T in ts:
+            def make_inputs(T=T, block=block):
+                b = block()
+                return (torch.randn(T, b.m["H"], device=device, dtype=torch.bfloat16),)
 
-        def reference(x):
-            b = block()
-            w, ids, _ = rt.moe_router_reference(*b.router_args(x))
-            return b.reference(x, ids, w)
+            def reference(x, block=block):
+                b = block()
+                w, ids, _ = rt.moe_router_reference(*b.router_args(x))
+                return b.reference(x, ids, w)
 
-        providers = {
-            "fusepass": lambda x: block().fusepass(x),
-            "inductor": _lazy_form("grouped_mm", block, smoke),
-        }
-        if T <= BATCHED_MAX_T:
-            providers["inductor-batched_mm"] = _lazy_form("batched_mm", block, smoke)
-        m = MODELS["qwen3-30b-a3b"] if not smoke else {**MODELS["qwen3-30b-a3b"], **SMOKE_DIMS["qwen3-30b-a3b"]}
-        out.append(Case(op="moe", shape=f"qwen3-30b-a3b-T{T}", dtype=torch.bfloat16, make_inputs=make_inputs,
-                        reference=reference, providers=providers,
-                        bytes_moved=m["E"] * 3 * m["H"] * m["I"] * 2,
-                        notes={"T": str(T), "E": str(m["E"]), "k": str(m["k"]), "H": str(m["H"]), "I": str(m["I"])}))
+            providers = {
+                "fusepass": lambda x, block=block: block().fusepass(x),
+                "inductor": _lazy_form("grouped_mm", block, smoke),
+            }
+            if T <= BATCHED_MAX_T:
+                providers["inductor-batched_mm"] = _lazy_form("batched_mm", block, smoke)
+            m = MODELS[name] if not smoke else {**MODELS[name], **SMOKE_DIMS[name]}
+            out.append(Case(op="moe", shape=f"{name}-T{T}", dtype=torch.bfloat16, make_inputs=make_inputs,
+                            reference=reference, providers=providers,
+                            bytes_moved=m["E"] * 3 * m["H"] * m["I"] * 2,
+                            notes={"T": str(T), "E": str(m["E"]), "k": str(m["k"]), "H": str(m["H"]),
+                                   "I": str(m["I"])}))
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusepass.kernels._common import Launch
 from fusepass.kernels.dequant_matmul.tiles import _dot as dot  # noqa: F401 - the kernels' dot, shared
 from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _nibbles_to_f32
 
@@ -148,6 +149,17 @@ def proj_epilogue(acc, s, p_b, m_b, DT: tl.constexpr, HAS_BIAS: tl.constexpr):
 def split_pairs(b):
     """[..., 2 BN] with gate and up interleaved (gate first) -> (gate, up), each [..., BN]."""
     return tl.split(tl.reshape(b, b.shape[:-1] + [b.shape[-1] // 2, 2]))
+
+
+def ran(launch: Launch) -> dict[str, torch.Tensor]:
+    """Launch now (the op's CUDA body); the outputs are the buffers it wrote."""
+    launch.run()
+    return {name: launch.args[name] for name in launch.outputs}
+
+
+def traced(launch: Launch) -> dict[str, torch.Tensor]:
+    """The launch as a node of the graph being traced (the inlined form)."""
+    return launch.traced()
 
 
 def workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv
+from fusepass.kernels._common import Launch, cdiv
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import _round_if, cdiv_pow2, gated_act, proj_epilogue, row_scale, split_pairs, w_tile
 
@@ -214,10 +214,11 @@ def _strides(w: Tensor, transposed: bool) -> tuple[int, int]:
 
 def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1, b2, s1, z1, s2, z2,
                   activation: str, halves: bool, transposed: bool, fmt: str, group: int, alpha: float, limit: float,
-                  cfg: DecodeConfig, out: Tensor) -> None:
-    """out [T, H] = the experts' sum, through the two decode kernels.  Operands
-    as the op checked them; ids and tw contiguous [T, k], x with unit column
-    stride; quantized weights, scales and zeros contiguous."""
+                  cfg: DecodeConfig, out: Tensor, go=_tiles.ran) -> Tensor:
+    """out [T, H] = the experts' sum, through the two decode kernels (``go``: run
+    each launch now, or put it in the graph being traced).  Operands as the op
+    checked them; ids and tw contiguous [T, k], x with unit column stride;
+    quantized weights, scales and zeros contiguous."""
     T, H = x.shape
     k = ids.shape[1]
     S = T * k
@@ -226,29 +227,28 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     h = _tiles.workspace((S, I), x.dtype, x.device)
     if fmt == "fp8":  # read as bytes and bitcast (a masked load's fill value cannot be cast to fp8)
         w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
-    dummy = x  # an unused pointer argument
+    dummy = x  # an unused pointer argument (never one a launch writes)
     sn1, sk1 = _strides(w1, transposed)
-    _moe_decode_up_kernel[(S, cdiv(I, cfg.BN))](
-        x, ids, w1, b1 if b1 is not None else dummy, s1 if s1 is not None else dummy,
-        z1 if z1 is not None else dummy, h,
-        S, E, H, I, k,
-        x.stride(0), w1.stride(0), sn1, sk1, s1.stride(0) if s1 is not None else 0,
-        s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
+    h = go(Launch(_moe_decode_up_kernel, (S, cdiv(I, cfg.BN)), dict(
+        x=x, ids=ids, w=w1, bias=b1 if b1 is not None else dummy, scale=s1 if s1 is not None else dummy,
+        zero=z1 if z1 is not None else dummy, h=h,
+        S=S, E=E, K=H, I=I, TOPK=k,
+        stride_xm=x.stride(0), stride_we=w1.stride(0), stride_wn=sn1, stride_wk=sk1,
+        stride_se=s1.stride(0) if s1 is not None else 0, stride_sn=s1.stride(1) if s1 is not None else 0,
+        stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0),
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DEFER=cfg.defer,
-        TRANS=transposed,
-        num_warps=cfg.warps,
-    )
+        TRANS=transposed), ("h",), cfg.warps))["h"]
     sn2, sk2 = _strides(w2, transposed)
-    _moe_decode_down_kernel[(T, cdiv(H, cfg.BN2))](
-        h, ids, tw, w2, b2 if b2 is not None else dummy, s2 if s2 is not None else dummy,
-        z2 if z2 is not None else dummy, out,
-        E, I, H, k,
-        h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
-        s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, out.stride(0),
+    return go(Launch(_moe_decode_down_kernel, (T, cdiv(H, cfg.BN2)), dict(
+        h=h, ids=ids, tw=tw, w=w2, bias=b2 if b2 is not None else dummy, scale=s2 if s2 is not None else dummy,
+        zero=z2 if z2 is not None else dummy, out=out,
+        E=E, K=I, N=H, TOPK=k,
+        stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=sn2, stride_wk=sk2,
+        stride_se=s2.stride(0) if s2 is not None else 0, stride_sn=s2.stride(1) if s2 is not None else 0,
+        stride_be=b2.stride(0) if b2 is not None else 0, stride_om=out.stride(0),
         ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
-        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, num_warps=cfg.warps2,
-    )
+        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed), ("out",), cfg.warps2))["out"]
 
 
 def round_w(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:

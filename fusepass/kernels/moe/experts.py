@@ -66,9 +66,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusepass.kernels._common import on_device, run_kernel, sm_count
 from fusepass.formats import FORMATS, WEIGHT_DTYPES, dequantize
 from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
+from fusepass.kernels._common import inline_enabled, on_device, register_inline, run_kernel, sm_count
 from fusepass.kernels.moe import _tiles, decode, plans, prefill
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gpt_oss")
@@ -279,12 +279,23 @@ def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Te
     """The experts through the Triton kernels (operands as the op checked them).
     ``plan`` and ``cfg`` override the plan and its tiles (tests, sweeps)."""
     T, H = x.shape
+    out = _tiles.workspace((T, H), x.dtype, x.device)
+    if T == 0 or topk_ids.shape[1] == 0:
+        return out.zero_()
+    with on_device(x):
+        return _launches(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down, scale_gate_up,
+                         zero_gate_up, scale_down, zero_down, activation, gate_layout, transposed, fmt, group_size,
+                         alpha, limit, plan, cfg, out, _tiles.ran)
+
+
+def _launches(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down, scale_gate_up, zero_gate_up,
+              scale_down, zero_down, activation, gate_layout, transposed, fmt, group_size, alpha, limit, plan, cfg,
+              out, go) -> Tensor:
+    """The plan's launches, each run now or put in the graph being traced (``go``)."""
+    T, H = x.shape
     k = topk_ids.shape[1]
     E = w_gate_up.shape[0]
     I = w_gate_up.shape[2 if transposed else 1] // 2
-    out = _tiles.workspace((T, H), x.dtype, x.device)
-    if T == 0 or k == 0:
-        return out.zero_()
     if x.stride(-1) != 1:
         x = x.contiguous()
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
@@ -301,18 +312,41 @@ def experts_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Te
     halves = gate_layout == "halves"
     args = (x, ids, tw, w_gate_up, w_down, b1, b2, scale_gate_up, zero_gate_up, scale_down, zero_down, activation,
             halves, transposed, fmt, group, alpha, limit)
-    with on_device(x):
-        if plan == "decode":
-            cfg = cfg or decode.decode_heuristic(T, k, H, I, transposed, sm_count(x.device), group)
-            decode.launch_decode(*args, cfg, out)
-        elif plan == "sorted":
-            prefill.launch_sorted(*args, cfg or prefill.sorted_heuristic(T, k, E, group), out)
-        elif plan == "grouped_mm":
-            prefill.launch_grouped_mm(x, ids, tw, w_gate_up, w_down, b1, b2, activation, halves, transposed, alpha,
-                                      limit, out)
-        else:
-            raise ValueError(f"unknown plan {plan!r}; one of {PLANS}")
-    return out
+    if plan == "decode":
+        cfg = cfg or decode.decode_heuristic(T, k, H, I, transposed, sm_count(x.device), group)
+        return decode.launch_decode(*args, cfg, out, go)
+    if plan == "sorted":
+        return prefill.launch_sorted(*args, cfg or prefill.sorted_heuristic(T, k, E, group), out, go)
+    if plan == "grouped_mm":
+        return prefill.launch_grouped_mm(x, ids, tw, w_gate_up, w_down, b1, b2, activation, halves, transposed,
+                                         alpha, limit, out, go)
+    raise ValueError(f"unknown plan {plan!r}; one of {PLANS}")
+
+
+def moe_experts_traced(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down, scale_gate_up,
+                       zero_gate_up, scale_down, zero_down, activation, gate_layout, transposed, fmt, group_size,
+                       alpha, limit) -> Tensor:
+    """The op's launches as nodes of the graph (the inlined form), planned now for
+    this token count; buffers between launches are allocated in the graph."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _launches(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down, scale_gate_up,
+                     zero_gate_up, scale_down, zero_down, activation, gate_layout, transposed, fmt, group_size, alpha,
+                     limit, None, None, out, _tiles.traced)
+
+
+def _inline_ok(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down, scale_gate_up, zero_gate_up,
+               scale_down, zero_down, activation, gate_layout, transposed, fmt, group_size, alpha, limit) -> bool:
+    # The plan and its tiles depend on T: a symbolic T (dynamic=True) goes
+    # through the op, which plans per call.
+    tensors = [t for t in (x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down, scale_gate_up,
+                           zero_gate_up, scale_down, zero_down) if t is not None]
+    try:
+        _check(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_down, scale_gate_up, zero_gate_up,
+               scale_down, zero_down, activation, gate_layout, transposed, fmt, group_size)
+    except RuntimeError:  # the op's call raises the error itself
+        return False
+    return (inline_enabled(x) and x.dtype in _KERNEL_DTYPES and topk_ids.shape[1] > 0 and x.shape[0] != 0
+            and all(isinstance(s, int) for t in tensors for s in (*t.shape, *t.stride())))
 
 
 # ----------------------------------------------------------------------- op ----
@@ -361,3 +395,6 @@ def _moe_experts_cuda(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up
         return _reference_out(*args, alpha, limit)
     return run_kernel("moe_experts", lambda: experts_fwd(*args, alpha, limit),
                       lambda: _reference_out(*args, alpha, limit))
+
+
+register_inline(torch.ops.fusepass.moe_experts.default, _inline_ok, moe_experts_traced)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import cdiv, interpreting
+from fusepass.kernels._common import Launch, cdiv, interpreting
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import (
     _round,
@@ -307,8 +307,9 @@ class Alignment:
     BM: int
 
 
-def align(ids: Tensor, E: int, BM: int) -> Alignment:
-    """Slots sorted by expert and padded to BM (module docstring)."""
+def align(ids: Tensor, E: int, BM: int, go=_tiles.ran) -> Alignment:
+    """Slots sorted by expert and padded to BM (module docstring); ``go`` runs the
+    launch now or puts it in the graph being traced."""
     S = ids.numel()
     P_MAX = S + min(E, S) * (BM - 1)
     NBLK_MAX = cdiv(P_MAX, BM)
@@ -316,9 +317,14 @@ def align(ids: Tensor, E: int, BM: int) -> Alignment:
     a = Alignment(_tiles.workspace((P_MAX,), torch.int32, dev), _tiles.workspace((S,), torch.int32, dev),
                   _tiles.workspace((NBLK_MAX,), torch.int32, dev), _tiles.workspace((E,), torch.int32, dev), BM)
     CH = 1024 if not interpreting() else 64
-    _moe_align_kernel[(E,)](ids, a.sorted_slots, a.pos_of_slot, a.block_expert, a.expert_end, S, E, P_MAX, NBLK_MAX,
-                            BM=BM, NBINS=cdiv_pow2(E + 1), CH=CH, BMP=cdiv_pow2(BM), num_warps=4)
-    return a
+    res = go(Launch(_moe_align_kernel, (E,), dict(
+        ids=ids, sorted_slots=a.sorted_slots, pos_of_slot=a.pos_of_slot, block_expert=a.block_expert,
+        expert_end=a.expert_end, S=S, E=E, P_MAX=P_MAX, NBLK_MAX=NBLK_MAX,
+        BM=BM, NBINS=cdiv_pow2(E + 1), CH=CH, BMP=cdiv_pow2(BM)), _ALIGNED, 4))
+    return Alignment(*(res[n] for n in _ALIGNED), BM)
+
+
+_ALIGNED = ("sorted_slots", "pos_of_slot", "block_expert", "expert_end")
 
 
 def _f32_dots(dtype: torch.dtype) -> bool:
@@ -331,13 +337,13 @@ def _ptrs(t: Tensor | None, dummy: Tensor) -> Tensor:
 
 def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1, b2, s1, z1, s2, z2,
                   activation: str, halves: bool, transposed: bool, fmt: str, group: int, alpha: float, limit: float,
-                  cfg: SortedConfig, out: Tensor) -> None:
+                  cfg: SortedConfig, out: Tensor, go=_tiles.ran) -> Tensor:
     """out [T, H] = the experts' sum through the alignment and the grouped tl.dot kernels."""
     T, H = x.shape
     k = ids.shape[1]
     E = w1.shape[0]
     I = w1.shape[2 if transposed else 1] // 2
-    a = align(ids, E, cfg.BM)
+    a = align(ids, E, cfg.BM, go)
     nblk = a.block_expert.numel()
     rw = round_w(x.dtype, tw.dtype)
     f32 = _f32_dots(x.dtype)
@@ -345,48 +351,51 @@ def launch_sorted(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
     h = _tiles.workspace((a.sorted_slots.numel(), I), x.dtype, x.device)
     sn1, sk1 = _strides(w1, transposed)
-    _moe_sorted_up_kernel[(nblk, cdiv(I, cfg.BN))](
-        x, a.sorted_slots, a.block_expert, w1, _ptrs(b1, x), _ptrs(s1, x), _ptrs(z1, x), h,
-        H, I, k,
-        x.stride(0), w1.stride(0), sn1, sk1, s1.stride(0) if s1 is not None else 0,
-        s1.stride(1) if s1 is not None else 0, b1.stride(0) if b1 is not None else 0, h.stride(0),
+    h = go(Launch(_moe_sorted_up_kernel, (nblk, cdiv(I, cfg.BN)), dict(
+        x=x, sorted_slots=a.sorted_slots, block_expert=a.block_expert, w=w1, bias=_ptrs(b1, x), scale=_ptrs(s1, x),
+        zero=_ptrs(z1, x), h=h,
+        K=H, I=I, TOPK=k,
+        stride_xm=x.stride(0), stride_we=w1.stride(0), stride_wn=sn1, stride_wk=sk1,
+        stride_se=s1.stride(0) if s1 is not None else 0, stride_sn=s1.stride(1) if s1 is not None else 0,
+        stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0),
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
-        ALPHA=float(alpha), LIMIT=float(limit), F32=f32, TRANS=transposed, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+        ALPHA=float(alpha), LIMIT=float(limit), F32=f32, TRANS=transposed, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK),
+        ("h",), cfg.warps, cfg.stages))["h"]
     y = _tiles.workspace((T * k, H), x.dtype if rw else torch.float32, x.device)
     sn2, sk2 = _strides(w2, transposed)
-    _moe_sorted_down_kernel[(nblk, cdiv(H, cfg.BN2))](
-        h, a.sorted_slots, a.block_expert, tw, w2, _ptrs(b2, x), _ptrs(s2, x), _ptrs(z2, x), y,
-        I, H,
-        h.stride(0), w2.stride(0), sn2, sk2, s2.stride(0) if s2 is not None else 0,
-        s2.stride(1) if s2 is not None else 0, b2.stride(0) if b2 is not None else 0, y.stride(0),
+    y = go(Launch(_moe_sorted_down_kernel, (nblk, cdiv(H, cfg.BN2)), dict(
+        h=h, sorted_slots=a.sorted_slots, block_expert=a.block_expert, tw=tw, w=w2, bias=_ptrs(b2, x),
+        scale=_ptrs(s2, x), zero=_ptrs(z2, x), y=y,
+        K=I, N=H,
+        stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=sn2, stride_wk=sk2,
+        stride_se=s2.stride(0) if s2 is not None else 0, stride_sn=s2.stride(1) if s2 is not None else 0,
+        stride_be=b2.stride(0) if b2 is not None else 0, stride_ym=y.stride(0),
         ROUND_W=rw, FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None, F32=f32,
-        TRANS=transposed, BM=cfg.BM, BN=cfg.BN2, BK=cfg.BK2, num_warps=cfg.warps2, num_stages=cfg.stages2,
-    )
-    _sum(y, ids, a.pos_of_slot, tw, None, out, E, epilogue=False)
+        TRANS=transposed, BM=cfg.BM, BN=cfg.BN2, BK=cfg.BK2), ("y",), cfg.warps2, cfg.stages2))["y"]
+    return _sum(y, ids, a.pos_of_slot, tw, None, out, E, epilogue=False, go=go)
 
 
 def _sum(y: Tensor, ids: Tensor, pos_of_slot: Tensor, tw: Tensor, b2: Tensor | None, out: Tensor, E: int,
-         epilogue: bool) -> None:
+         epilogue: bool, go=_tiles.ran) -> Tensor:
     T, H = out.shape
     k = ids.shape[1]
     BN = min(1024, cdiv_pow2(H)) if not interpreting() else min(64, cdiv_pow2(H))
-    _moe_sum_kernel[(T, cdiv(H, BN))](
-        y, ids, pos_of_slot, tw, _ptrs(b2, y), out, E, H, k, y.stride(0), b2.stride(0) if b2 is not None else 0,
-        out.stride(0), ROUND_W=round_w(out.dtype, tw.dtype), EPILOGUE=epilogue, HAS_BIAS=b2 is not None,
-        KP=cdiv_pow2(k), BN=BN, num_warps=4,
-    )
+    return go(Launch(_moe_sum_kernel, (T, cdiv(H, BN)), dict(
+        y=y, ids=ids, pos_of_slot=pos_of_slot, tw=tw, bias=_ptrs(b2, y), out=out, E=E, N=H, TOPK=k,
+        stride_ym=y.stride(0), stride_be=b2.stride(0) if b2 is not None else 0, stride_om=out.stride(0),
+        ROUND_W=round_w(out.dtype, tw.dtype), EPILOGUE=epilogue, HAS_BIAS=b2 is not None,
+        KP=cdiv_pow2(k), BN=BN), ("out",), 4))["out"]
 
 
 def launch_grouped_mm(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1, b2, activation: str,
-                      halves: bool, transposed: bool, alpha: float, limit: float, out: Tensor) -> None:
+                      halves: bool, transposed: bool, alpha: float, limit: float, out: Tensor,
+                      go=_tiles.ran) -> Tensor:
     """out [T, H] through ``torch._grouped_mm`` (plain weights in x's dtype)."""
     T, H = x.shape
     k = ids.shape[1]
     E = w1.shape[0]
     I = w1.shape[2 if transposed else 1] // 2
-    a = align(ids, E, 1)
+    a = align(ids, E, 1, go)
     R = a.sorted_slots.numel()
     xs = x.index_select(0, a.sorted_slots.clamp(min=0) // k)
     w1t = w1 if transposed else w1.transpose(-2, -1)
@@ -394,10 +403,9 @@ def launch_grouped_mm(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor
     gu = torch._grouped_mm(xs, w1t, offs=a.expert_end)
     h = _tiles.workspace((R, I), x.dtype, x.device)
     BR, BN = (16, 256) if not interpreting() else (8, 32)
-    _moe_act_kernel[(cdiv(R, BR), cdiv(I, BN))](
-        gu, a.sorted_slots, ids, _ptrs(b1, x), h, R, I, gu.stride(0), b1.stride(0) if b1 is not None else 0,
-        h.stride(0), ACT=activation, HALVES=halves, HAS_BIAS=b1 is not None,
-        ALPHA=float(alpha), LIMIT=float(limit), BR=BR, BN=BN, num_warps=4,
-    )
+    h = go(Launch(_moe_act_kernel, (cdiv(R, BR), cdiv(I, BN)), dict(
+        gu=gu, sorted_slots=a.sorted_slots, ids=ids, bias=_ptrs(b1, x), h=h, R=R, I=I, stride_gm=gu.stride(0),
+        stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0), ACT=activation, HALVES=halves,
+        HAS_BIAS=b1 is not None, ALPHA=float(alpha), LIMIT=float(limit), BR=BR, BN=BN), ("h",), 4))["h"]
     d = torch._grouped_mm(h, w2t, offs=a.expert_end)
-    _sum(d, ids, a.pos_of_slot, tw, b2, out, E, epilogue=True)
+    return _sum(d, ids, a.pos_of_slot, tw, b2, out, E, epilogue=True, go=go)

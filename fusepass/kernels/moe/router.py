@@ -57,7 +57,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
-from fusepass.kernels._common import cdiv, interpreting, on_device, run_kernel
+from fusepass.kernels._common import Launch, cdiv, inline_enabled, interpreting, on_device, register_inline, run_kernel
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import cdiv_pow2, dot
@@ -304,6 +304,37 @@ def _kernel_ok(x, weight, kind, n_group) -> bool:
     return True
 
 
+def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str,
+                  top_k: int, renormalize: bool, n_group: int, topk_group: int, scaling: float, cfg: RouterConfig,
+                  ctr: Tensor | None, tw: Tensor, tid: Tensor, logits: Tensor) -> Launch:
+    """The router's one launch: ``cfg`` split over experts when ``ctr`` (one zeroed
+    counter per token block) is given, else all experts in each program.  x and
+    weight with unit column stride."""
+    T, H = x.shape
+    E = weight.shape[0]
+    BEA = cdiv_pow2(E)
+    split = ctr is not None
+    if not split and cfg.BE < BEA:
+        cfg = _whole(BEA, H)
+    n_t, n_e = cdiv(T, cfg.BT), (cdiv(E, cfg.BE) if split else 1)
+    f32 = x.dtype == torch.float32 or weight.dtype != x.dtype or interpreting()
+    dummy = x  # unused pointers: never a tensor the launch writes
+    args = dict(
+        x=x, w=weight, bias=bias if bias is not None else dummy,
+        cbias=correction_bias if correction_bias is not None else dummy, ctr=ctr if split else dummy,
+        logits=logits, tw=tw, tid=tid, T=T, E=E, K=H, stride_xm=x.stride(0), stride_wm=weight.stride(0),
+        KIND=kind, TOP_K=top_k, RENORM=bool(renormalize), NG=n_group, TG=topk_group, SCALING=float(scaling),
+        HAS_BIAS=bias is not None, HAS_CB=correction_bias is not None, SPLIT=split,
+        USE_DOT=cfg.dot and BEA >= 16 and cfg.BT >= 16, F32=f32,
+        BT=cfg.BT, BE=cfg.BE if split else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k))
+    outputs = ("logits", "tw", "tid") + (("ctr",) if split else ())
+    return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps)
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str, top_k: int,
                renormalize: bool, n_group: int, topk_group: int, scaling: float, logits_dtype: torch.dtype,
                weights_dtype: torch.dtype, cfg: RouterConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -316,32 +347,52 @@ def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: 
     logits = _tiles.workspace((T, E), logits_dtype, dev)
     if T == 0:
         return tw, tid, logits
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
+    x, weight = _unit_last(x), _unit_last(weight)
     cfg = cfg or router_heuristic(T, E, H)
-    BEA = cdiv_pow2(E)
-    n_t = cdiv(T, cfg.BT)
-    n_e = cdiv(E, cfg.BE)
     ctr = None
-    if n_e > 1:
-        ctr = _split_counters(dev, n_t)
-        if ctr is None:  # a CUDA-graph capture without free counters: all experts in each program
-            cfg = _whole(BEA, H)
-            n_t, n_e = cdiv(T, cfg.BT), 1
-    f32 = x.dtype == torch.float32 or weight.dtype != x.dtype or interpreting()
+    if cdiv(E, cfg.BE) > 1:
+        # None in a CUDA-graph capture without free counters: all experts in each program.
+        ctr = _split_counters(dev, cdiv(T, cfg.BT))
     with on_device(x):
-        _moe_router_kernel[(n_t, n_e)](
-            x, weight, bias if bias is not None else x, correction_bias if correction_bias is not None else x,
-            ctr if ctr is not None else tid, logits, tw, tid,
-            T, E, H, x.stride(0), weight.stride(0),
-            KIND=kind, TOP_K=top_k, RENORM=bool(renormalize), NG=n_group, TG=topk_group, SCALING=float(scaling),
-            HAS_BIAS=bias is not None, HAS_CB=correction_bias is not None, SPLIT=n_e > 1,
-            USE_DOT=cfg.dot and BEA >= 16 and cfg.BT >= 16, F32=f32,
-            BT=cfg.BT, BE=cfg.BE if n_e > 1 else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k), num_warps=cfg.warps,
-        )
+        router_launch(x, weight, bias, correction_bias, kind, top_k, renormalize, n_group, topk_group, scaling, cfg,
+                      ctr, tw, tid, logits).run()
     return tw, tid, logits
+
+
+def router_traced(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str,
+                  top_k: int, renormalize: bool, n_group: int, topk_group: int, scaling: float,
+                  logits_dtype: torch.dtype, weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The router's launch as a node of the graph (the inlined form), its split
+    counters zeroed in the graph (the last program of each token block leaves
+    them at zero again)."""
+    T, H = x.shape
+    E = weight.shape[0]
+    dev = x.device
+    tw = torch.empty((T, top_k), dtype=weights_dtype, device=dev)
+    tid = torch.empty((T, top_k), dtype=torch.int64, device=dev)
+    logits = torch.empty((T, E), dtype=logits_dtype, device=dev)
+    x, weight = _unit_last(x), _unit_last(weight)
+    cfg = router_heuristic(T, E, H)
+    ctr = torch.zeros(cdiv(T, cfg.BT), dtype=torch.int32, device=dev) if cdiv(E, cfg.BE) > 1 else None
+    res = router_launch(x, weight, bias, correction_bias, kind, top_k, renormalize, n_group, topk_group, scaling, cfg,
+                        ctr, tw, tid, logits).traced()
+    return res["tw"], res["tid"], res["logits"]
+
+
+def _static(*sizes) -> bool:
+    return all(isinstance(s, int) for s in sizes)
+
+
+def _inline_ok(x, weight, bias, correction_bias, kind, top_k, renormalize, n_group, topk_group, scaling, logits_dtype,
+               weights_dtype) -> bool:
+    # The launch's tiles depend on T: a symbolic T (dynamic=True) goes through the op, which picks per call.
+    try:
+        _check(x, weight, bias, correction_bias, kind, top_k, n_group, topk_group, logits_dtype, weights_dtype)
+    except RuntimeError:  # the op's call raises the error itself
+        return False
+    return (inline_enabled(x) and x.dim() == 2 and weight.dim() == 2 and _kernel_ok(x, weight, kind, n_group)
+            and _static(*x.shape, *x.stride(), *weight.shape, *weight.stride()) and x.shape[0] > 0
+            and x.shape[1] > 0)
 
 
 # ------------------------------------------------------------------- checks ----
@@ -414,3 +465,6 @@ def _moe_router_cuda(x, weight, bias, correction_bias, kind, top_k, renormalize,
     if not _kernel_ok(x, weight, kind, n_group):  # fp64, more than 1024 experts: the reference
         return _reference_out(*args)
     return run_kernel("moe_router", lambda: router_fwd(*args), lambda: _reference_out(*args))
+
+
+register_inline(torch.ops.fusepass.moe_router.default, _inline_ok, router_traced)
