@@ -63,7 +63,8 @@ def _block(model: str, dtype: torch.dtype):
         block = GptOssMLP(cfg)
         router = dict(kind="topk_softmax", top_k=4, renormalize=False, logits_dtype=dtype, weights_dtype=dtype)
         gate, experts = block.router, block.experts
-        act = ("gpt_oss", "interleaved", True, "none", 0, cfg.swiglu_alpha, cfg.swiglu_limit)
+        # The experts module's own constants (transformers 5.17 fixes alpha there; later ones read the config).
+        act = ("gpt_oss", "interleaved", True, "none", 0, float(experts.alpha), float(experts.limit))
     else:
         from transformers import DeepseekV3Config
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE

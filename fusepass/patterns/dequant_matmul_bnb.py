@@ -65,8 +65,18 @@ def search_nested(x, packed, nested_absmax, absmax_8bit, absmax_code, absmax_off
 
 
 def _quantized(dtype, quant_type="nf4", nested=False, n=N_EX, k=K_EX, blocksize=64):
-    """bitsandbytes' own quantization of a random [n, k] weight: (packed, absmax tensors)."""
-    import bitsandbytes.functional as bf
+    """bitsandbytes' own quantization of a random [n, k] weight: (packed, absmax tensors); without the
+    library, random codes and scales in its layout (what a trace of the op's fake needs)."""
+    try:
+        import bitsandbytes.functional as bf
+    except ImportError:
+        packed = torch.randint(0, 256, (n * k // 2, 1), dtype=torch.uint8)
+        absmax = torch.rand(n * k // blocksize) + 0.5
+        if nested:
+            blocks = n * k // blocksize
+            return packed, [torch.rand(-(-blocks // 256)) + 0.5, torch.randint(0, 256, (blocks,), dtype=torch.uint8),
+                            torch.linspace(-1, 1, 256), torch.tensor(0.25)]
+        return packed, [absmax]
 
     w = torch.randn(n, k) / k ** 0.5
     packed, state = bf.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type, compress_statistics=nested)
