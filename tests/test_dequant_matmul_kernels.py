@@ -442,13 +442,13 @@ def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(launched, cfg
     ins = [tuple(t.cuda() if t is not None else None for t in _inputs(M, N, K, fmt, 0, False, torch.bfloat16,
                                                                       seed=i)) for i in range(4)]
 
-    def launch(i, out):
+    def run(i, out):
         launch._launch(ins[i][0], ins[i][1], ins[i][2], None, ins[i][4], out, fmt, 0, cfg)
         return out
 
     for _ in range(3):  # eager, one after another on the same counters
         for i in range(4):
-            _assert_close(launch(i, torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")),
+            _assert_close(run(i, torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")),
                           *ins[i], fmt, 0)
     outs = [torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
     graphs = []
@@ -456,7 +456,7 @@ def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(launched, cfg
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(3):
-                launch(i, outs[i])
+                run(i, outs[i])
         graphs.append(g)
     streams = [torch.cuda.Stream() for _ in range(2)]
     torch.cuda.synchronize()
@@ -477,7 +477,7 @@ def test_gpu_split_k_summed_in_the_kernel_eager_graphs_and_streams(launched, cfg
             st.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(st):
                 for _ in range(3):
-                    launch(2 + i, outs[2 + i])
+                    run(2 + i, outs[2 + i])
         for st in streams:
             torch.cuda.current_stream().wait_stream(st)
         torch.cuda.synchronize()
