@@ -832,9 +832,21 @@ def _hash_sources(options: Options) -> str:
                                        _PACKAGE.glob("patterns/_*.py"))):
         h.update(path.name.encode())
         h.update(path.read_bytes())
+    files: set[str] = set()
     for rule in rules():
         if options.enabled(rule.name):
             h.update(rule.sources().encode())
+            # The whole file of each function the rule holds: the helpers they call live there (a change
+            # to one alone was served from the cache, the report restored as it was before).
+            fns = [rule.example_inputs, rule.check, rule.explain, rule.find] + [
+                f for form in rule.forms for f in (form.search, form.replace, form.example_inputs)]
+            files |= {getattr(getattr(inspect.unwrap(fn), "__code__", None), "co_filename", "")
+                      for fn in fns if fn is not None}
+    for name in sorted(files - {""}):
+        try:
+            h.update(Path(name).read_bytes())
+        except OSError:
+            h.update(name.encode())
     h.update(repr(options.cache_key()).encode())
     h.update(kernel_data_fingerprint().encode())  # the plans a compile chose kernels by
     h.update(torch.__version__.encode())

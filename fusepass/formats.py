@@ -41,8 +41,11 @@ from torch import Tensor
 FORMATS = ("int8", "int4", "fp8")
 LIBRARY_FORMATS = ("nf4", "fp4", "gptq4", "gptq4_v1", "hqq4")
 OP_FORMATS = FORMATS + LIBRARY_FORMATS
-WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn, "nf4": torch.uint8,
-                 "fp4": torch.uint8, "gptq4": torch.int32, "gptq4_v1": torch.int32, "hqq4": torch.uint8}
+# The stored dtype of fusepass's own formats (one each: a dtype says its format, see the MoE rule) and of
+# every format the op reads (uint8 holds int4, nf4, fp4 and hqq4 codes alike).
+WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
+OP_WEIGHT_DTYPES = {**WEIGHT_DTYPES, "nf4": torch.uint8, "fp4": torch.uint8, "gptq4": torch.int32,
+                    "gptq4_v1": torch.int32, "hqq4": torch.uint8}
 # bitsandbytes' 4-bit code books (its published tables): NF4, the quantiles of a
 # normal distribution scaled to [-1, 1] (QLoRA); FP4, one sign bit and the
 # magnitudes 0, 1/192, 2/3, 1, 1/3, 1/2, 1/6, 1/4 in code order.

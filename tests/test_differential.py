@@ -63,8 +63,14 @@ def _run(programs: int, derandomize: bool = True, seed: int | None = None) -> di
 
 
 def _assert_clean(stats: diff.Stats) -> None:
-    assert not stats.failures, (f"{len(stats.failures)} failing program(s):\n\n"
-                                + "\n\n".join(stats.failures[:5]))
+    def first(text: str) -> str:
+        seed = next((ln.strip() for ln in text.splitlines() if ln.startswith("program seed")), "")
+        problem = next((ln.strip() for ln in text.splitlines() if ln.strip().startswith("!!")), "")
+        return f"{seed}: {problem[:200]}"
+
+    assert not stats.failures, (f"{len(stats.failures)} failing program(s):\n"
+                                + "\n".join(first(f) for f in stats.failures) + "\n\nthe first three:\n\n"
+                                + "\n\n".join(stats.failures[:3]))
     # Inductor-only disagreements are not fusepass's, but they are rare and
     # each one is worth a look (they hide whatever fusepass does to that value).
     # Known Inductor bugs (diff.KNOWN_INDUCTOR_BUGS) are listed, not counted.

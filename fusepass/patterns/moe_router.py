@@ -123,8 +123,10 @@ def search_sigmoid(correction_bias, x, weight):
 
 def _sorted(w, ids, logits, *inputs):
     """``_chosen`` for an unordered top-k (sorted=False: any order of the same choice is the
-    model's answer), in ascending weight order."""
-    w, order = w.sort(dim=-1)
+    model's answer), in ascending weight order, equal weights by expert id (a sigmoid saturates:
+    scores of 1.0 tie, and a sort of the weights alone keeps them in whatever order came)."""
+    ids, by_id = ids.sort(dim=-1)
+    w, order = w.gather(1, by_id).sort(dim=-1, stable=True)
     return _chosen(w, ids.gather(1, order), logits, *inputs)
 
 
@@ -615,16 +617,24 @@ def _order_reader(f: Found) -> torch.fx.Node | None:
     """Where the model's top-k is unordered (``sorted=False``: DeepSeek-V3), a reader of the
     ids or weights that may depend on the order of the k choices (the op returns them by
     descending score), or None.  Order-free readers: the experts op (the ``moe_experts`` rule
-    runs first), a sort along the choices, and a gather of the ids by that sort's order."""
+    runs first), a sort of either along the choices, and a gather of the other by that sort's order."""
     members = set(f.nodes)
-    sorts = {u for u in f.tw.users if u.target == aten.sort.default and (u.args[1] if len(u.args) > 1 else
-                                                                        u.kwargs.get("dim", -1)) in (-1, 1)}
-    orders = {g for s in sorts for g in s.users if g.target is operator.getitem and g.args[1] == 1}
+
+    def sorts_of(t):  # sorts of t along the k choices
+        return {u for u in t.users if u.target in (aten.sort.default, aten.sort.stable)
+                and (u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", -1)) in (-1, 1)}
+
+    def orders_of(sorts):  # the permutations those sorts give
+        return {g for s in sorts for g in s.users if g.target is operator.getitem and g.args[1] == 1}
+
+    sorts = sorts_of(f.tw) | sorts_of(f.ids)
+    orders = {f.tw: orders_of(sorts_of(f.ids)), f.ids: orders_of(sorts_of(f.tw))}
     for out in (f.tw, f.ids):
         for u in out.users:
             if u in members or u.target == torch.ops.fusepass.moe_experts.default or u in sorts:
                 continue
-            if out is f.ids and u.target == aten.gather.default and u.args[0] is f.ids and u.args[2] in orders:
+            # One output gathered by the order that sorting the other gives: order-free too.
+            if u.target == aten.gather.default and u.args[0] is out and u.args[2] in orders[out]:
                 continue
             return u
     return None

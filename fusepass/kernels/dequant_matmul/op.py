@@ -13,7 +13,7 @@ from fusepass.formats import (
     CODEBOOKS,
     KERNEL_DTYPES,
     OP_FORMATS,
-    WEIGHT_DTYPES,
+    OP_WEIGHT_DTYPES,
     dequantize,
     in_features,
     out_features,
@@ -80,7 +80,7 @@ def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Ten
 def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
            group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None) -> None:
     torch._check(fmt in OP_FORMATS, lambda: f"fmt must be one of {OP_FORMATS}, got {fmt!r}")
-    torch._check(weight.dtype == WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
+    torch._check(weight.dtype == OP_WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {OP_WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
     torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
     N = out_features(weight, fmt, scale)
     K = in_features(weight, fmt, scale)
