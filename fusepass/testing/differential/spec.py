@@ -111,7 +111,10 @@ def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10, on
     finders = {r.name for r in rules() if r.find is not None}
     forms = [k for k in kinds if k[1] == "form" for _ in range(1 if k[0] in finders else 4)]
     misses = [k for k in kinds if k[1] == "near-miss"] or forms
-    hidden = HIDDEN + (LARGE_HIDDEN if large else ())
+    # A 65537-wide row costs the CPU (the Triton interpreter above all) ~100x a
+    # small one: one block in ~35 takes it, so a program of 25 blocks holds one
+    # about half the time (one in nine gave nearly every program one).
+    hidden = HIDDEN * 4 + (LARGE_HIDDEN if large else ())
 
     @st.composite
     def shapes(draw):
@@ -154,10 +157,12 @@ def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10, on
             after=draw(st.sampled_from(AFTER + ("",) * 2)),
         )
 
-    return st.builds(
-        ProgramSpec,
-        blocks=st.lists(block(), min_size=min_blocks, max_size=max_blocks).map(tuple),
-        seed=st.integers(0, 2**31 - 1),
-        triton=st.integers(0, 3).map(lambda i: i == 0),
-        options=options(),
-    )
+    @st.composite
+    def program(draw):
+        blocks = tuple(draw(st.lists(block(), min_size=min_blocks, max_size=max_blocks)))
+        seed = draw(st.integers(0, 2**31 - 1))
+        # The Triton kernels (interpreted: 5-20x a program's time) for one program in six, chosen by the
+        # seed: Hypothesis's own draws of a flag came out true for three in four of its derandomized programs.
+        return ProgramSpec(blocks, seed=seed, triton=seed % 6 == 1, options=draw(options()))
+
+    return program()
