@@ -13,12 +13,14 @@ Dynamo traces, and the backend itself is only called after.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import itertools
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -33,6 +35,42 @@ from .subclass import flatten_subclass_inputs
 log = logging.getLogger("fusepass")
 _graph_ids = itertools.count()
 _pretrace.arm()
+
+# Testing only (:mod:`fusepass.testing.differential`): after fusepass's pass,
+# run the graph with the FX interpreter instead of Inductor's lowering and
+# code generation, which are most of a CPU compile.  The graph run is the
+# one Inductor would lower, fusepass's rewrites in it; only Inductor's own
+# post-grad patterns (which turn nodes into lowering-only calls) are left out.
+_interpret_after_pass = contextvars.ContextVar("fusepass_interpret_after_pass", default=False)
+
+
+@contextlib.contextmanager
+def interpreting_after_pass(enabled: bool = True) -> Iterator[None]:
+    token = _interpret_after_pass.set(enabled)
+    try:
+        yield
+    finally:
+        _interpret_after_pass.reset(token)
+
+
+def _interpreted(gm: torch.fx.GraphModule, inputs: Sequence[Any], fp: FusePass) -> Any:
+    """The graph after fusepass's pass (as Inductor runs it: after dead-code elimination), run by the
+    FX interpreter, in AOTAutograd's boxed calling convention."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
+
+    gm.graph.eliminate_dead_code()
+    with V.set_fake_mode(detect_fake_mode(inputs)):
+        fp(gm.graph)
+    gm.recompile()
+
+    def run(args: list[Any]) -> Any:
+        values = list(args)
+        args.clear()
+        return gm(*values)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _graph_id() -> str:
@@ -207,7 +245,10 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Opti
         part = "bw" if kwargs.get("is_backward") else "fw"
         called.append(part)
         pending.clear()
-        out = compile_fx_inner(gm_, inputs_, **kwargs)
+        if _interpret_after_pass.get() and not any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs_):
+            out = _interpreted(gm_, inputs_, fp)
+        else:
+            out = compile_fx_inner(gm_, inputs_, **kwargs)
         # Inductor's FX graph cache keys the post-grad input graph: two Dynamo
         # graphs that differ only in no-ops (x.float() on fp32) share its
         # entry, so a hit there may come from another graph's compile; the

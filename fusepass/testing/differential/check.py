@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ...backend import interpreting_after_pass
 from ...options import Options
 from ...kernels._common import clear_kernel_fallbacks, interpreting, kernel_fallbacks, loosest, tolerance
 from ...report import RewriteReport, last_report, reset_reports
@@ -92,7 +93,7 @@ def _compile_run(program: Program, options: dict[str, Any]) -> tuple[tuple[torch
     torch._dynamo.reset()
     reset_reports()
     compiled = torch.compile(program.fn(), backend="fusepass", options=options, fullgraph=True, dynamic=False)
-    with torch._inductor.config.patch(INDUCTOR_CONFIG):
+    with torch._inductor.config.patch(INDUCTOR_CONFIG), interpreting_after_pass(not program.spec.inductor):
         out = compiled(*program.args)
     return out, last_report()
 

@@ -25,6 +25,7 @@ class Stats:
     programs: int = 0
     blocks: int = 0
     triton_programs: int = 0
+    inductor_programs: int = 0  # through Inductor's code generation (the others: the FX interpreter after the pass)
     kinds: Counter = field(default_factory=Counter)
     mutations: Counter = field(default_factory=Counter)
     features: Counter = field(default_factory=Counter)
@@ -43,6 +44,7 @@ class Stats:
         p = o.program
         self.programs += 1
         self.triton_programs += bool(p.spec.triton)
+        self.inductor_programs += bool(p.spec.inductor)
         self.blocks += len(p.blocks)
         self.options[", ".join(k for k, _ in p.spec.options) or "default"] += 1
         self.dropped += len(p.dropped)
@@ -77,7 +79,8 @@ class Stats:
 
     def summary(self) -> str:
         lines = [
-            f"fusepass differential run: {self.programs} programs ({self.triton_programs} on the Triton kernels), "
+            f"fusepass differential run: {self.programs} programs ({self.triton_programs} on the Triton kernels, "
+            f"{self.inductor_programs} through Inductor's code generation), "
             f"{self.blocks} blocks, {sum(self.rewrites.values())} rewrites, {sum(self.refusals.values())} refusals, "
             f"{len(self.failures)} failing programs, {len(self.inductor)} with Inductor-only mismatches, "
             f"{self.seconds:.0f} s",
