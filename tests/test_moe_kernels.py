@@ -464,6 +464,24 @@ def test_router_kernel_ties_go_to_the_lower_index(poisoned, config):
         assert ids.tolist() == [expected] * 2, kind
 
 
+@pytest.mark.parametrize("layout", ["expanded", "strided"])
+def test_router_kernel_reads_biases_through_their_strides(poisoned, layout):
+    """A bias of stride 0 (one value expanded over the experts) or 2 (every other
+    of a wider one) is read as the values it holds, not as E packed values."""
+    x, w, _, _ = _router_inputs(3, 8, 32, "fp32", False, False, None)
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(16, generator=gen).to(DEVICE)
+    b = wide[:1].expand(8) if layout == "expanded" else wide[::2]
+    c = wide[1:2].expand(8) * 0.1 if layout == "expanded" else wide[1::2] * 0.1
+    for kind, bias, cb in (("topk_softmax", b, None), ("sigmoid", None, c)):
+        args = (x, w, bias, cb, kind, 3, False, 1, 1, 1.0, torch.float32, torch.float32)
+        tw, tid, logits = rt.router_fwd(*args)
+        ref_w, ref_ids, ref_logits = rt.moe_router_reference(*args, compute_dtype=torch.float64)
+        torch.testing.assert_close(logits.double(), ref_logits.double(), atol=1e-4, rtol=1e-4)
+        assert torch.equal(tid, ref_ids), kind
+        torch.testing.assert_close(tw.double(), ref_w.double(), atol=1e-4, rtol=1e-4)
+
+
 def test_router_kernel_zero_tokens():
     x, w, _, _ = _router_inputs(0, 8, 32, "bf16", False, False, None)
     tw, tid, logits = rt.router_fwd(x, w, None, None, "softmax", 2, True, 1, 1, 1.0, torch.bfloat16, torch.bfloat16)

@@ -335,6 +335,11 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _dense(t: Tensor | None) -> Tensor | None:
+    """A bias as the kernel reads it, E values at unit stride (an expanded or sliced one copied: E values)."""
+    return None if t is None else _unit_last(t)
+
+
 def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str, top_k: int,
                renormalize: bool, n_group: int, topk_group: int, scaling: float, logits_dtype: torch.dtype,
                weights_dtype: torch.dtype, cfg: RouterConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -348,6 +353,7 @@ def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: 
     if T == 0:
         return tw, tid, logits
     x, weight = _unit_last(x), _unit_last(weight)
+    bias, correction_bias = _dense(bias), _dense(correction_bias)
     cfg = cfg or router_heuristic(T, E, H)
     ctr = None
     if cdiv(E, cfg.BE) > 1:
@@ -372,6 +378,7 @@ def router_traced(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
     tid = torch.empty((T, top_k), dtype=torch.int64, device=dev)
     logits = torch.empty((T, E), dtype=logits_dtype, device=dev)
     x, weight = _unit_last(x), _unit_last(weight)
+    bias, correction_bias = _dense(bias), _dense(correction_bias)
     cfg = router_heuristic(T, E, H)
     ctr = torch.zeros(cdiv(T, cfg.BT), dtype=torch.int32, device=dev) if cdiv(E, cfg.BE) > 1 else None
     res = router_launch(x, weight, bias, correction_bias, kind, top_k, renormalize, n_group, topk_group, scaling, cfg,
