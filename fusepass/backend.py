@@ -53,14 +53,22 @@ def interpreting_after_pass(enabled: bool = True) -> Iterator[None]:
         _interpret_after_pass.reset(token)
 
 
-def _interpreted(gm: torch.fx.GraphModule, inputs: Sequence[Any], fp: FusePass) -> Any:
-    """The graph after fusepass's pass (as Inductor runs it: after dead-code elimination), run by the
-    FX interpreter, in AOTAutograd's boxed calling convention."""
-    from torch._guards import detect_fake_mode
+def _interpreted(gm: torch.fx.GraphModule, inputs: Sequence[Any], fp: FusePass, is_inference: bool) -> Any:
+    """The graph after fusepass's pass, run by the FX interpreter, in AOTAutograd's boxed calling
+    convention.  The pass sees the graph Inductor would give it: views turned into reshapes, fake
+    values propagated again, dead code eliminated, nodes reordered for locality (inference)."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import fake_tensor_prop
+    from torch._inductor.fx_passes.post_grad import reorder_for_locality, view_to_reshape
     from torch._inductor.virtualized import V
 
+    view_to_reshape(gm)
+    with torch.no_grad():
+        fake_mode = fake_tensor_prop(gm, inputs)
     gm.graph.eliminate_dead_code()
-    with V.set_fake_mode(detect_fake_mode(inputs)):
+    if is_inference and config.reorder_for_locality:
+        reorder_for_locality(gm.graph)
+    with V.set_fake_mode(fake_mode):
         fp(gm.graph)
     gm.recompile()
 
@@ -246,7 +254,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Opti
         called.append(part)
         pending.clear()
         if _interpret_after_pass.get() and not any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs_):
-            out = _interpreted(gm_, inputs_, fp)
+            out = _interpreted(gm_, inputs_, fp, bool(kwargs.get("is_inference", False)))
         else:
             out = compile_fx_inner(gm_, inputs_, **kwargs)
         # Inductor's FX graph cache keys the post-grad input graph: two Dynamo
