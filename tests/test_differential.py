@@ -16,8 +16,6 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hypothesis_seed
 
 import fusepass
 from fusepass.testing import differential as diff
@@ -34,21 +32,8 @@ BLOCKS = (20, 30)
 
 def draw_specs(programs: int, derandomize: bool = True, seed: int | None = None) -> list[diff.ProgramSpec]:
     """The catalogue's programs and ``programs`` distinct drawn ones (the same every time when derandomized)."""
-    drawn: dict[str, diff.ProgramSpec] = {}
-
-    # Hypothesis draws some programs twice (182 distinct of 200 at this size):
-    # drawn until ``programs`` distinct ones are in hand.
-    @settings(max_examples=programs * 2, derandomize=derandomize, database=None, deadline=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(diff.strategies(min_blocks=BLOCKS[0], max_blocks=BLOCKS[1]))
-    def draw(spec):
-        if len(drawn) < programs:
-            drawn.setdefault(repr(spec), spec)
-
-    if seed is not None:
-        draw = hypothesis_seed(seed)(draw)
-    draw()
-    return list(diff.catalogue_programs()) + list(drawn.values())
+    drawn = diff.draw_programs(programs, BLOCKS[0], BLOCKS[1], derandomize, seed)
+    return list(diff.catalogue_programs()) + drawn
 
 
 def _run(programs: int, derandomize: bool = True, seed: int | None = None) -> diff.Stats:

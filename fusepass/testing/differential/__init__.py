@@ -72,6 +72,7 @@ from .spec import (
     ProgramSpec,
     catalogue,
     catalogue_programs,
+    draw_programs,
     strategies,
 )
 from .stats import KNOWN_INDUCTOR_BUGS, Stats, known_inductor_bug, reason_key
@@ -79,7 +80,7 @@ from .stats import KNOWN_INDUCTOR_BUGS, Stats, known_inductor_bug, reason_key
 __all__ = [
     "AFTER", "FLOATS", "HIDDEN", "INDUCTOR_CONFIG", "KNOWN_INDUCTOR_BUGS", "LAYOUTS", "MUTATIONS",
     "SOURCES", "SPECIALS", "BlockSpec", "BuiltBlock", "Operand", "Outcome", "Program", "ProgramSpec", "Stats", "Step",
-    "build", "catalogue", "catalogue_programs", "cuda_impl", "default_sized_inputs", "interpreting",
+    "build", "catalogue", "catalogue_programs", "cuda_impl", "default_sized_inputs", "draw_programs", "interpreting",
     "known_inductor_bug", "op_names", "reason_key", "run", "scoped_impls", "strategies", "triton_on_cpu",
     "_uncache_dispatch",
 ]
