@@ -551,7 +551,7 @@ def _verify(cf: CompiledForm, m: Match, args: list[Any]) -> str | None:
     """Run the match's search function and its replacement on random inputs."""
     from .kernels._common import tolerance
 
-    def real(a: Any) -> Any:
+    def real(a: Any, ints: bool = True) -> Any:
         val = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
         if not isinstance(val, torch.Tensor):
             return val
@@ -560,16 +560,30 @@ def _verify(cf: CompiledForm, m: Match, args: list[Any]) -> str | None:
             return torch.randn(shape, device=val.device).to(val.dtype)
         if val.dtype == torch.bool:
             return torch.rand(shape, device=val.device) > 0.5
+        if not ints:
+            return torch.zeros(shape, dtype=val.dtype, device=val.device)
         low = 0 if val.dtype == torch.uint8 else -8
         return torch.randint(low, low + 16, shape, dtype=val.dtype, device=val.device)
 
-    with concrete():  # see concrete(): never under the Python dispatcher
-        values = [real(a) for a in args]
+    def draw(ints: bool) -> list[Any]:
+        values = [real(a, ints) for a in args]
         # A scalar the graph feeds as a tensor (dynamic=True's eps) takes the
         # rule's own value: a random one may be negative (a NaN norm proves nothing).
-        values = [torch.full_like(c, cf.rule.scalars[n]) if n in cf.rule.scalars and isinstance(c, torch.Tensor)
-                  else c for n, c in zip(cf.argnames, values)]
-        expected = pytree.tree_leaves(cf.form.search(*values))
+        return [torch.full_like(c, cf.rule.scalars[n]) if n in cf.rule.scalars and isinstance(c, torch.Tensor)
+                else c for n, c in zip(cf.argnames, values)]
+
+    with concrete():  # see concrete(): never under the Python dispatcher
+        values = draw(ints=True)
+        try:
+            expected = pytree.tree_leaves(cf.form.search(*values))
+        except (IndexError, RuntimeError):
+            # Integers that index (GPTQ's g_idx picks a group's scale): random ones fall outside; zeros
+            # index every tensor that has a row, the float operands stay random.
+            values = draw(ints=False)
+            try:
+                expected = pytree.tree_leaves(cf.form.search(*values))
+            except Exception as exc:  # noqa: BLE001
+                return f"verification could not run the pattern on random inputs ({type(exc).__name__}: {exc})"
         actual = pytree.tree_leaves(cf.form.replace(*values))
         truth: list[Any] | None = None
         for i, (e, a) in enumerate(zip(expected, actual)):

@@ -127,6 +127,42 @@ def test_gptq_torch_form(v1, act_order):
     assert_close(out, expected, "GPTQ torch form")
 
 
+def test_gptq_under_verify_mode():
+    """Verify mode runs the pattern on random inputs: GPTQ's g_idx picks a group's scale, so random
+    integers index out of range; the check draws index-safe ones instead of refusing with a crash."""
+    from fusepass.patterns.dequant_matmul_gptq import gptq_weights
+
+    gen = torch.Generator().manual_seed(2)
+    model = GptqTorchLinear(*gptq_weights(40, 256, 64, torch.float16, act_order=True, gen=gen)[:4], v1=False)
+    x = torch.randn(3, 256, dtype=torch.float16)
+    with torch.no_grad():
+        expected = model(x)
+        out, report = compile_and_run(model, [x], rules=LIB_RULES, verify=True)
+    assert report.count("dequant_matmul_gptq") == 1 and not report.refusals, str(report)
+    assert_close(out, expected, "GPTQ torch form, verified")
+
+
+def test_bnb_strided_absmax_is_left_to_bitsandbytes():
+    """bitsandbytes' kernel reads absmax as packed values whatever its strides (every other value of a
+    wider one: it reads the first N * K / 64 instead, a result 0.5 off the dequantized weight's
+    product); fusepass refuses such a call with the reason and leaves it to the library."""
+    pytest.importorskip("bitsandbytes")  # registers torch.ops.bitsandbytes
+    from fusepass.patterns import dequant_matmul_bnb as m
+
+    packed, (absmax,) = m._quantized(torch.float32, "fp4")
+    x, bias = torch.randn(4, m.K_EX), torch.randn(m.N_EX)
+    wide = torch.stack([absmax, absmax.flip(0)], dim=1).reshape(-1)
+
+    def fn(x, packed, wide, bias):
+        return torch.ops.bitsandbytes.gemm_4bit.default(x, packed, [m.N_EX, m.K_EX], wide[::2], 64, "fp4", bias)
+
+    with torch.no_grad():
+        out, report = compile_and_run(fn, [x, packed, wide, bias], rules=LIB_RULES)
+    assert not report.hits and any("absmax" in r.reason and "not contiguous" in r.reason
+                                   for r in report.refusals), str(report)
+    assert out.shape == (4, m.N_EX)
+
+
 class ChannelInt8(torch.nn.Module):
     """int8 per channel as compressed-tensors' int8 checkpoints dequantize it: an
     [N, 1] fp32 scale, the weight dequantized in fp32, then converted."""
