@@ -132,6 +132,10 @@ class Rule:
     # matmul and every group view of a weight.  ``check`` must prove from the
     # matched values that the reshapes mean what the search function meant.
     any_reshape: bool = False
+    # Arguments of the forms that a library kernel behind them reads as packed
+    # values whatever their strides (bitsandbytes' absmax): the rule refuses a
+    # strided one, and the differential generator expects no rewrite then.
+    packed_args: tuple[str, ...] = ()
 
     def inputs(self, form: Form, dtype: torch.dtype) -> list[Any]:
         """Example inputs for ``form`` in ``dtype``: one per argument of its ``search`` not in ``scalars``."""

@@ -347,7 +347,7 @@ class _Builder:
             if source == "leaf" and self.layout != "contiguous":
                 features.append(f"layout {self.layout}")
                 # Kernels read float operands at any stride; packed weights only as stored.
-                stored_strided |= dtype not in FLOATS
+                stored_strided |= dtype not in FLOATS or name in rule.packed_args
             if tshape != tuple(item.shape):
                 features.append("layout broadcast")
             if dtype != item.dtype:
