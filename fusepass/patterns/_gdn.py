@@ -398,14 +398,13 @@ def find(gm: torch.fx.GraphModule, *, anchor_op: Any, op: Any, form: Callable[[B
         name = form(body)
         if name is None:
             continue
-        reason = _outside(body)
-        if reason:
-            yield Region(name, anchor, reason=reason)
-            continue
+        # What the region computes (no beta, other shapes) first, then whether its intermediates are
+        # read outside: the first is the reason a user can act on where both hold.
         cands, reason = candidates(body)
         if not reason and not cands:
             shapes = ", ".join(f"{tuple(_tensor(b).shape)}" for b in dict.fromkeys(body.entries.values()))
             reason = f"no assignment of q, k, v, g, beta fits the shapes it reads ({shapes})"
+        reason = reason or _outside(body)
         if reason:
             yield Region(name, anchor, reason=reason)
             continue
