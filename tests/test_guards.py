@@ -89,12 +89,22 @@ def _addmm_int4(beta, alpha):
     return fn
 
 
+def _in_fp64(fn, inputs):
+    """``fn`` on the float inputs in fp64, rounded to the first input's dtype: a bf16 addmm of a
+    dequantized weight rounds every weight before a 64-long sum (eager 0.027 from fp64 where the
+    fused op, which scales after an fp32 sum, is 0.004)."""
+    out = fn(*[t.double() if t.is_floating_point() else t for t in inputs])
+    return out.to(inputs[0].dtype)
+
+
 def _int8_inputs():
+    torch.manual_seed(0)
     return [torch.randn(4, 64, dtype=torch.bfloat16), torch.randint(-128, 128, (32, 64), dtype=torch.int8),
             torch.rand(32, dtype=torch.bfloat16) / 50, torch.randn(32, dtype=torch.bfloat16)]
 
 
 def _int4_inputs():
+    torch.manual_seed(0)
     return [torch.randn(4, 64, dtype=torch.bfloat16), torch.randint(0, 256, (32, 32), dtype=torch.uint8),
             torch.rand(32, 2, dtype=torch.bfloat16) / 50, torch.randint(0, 16, (32, 2)).to(torch.bfloat16),
             torch.randn(32, dtype=torch.bfloat16)]
@@ -115,7 +125,7 @@ def test_addmm_with_beta_or_alpha_on_a_dequantized_weight_is_refused(fmt, beta, 
 def test_addmm_with_default_beta_and_alpha_is_still_fused():
     fn, inputs = _addmm_int8(1, 1), _int8_inputs()
     out, report = compile_and_run(fn, inputs)
-    assert_close(out, fn(*inputs), "int8 addmm")
+    assert_close(out, _in_fp64(fn, inputs), "int8 addmm")
     assert report.count("dequant_matmul") == 1, str(report)
 
 
