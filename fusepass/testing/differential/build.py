@@ -266,6 +266,10 @@ class _Builder:
                 return
             except _Invalid as exc:
                 self.restore(snap)
+                if i == len(attempts) - 1 and isinstance(exc, _FakeRefused):
+                    # A library's dtype limit (bitsandbytes in fp64), not the generator's: left out.
+                    self.dropped.append(str(exc).splitlines()[0][:200])
+                    return
                 if i == len(attempts) - 1:
                     raise RuntimeError(f"block {b.label} is not a valid program even plain: {exc}") from exc
                 self.dropped.append(f"{b.label}: {exc}".splitlines()[0][:200])
@@ -363,6 +367,9 @@ class _Builder:
             call = gm
             text += f"  # {mutated}"
         outs = self.step(call, ins, text)
+        reason = _fake_refusal(call, [self.value(r) for r in ins])
+        if reason:
+            raise _FakeRefused(f"{b.label}: its fake implementation refuses what eager runs ({reason})")
         must = (b.kind == "form" and not b.mutation and not b.scalar_as_tensor and not broadcast
                 and b.dtype in rule.dtypes and not mixed and not stored_strided)
         if stored_strided:
@@ -397,6 +404,29 @@ class _Builder:
 
 # Unit roundoff per dtype, for the summation floor below.
 _UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+class _FakeRefused(_Invalid):
+    """A block whose ops' fake implementations refuse what eager runs."""
+
+
+def _fake_refusal(fn: Callable[..., Any], values: Sequence[Any]) -> str | None:
+    """Why ``fn`` fails on fake copies of ``values`` where eager runs it: a library op whose fake
+    implementation is stricter than its kernel (bitsandbytes' gemm_4bit on an absmax in another
+    dtype).  Dynamo runs the fake one, so such a block fails its whole program's compile, plain
+    Inductor's too, and every other block of the program goes unchecked.  Data-dependent shapes
+    (an MoE loop over the experts a token chose) need real values: not a refusal."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode)
+
+    try:
+        with FakeTensorMode() as mode:
+            fn(*[mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values])
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return None
 
 
 class _Dtypes(TorchDispatchMode):

@@ -167,12 +167,12 @@ def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10, on
         blocks = tuple(draw(st.lists(block(), min_size=min_blocks, max_size=max_blocks)))
         # Hypothesis's integers favour round numbers and repeat (one seed in ten was 2**31 - 1): the
         # blocks' own text spreads them.  The Triton kernels (interpreted: 5-20x a program's time) for one
-        # program in six, Inductor's own code for one in eight (2.3x the time of the interpreter after the
-        # pass, which the others take: 11.7 s against 5.0 s a program on this CI's kind of machine), by the
-        # seed: Hypothesis's derandomized draws of a flag came out true for three in four.
+        # program in six, Inductor's own code for one in sixteen (a 44-block program 31 s against ~7 s run
+        # by the interpreter after the pass; the catalogue's programs, every form and near-miss, all go
+        # through it), by the seed: Hypothesis's derandomized draws of a flag came out true for three in four.
         seed = zlib.crc32(repr((draw(st.integers(0, 2**31 - 1)), blocks)).encode()) & (2**31 - 1)
         return ProgramSpec(blocks, seed=seed, triton=seed % 6 == 1, options=draw(options()),
-                           inductor=seed // 6 % 8 == 0)
+                           inductor=seed // 6 % 16 == 0)
 
     return program()
 
