@@ -597,15 +597,7 @@ _verdicts = _moe.Verdicts()
 
 
 def find(gm: torch.fx.GraphModule):
-    # Latest first: a region whose input another region computes (one block's output is the next
-    # one's x) is replaced while that input still exists; the earlier region's replacement then
-    # hands its users, the later op among them, the op's output.
-    regions = list(_find(gm))
-    pos = _moe.position(gm.graph)
-    return sorted(regions, key=lambda r: -pos[r.anchor])
-
-
-def _find(gm: torch.fx.GraphModule):
+    # The engine replaces the regions latest first (one block's output is the next one's x).
     graph = gm.graph
     pos = _moe.position(graph)
     covered: set[torch.fx.Node] = set()
