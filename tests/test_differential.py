@@ -73,7 +73,8 @@ def test_seeded_programs_match_eager():
     # Every form and near-miss of every rule took part, and every rule rewrote something.
     missing = {f"{r}/{n}" if k == "form" else f"{r}/near-miss:{n}" for r, k, n in diff.catalogue()} - set(stats.kinds)
     assert not missing, f"never drawn: {sorted(missing)}"
-    assert {r.name for r in fusepass.rules()} <= {k.split("/")[0] for k in stats.rewrites}
+    # (a rule without forms, library_ops, only reports: it has no blocks to rewrite)
+    assert {r.name for r in fusepass.rules() if r.forms} <= {k.split("/")[0] for k in stats.rewrites}
     assert stats.must_rewrite > 0 and sum(stats.refusals.values()) > 0
 
 

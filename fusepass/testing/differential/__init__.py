@@ -28,7 +28,7 @@ head size, and their forms (with their near-misses: another decay, no beta,
 the state not carried, the keys scaled) become GDN programs.
 
 Every program is compiled with fusepass (``fullgraph=True``, after
-``torch._dynamo.reset()``; one in sixteen (and the catalogue's programs) then through Inductor's lowering and
+``torch._dynamo.reset()``; one in sixteen (and half the catalogue's programs) then through Inductor's lowering and
 C++ code generation, the others run by the FX interpreter right after
 fusepass's pass, which rewrites the same graph either way) and checked against eager within the dtype table
 (``TOLERANCES``, taken for the least precise dtype a value went through):

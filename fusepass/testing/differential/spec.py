@@ -101,7 +101,9 @@ def catalogue_programs(per_program: int = 8, dtype: torch.dtype = torch.float32)
     """Programs that between them hold every form and near-miss once, plain:
     the explicit examples of a run, so that every one takes part whatever is drawn."""
     blocks = [BlockSpec(rule, kind, name, dtype=dtype, shape=(3, 33)) for rule, kind, name in catalogue()]
-    return [ProgramSpec(tuple(blocks[i:i + per_program]), seed=i) for i in range(0, len(blocks), per_program)]
+    # Inductor's code generation for every other one (the drawn programs take it one in sixteen).
+    return [ProgramSpec(tuple(blocks[i:i + per_program]), seed=i, inductor=i % (2 * per_program) == 0)
+            for i in range(0, len(blocks), per_program)]
 
 
 # -- hypothesis strategies -------------------------------------------------------
@@ -167,11 +169,11 @@ def strategies(large: bool = True, min_blocks: int = 5, max_blocks: int = 10, on
         blocks = tuple(draw(st.lists(block(), min_size=min_blocks, max_size=max_blocks)))
         # Hypothesis's integers favour round numbers and repeat (one seed in ten was 2**31 - 1): the
         # blocks' own text spreads them.  The Triton kernels (interpreted: 5-20x a program's time) for one
-        # program in six, Inductor's own code for one in sixteen (a 44-block program 31 s against ~7 s run
-        # by the interpreter after the pass; the catalogue's programs, every form and near-miss, all go
-        # through it), by the seed: Hypothesis's derandomized draws of a flag came out true for three in four.
+        # program in twelve, Inductor's own code for one in sixteen (a 44-block program 31 s against ~7 s
+        # run by the interpreter after the pass; half the catalogue's programs go through it too), by the
+        # seed: Hypothesis's derandomized draws of a flag came out true for three in four.
         seed = zlib.crc32(repr((draw(st.integers(0, 2**31 - 1)), blocks)).encode()) & (2**31 - 1)
-        return ProgramSpec(blocks, seed=seed, triton=seed % 6 == 1, options=draw(options()),
+        return ProgramSpec(blocks, seed=seed, triton=seed % 12 == 1, options=draw(options()),
                            inductor=seed // 6 % 16 == 0)
 
     return program()
