@@ -331,13 +331,10 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
     return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps)
 
 
-def _unit_last(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _dense(t: Tensor | None) -> Tensor | None:
-    """A bias as the kernel reads it, E values at unit stride (an expanded or sliced one copied: E values)."""
-    return None if t is None else _unit_last(t)
+def _unit_last(t: Tensor | None) -> Tensor | None:
+    """``t`` at unit stride in its last dim (the kernel reads a bias as E packed values: an expanded or
+    sliced one is copied, E values)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str, top_k: int,
@@ -352,8 +349,7 @@ def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: 
     logits = _tiles.workspace((T, E), logits_dtype, dev)
     if T == 0:
         return tw, tid, logits
-    x, weight = _unit_last(x), _unit_last(weight)
-    bias, correction_bias = _dense(bias), _dense(correction_bias)
+    x, weight, bias, correction_bias = (_unit_last(t) for t in (x, weight, bias, correction_bias))
     cfg = cfg or router_heuristic(T, E, H)
     ctr = None
     if cdiv(E, cfg.BE) > 1:
@@ -377,8 +373,7 @@ def router_traced(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
     tw = torch.empty((T, top_k), dtype=weights_dtype, device=dev)
     tid = torch.empty((T, top_k), dtype=torch.int64, device=dev)
     logits = torch.empty((T, E), dtype=logits_dtype, device=dev)
-    x, weight = _unit_last(x), _unit_last(weight)
-    bias, correction_bias = _dense(bias), _dense(correction_bias)
+    x, weight, bias, correction_bias = (_unit_last(t) for t in (x, weight, bias, correction_bias))
     cfg = router_heuristic(T, E, H)
     ctr = torch.zeros(cdiv(T, cfg.BT), dtype=torch.int32, device=dev) if cdiv(E, cfg.BE) > 1 else None
     res = router_launch(x, weight, bias, correction_bias, kind, top_k, renormalize, n_group, topk_group, scaling, cfg,
