@@ -398,6 +398,9 @@ def test_plan_names():
     assert ex.moe_experts_plan(1, 128, 2048, 768, 8, torch.bfloat16, device="cpu") == "reference"
     assert ex.moe_experts_plan(1, 128, 2048, 768, 8, torch.bfloat16) == "decode"
     assert ex.moe_experts_plan(512, 128, 2048, 768, 8, torch.bfloat16) == "sorted"
+    # eight tokens of eight experts each: the sorted path (H100: 190 µs against decode's 311)
+    assert ex.moe_experts_plan(8, 128, 2048, 768, 8, torch.bfloat16) == "sorted"
+    assert ex.moe_experts_plan(2, 128, 2048, 768, 8, torch.bfloat16) == "decode"
 
 
 # ----------------------------------------------------------------- router ----
