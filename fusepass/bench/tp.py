@@ -89,8 +89,14 @@ def shard(model: torch.nn.Module, world: int, device_type: str) -> torch.nn.Modu
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("tp",))
-    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world, tp_plan="auto"))
-    model = apply_tensor_parallelism(model, mesh, plan)
+    config = DistributedConfig(tp_size=world, tp_plan="auto")
+    if hasattr(model, "_resolve_parallel_plans"):  # transformers >= 5.24: the plan resolved, then passed
+        plan, _, _ = model._resolve_parallel_plans(config)
+        model = apply_tensor_parallelism(model, mesh, plan)
+    else:  # earlier 5.x: the model's own tp_plan, set up as maybe_distribute_model does
+        model.config.distributed_config = config
+        model._device_mesh = mesh
+        model = apply_tensor_parallelism(model, mesh)
     model._tp_size = world
     return model
 
