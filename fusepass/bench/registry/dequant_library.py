@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from fusepass.bench.registry.common import Case, compiled
 from fusepass.formats import dequantize
-from fusepass.kernels import dequant_matmul as dm  # registers fusepass::dequant_matmul
+from fusepass.kernels import dequant_matmul  # noqa: F401 - registers fusepass::dequant_matmul
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K)
 MS = [1, 16, 64]
@@ -318,10 +318,7 @@ def time_us(fn, ops, x, device: str, rep_ms: float) -> tuple[float, int]:
     def calls():
         for o in ring:
             fn(x, *o)
-    copies = len(ring)
-    us = time_graph(calls, rep_ms).median * 1e3 / copies
-    del ring, calls
-    return us, copies
+    return time_graph(calls, rep_ms).median * 1e3 / len(ring), len(ring)
 
 
 def run(device: str, shapes, ms, formats, inductor: str, rep_ms: float, deadline: float, log) -> list[dict]:
