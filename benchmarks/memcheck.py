@@ -1,7 +1,18 @@
 """Every fusepass op's CUDA path at real and edge sizes, for compute-sanitizer.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python benchmarks/memcheck.py [--ops gdn_chunk,dequant_matmul] [--quick]
+        python benchmarks/memcheck.py [--ops gdn,moe,library] [--quick] [--isolate]
+
+Groups: norms, dequant_matmul (int8 / int4 / fp8), library (nf4, fp4, gptq4
+with an act-order g_idx, gptq4_v1, hqq4), gdn, conv, moe (router and experts
+at Qwen3-30B-A3B's, gpt-oss-20b's and DeepSeek-V3's sizes, quantized expert
+stacks) and all_reduce (``all_reduce_rms_norm`` on a one-rank process group:
+NCCL for the CUDA tensors, gloo for the CPU copies).  Besides each op's own
+plan, the launch paths the op picks only at other sizes or GPUs (GDN's
+variants, every MoE experts plan, the router's tile shapes, every
+dequant_matmul path on the library layouts) are each called once directly.
+The moe group builds its experts with tests/test_moe_kernels.py's builder
+(so it needs pytest importable).
 
 Without the caching allocator every tensor is its own allocation, so a read
 or write past its end lands outside any allocation and memcheck reports it
@@ -13,6 +24,14 @@ flash-linear-attention kernels on the same GDN inputs (the sequence in which
 a fault was once seen: fusepass's recurrent kernel, FLA's, then
 transformers' fp64 loop).
 
+A kernel that raises falls back to the plain-torch body inside the op
+(``run_kernel``): the sweep reports such a case as FALLBACK, not ok.  A fault
+(an illegal address) leaves the process's CUDA context unusable, so every
+later case would fail too: the sweep stops there and names the case.
+``--isolate`` runs each group in a child process instead and, after a fault,
+a new child from the case after it, so one fault hides nothing (memcheck
+follows child processes by default: run it on the parent as above).
+
 Exit status: 0 when every case ran and matched; 1 otherwise (memcheck's own
 ``--error-exitcode`` reports a fault).
 """
@@ -21,17 +40,30 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import fusepass  # noqa: F401  - registers the ops
+from fusepass.kernels._common import clear_kernel_fallbacks, kernel_fallbacks
 
 ops = torch.ops.fusepass
 DEVICE = "cuda"
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the tests' input builders (tests/ is imported as a namespace package)
+    sys.path.insert(0, str(ROOT))
+
+
+class ContextLost(Exception):
+    """A case left the CUDA context unusable (a fault): every later case in this process would fail."""
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,21 +86,43 @@ def _outputs(x) -> list[torch.Tensor]:
     return [t for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
 
 
-def _case(name: str, op, args: tuple, tol: float) -> tuple[str, str, float]:
-    """Run ``op`` on CUDA ``args`` and on their CPU copies; return (name, verdict, error)."""
+def _case(name: str, op, args: tuple, tol: float, compare=None) -> tuple[str, str, float]:
+    """Run ``op`` on CUDA ``args`` and on their CPU copies; return (name, verdict, error).
+    ``compare(got, want, cpu_args) -> error`` replaces the largest relative error
+    over the outputs (got on the CPU)."""
     t0 = time.perf_counter()
+    clear_kernel_fallbacks()
     try:
         got = op(*args)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-        want = op(*_cpu(args))
-        err = max((_rel(g, w) for g, w in zip(_outputs(got), _outputs(want))), default=0.0)
+        # A kernel that raised has been replaced by the op's torch body: right
+        # values, but the kernel did not run under the sanitizer.
+        fell = kernel_fallbacks()
+        cpu_args = _cpu(args)
+        want = op(*cpu_args)
+        if compare is not None:
+            err = compare(_cpu(got), want, cpu_args)
+        else:
+            err = max((_rel(g, w) for g, w in zip(_outputs(got), _outputs(want))), default=0.0)
         verdict = "ok" if err <= tol else f"MISMATCH {err:.3g} > {tol:g}"
+        if fell:
+            verdict = "FALLBACK " + "; ".join(f"{k}: {v}" for k, v in fell.items())[:120]
     except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
         verdict, err = f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", float("nan")
         traceback.print_exc()
     print(f"{name:60s} {verdict:40s} {time.perf_counter() - t0:6.1f} s", flush=True)
     return name, verdict, err
+
+
+def _context_alive() -> bool:
+    if DEVICE != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001 - the sticky error of a fault
+        return False
 
 
 def _randn(*shape, dtype=torch.bfloat16):
@@ -179,6 +233,276 @@ def conv_cases(quick: bool):
                (x, state, w, None, "silu"), 2e-2)
 
 
+def _library_inputs(fmt, M, N, K, dtype, seed=0):
+    """(x, weight, scale, zero, g_idx, group) in ``fmt``'s stored layout with random codes, on DEVICE:
+    tests/test_dequant_matmul_kernels.py's ``_library_inputs`` (copied: that module needs pytest)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    if fmt in ("nf4", "fp4"):
+        group = 64
+        w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
+        s = (torch.rand(N, K // group, generator=gen) + 0.5) / (0.5 * K ** 0.5)
+        z = g = None
+    elif fmt == "hqq4":  # HQQ's float zero points, packed by halves of the group rows
+        group, g = 32, None
+        w = torch.randint(0, 256, (N * K // group // 2, group), generator=gen, dtype=torch.uint8)
+        s = ((torch.rand(N, K // group, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
+        z = (torch.rand(N, K // group, generator=gen) * 15).to(dtype)
+    else:  # gptq4, gptq4_v1: an act-order g_idx (each k's group a permutation's)
+        group = 32
+        w = torch.randint(-2**31, 2**31 - 1, (K // 8, N), generator=gen, dtype=torch.int32)
+        z = torch.randint(-2**31, 2**31 - 1, (K // group, -(-N // 8)), generator=gen, dtype=torch.int32)
+        s = ((torch.rand(K // group, N, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
+        g = torch.empty(K, dtype=torch.int32)
+        g[torch.randperm(K, generator=gen)] = (torch.arange(K) // group).to(torch.int32)
+    t = lambda v: None if v is None else v.to(DEVICE)  # noqa: E731
+    return t(x), t(w), t(s), t(z), t(g), group
+
+
+def _library_path(cfg, N):
+    """dequant_matmul's product with the explicit config ``cfg`` on CUDA tensors, the op's body on CPU copies."""
+    def run(x, w, s, z, b, fmt, group, g):
+        if x.is_cuda:
+            from fusepass.kernels.dequant_matmul.launch import _launch
+            out = torch.full((x.shape[0], N), float("nan"), dtype=x.dtype, device=x.device)
+            _launch(x, w, s, z, b, out, fmt, group if fmt in ("nf4", "fp4", "hqq4") else 0, cfg, g_idx=g)
+            return out
+        return ops.dequant_matmul(x, w, s, z, b, fmt, group, g)
+    return run
+
+
+LIBRARY_FORMATS = ("nf4", "fp4", "gptq4", "gptq4_v1", "hqq4")
+
+
+def library_cases(quick: bool):
+    """The libraries' 4-bit layouts (bitsandbytes, GPTQ, HQQ) through the op at Llama's
+    shapes and at N, K that are not whole blocks (K a multiple of 64 and of 8 * 32:
+    what the layouts' groups need), then each product path once at a real size."""
+    from fusepass.kernels import dequant_matmul as dm
+    from fusepass.kernels.dequant_matmul.config import Problem, m_bucket, valid
+
+    shapes = [(4096, 4096), (14336, 4096), (40, 192), (33, 320)]  # (N, K)
+    Ms = (1, 3, 16, 77)
+    if quick:
+        shapes, Ms = [(4096, 4096), (40, 192)], (1, 16)
+    for (N, K), fmt in itertools.product(shapes, LIBRARY_FORMATS):
+        for M in Ms:
+            x, w, s, z, g, group = _library_inputs(fmt, M, N, K, torch.bfloat16, seed=M)
+            b = _randn(N) if M == 3 else None
+            yield (f"dequant_matmul {fmt} g{group} M{M} N{N} K{K}", ops.dequant_matmul,
+                   (x, w, s, z, b, fmt, group, g), 2e-2)
+    # The op's plan takes one path per (M, N, K): each of the others once (the
+    # real-size configs of tests/test_dequant_matmul_kernels.py's GPU test).
+    paths = {"gemv": dm.Config("gemv", BN=8, BK=256, split=1), "gemv-splitk": dm.Config("gemv", BN=16, BK=256, split=4),
+             "mm": dm.Config("mm", BM=16, BN=64, BK=32, split=1, stages=3),
+             "mm-splitk": dm.Config("mm", BM=64, BN=128, BK=32, split=2), "cublas": dm.CUBLAS}
+    N, K = (4096, 4096) if not quick else (40, 192)
+    for (path, cfg), fmt in itertools.product(paths.items(), LIBRARY_FORMATS if not quick else ("gptq4", "hqq4")):
+        M = 1 if cfg.kind == "gemv" else 77
+        if not valid(cfg, Problem(m_bucket(M), N, K, fmt, 0, torch.bfloat16, "memcheck", 132)):
+            continue
+        x, w, s, z, g, group = _library_inputs(fmt, M, N, K, torch.bfloat16, seed=M)
+        yield (f"dequant_matmul[{path}] {fmt} M{M} N{N} K{K}", _library_path(cfg, N),
+               (x, w, s, z, None, fmt, group, g), 2e-2)
+
+
+# --------------------------------------------------------------------- moe ----
+
+# name -> (E, H, kind, top_k, renormalize, n_group, topk_group, scaling, bias, correction bias, x / logits /
+#          weights / router weight dtype)
+ROUTERS = {
+    "qwen3-30b-a3b": (128, 2048, "softmax", 8, True, 1, 1, 1.0, False, False, "bf16", "bf16", "bf16", "bf16"),
+    "olmoe": (64, 2048, "softmax", 8, False, 1, 1, 1.0, False, False, "bf16", "bf16", "bf16", "bf16"),
+    "gpt-oss-20b": (32, 2880, "topk_softmax", 4, False, 1, 1, 1.0, True, False, "bf16", "bf16", "bf16", "bf16"),
+    "deepseek-v3": (256, 7168, "sigmoid", 8, True, 8, 4, 2.5, False, True, "bf16", "fp32", "fp32", "fp32"),
+    "odd-E60-H301": (60, 301, "softmax", 4, True, 1, 1, 1.0, False, False, "fp16", "fp16", "fp32", "fp16"),
+    "odd-E12-sigmoid-scaled": (12, 77, "sigmoid", 3, False, 1, 1, 1.5, False, True, "bf16", "bf16", "bf16", "bf16"),
+}
+_DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _router_inputs(name, T, expanded=False):
+    E, H, kind, k, renorm, ng, tg, sc, bias, cb, xdt, ldt, wdt, rdt = ROUTERS[name]
+    x = _randn(T, H, dtype=_DT[xdt])
+    w = (torch.randn(E, H, device=DEVICE) * 3 * H ** -0.5).to(_DT[rdt])  # logits of std ~3: a spread softmax
+    b = c = None
+    if bias:  # expanded: one value at stride 0 over the experts
+        b = _randn(1, dtype=_DT[xdt]).expand(E) if expanded else _randn(E, dtype=_DT[xdt])
+    if cb:
+        c = (torch.randn(1, device=DEVICE) * 0.1).expand(E) if expanded else torch.randn(E, device=DEVICE) * 0.1
+    return (x, w, b, c, kind, k, renorm, ng, tg, sc, _DT[ldt], _DT[wdt])
+
+
+def _router_compare(got, want, cpu_args):
+    """Logits against the CPU body's; ids and weights against the selection made from the
+    kernel's own logits (a logit an ulp apart at the k-th place picks another expert,
+    which is no fault).  The error: the largest of the logits' and weights' relative
+    errors and the fraction of tokens whose ids differ."""
+    from fusepass.kernels.moe import router as rt
+
+    w, ids, logits = got
+    _, _, _, c, kind, k, renorm, ng, tg, sc, _, wdt = cpu_args
+    ref_w, ref_ids = rt.router_select_reference(logits, c, kind, k, renorm, ng, tg, sc, wdt)
+    same = (ids == ref_ids).all(dim=-1)
+    differ = (~same).float().mean().item() if ids.shape[0] else 0.0
+    return max(_rel(logits, want[2]), _rel(w[same], ref_w[same]), differ)
+
+
+def _router_path(cfg):
+    """The router kernel with tiles ``cfg`` on CUDA tensors, the op's body on CPU copies."""
+    def run(*args):
+        if args[0].is_cuda:
+            from fusepass.kernels.moe import router as rt
+            return rt.router_fwd(*args, cfg=cfg)
+        return ops.moe_router(*args)
+    return run
+
+
+def _router_paths(E):
+    """Split over experts (a counter per token block; FMAs, tl.dot) and all experts per
+    program (FMAs, tl.dot): the op takes split FMAs for T <= 8 and whole tl.dot above."""
+    from fusepass.kernels.moe import router as rt
+    from fusepass.kernels.moe._tiles import cdiv_pow2
+
+    BEA = cdiv_pow2(E)
+    return {"split-fma": rt.RouterConfig(BT=4, BE=8, BK=64, dot=False),
+            "split-dot": rt.RouterConfig(BT=16, BE=16, BK=64, dot=True),
+            "whole-fma": rt.RouterConfig(BT=4, BE=BEA, BK=max(16, 4096 // (4 * BEA)), dot=False),
+            "whole-dot": rt.RouterConfig(BT=16, BE=BEA, BK=64, dot=True, warps=8 if BEA >= 256 else 4)}
+
+
+# name -> (E, k, H, I, activation, gate layout, transposed, bias, alpha, limit)
+EXPERTS = {
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "silu", "halves", False, False, 0.0, 0.0),
+    "gpt-oss-20b": (32, 4, 2880, 2880, "gpt_oss", "interleaved", True, True, 1.702, 7.0),
+    "odd-E13-H301-I97": (13, 3, 301, 97, "silu", "halves", False, True, 0.0, 0.0),
+    "odd-gpt-oss-E5-H37-I19": (5, 2, 37, 19, "gpt_oss", "interleaved", True, True, 1.702, 7.0),
+}
+# Quantized stacks at Qwen3-30B-A3B's dims: fmt, group, asymmetric
+EXPERT_QUANT = (("int4", 128, True), ("int4", 32, False), ("int8", 0, False), ("fp8", 0, False))
+
+
+def _experts_plan(plan):
+    """moe_experts through ``plan``'s launches on CUDA tensors, the op's body on CPU copies."""
+    def run(*args):
+        if args[0].is_cuda:
+            from fusepass.kernels.moe import experts as ex
+            return ex.experts_fwd(*args, plan=plan)
+        return ops.moe_experts(*args)
+    return run
+
+
+def _poison_moe_workspaces():
+    """NaN (or a huge index) in every MoE output and workspace, as the kernel tests do: an
+    element a kernel forgets to write shows.  Returns the undo."""
+    from fusepass.kernels.moe import _tiles
+
+    real = _tiles.workspace
+
+    def poisoned(shape, dtype, device):
+        return real(shape, dtype, device).fill_(float("nan") if dtype.is_floating_point else 2**30)
+
+    _tiles.workspace = poisoned
+    return lambda: setattr(_tiles, "workspace", real)
+
+
+def moe_cases(quick: bool):
+    """moe_router at the models' sizes and tile paths; moe_experts per model and token
+    count (the op's own plan), quantized stacks, and each plan forced once."""
+    try:
+        from tests.test_moe_kernels import _experts_inputs  # the kernel tests' builder (random ids, quantizers)
+    except ImportError as exc:
+        raise ImportError(f"the moe group builds its inputs with tests/test_moe_kernels.py: {exc}") from exc
+    undo = _poison_moe_workspaces()
+    try:
+        yield from _moe_router_cases(quick)
+        yield from _moe_experts_cases(quick, _experts_inputs)
+    finally:
+        undo()
+
+
+def _moe_router_cases(quick: bool):
+    Ts = (1, 3, 64, 4096, 0) if not quick else (1, 64, 0)
+    for name in ROUTERS if not quick else ("qwen3-30b-a3b", "deepseek-v3", "odd-E60-H301"):
+        for T in Ts:
+            yield f"moe_router {name} T{T}", ops.moe_router, _router_inputs(name, T), 2e-2, _router_compare
+        if ROUTERS[name][8] or ROUTERS[name][9]:  # a bias: also one of stride 0
+            yield (f"moe_router {name} T3 expanded bias", ops.moe_router, _router_inputs(name, 3, expanded=True),
+                   2e-2, _router_compare)
+    for name in ("qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3", "odd-E12-sigmoid-scaled"):
+        for (path, cfg), T in itertools.product(_router_paths(ROUTERS[name][0]).items(), (3, 64)):
+            if quick and (T == 3 or name == "gpt-oss-20b"):
+                continue
+            yield (f"moe_router[{path}] {name} T{T}", _router_path(cfg), _router_inputs(name, T), 2e-2,
+                   _router_compare)
+
+
+def _moe_experts_cases(quick: bool, build):
+    Ts = (1, 2, 8, 64, 512, 0) if not quick else (1, 64)
+    for name, (E, k, H, I, act, layout, trans, bias, alpha, limit) in EXPERTS.items():
+        if quick and name == "gpt-oss-20b":  # 2.6 G weights to draw on the CPU: not in a quick sweep
+            continue
+        Ts_m = Ts if not name.startswith("odd") else (1, 7, 77)
+        # One weight stack per model at the largest T; smaller T take the first rows.
+        x, ids, tw, *weights = (None if t is None else t.to(DEVICE)
+                                for t in build(max(Ts_m), E, H, I, k, torch.bfloat16, trans=trans, bias=bias))
+        tail = (act, layout, trans, "none", 0, alpha, limit)
+        for T in Ts_m:
+            yield f"moe_experts {name} T{T}", ops.moe_experts, (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2
+        # Every plan once (the op takes grouped_mm only from T * k = 16384 up, on
+        # sm90); torch._grouped_mm needs 16-byte aligned rows: H, I multiples of 8.
+        plans = ("decode", "sorted") + (("grouped_mm",) if H % 8 == 0 and I % 8 == 0 else ())
+        T = 64 if not name.startswith("odd") else 7
+        for plan in plans if not quick or name.startswith("odd") else ():
+            yield (f"moe_experts[{plan}] {name} T{T}", _experts_plan(plan), (x[:T], ids[:T], tw[:T], *weights, *tail),
+                   2e-2)
+        del x, ids, tw, weights
+    E, k, H, I = EXPERTS["qwen3-30b-a3b"][:4]
+    for fmt, group, asym in EXPERT_QUANT if not quick else EXPERT_QUANT[:1]:
+        x, ids, tw, *weights = (None if t is None else t.to(DEVICE)
+                                for t in build(64, E, H, I, k, torch.bfloat16, fmt=fmt, group=group, asym=asym))
+        tail = ("silu", "halves", False, fmt, group, 0.0, 0.0)
+        label = f"{fmt}{f' g{group}' if group else ''}{' asym' if asym else ''}"
+        for T in (1, 64) if not quick else (1,):
+            yield (f"moe_experts qwen3-30b-a3b {label} T{T}", ops.moe_experts,
+                   (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
+        for plan in ("decode", "sorted") if not quick else ("sorted",):  # grouped_mm: plain weights only
+            yield (f"moe_experts[{plan}] qwen3-30b-a3b {label} T8", _experts_plan(plan),
+                   (x[:8], ids[:8], tw[:8], *weights, *tail), 2e-2)
+        del x, ids, tw, weights
+
+
+# -------------------------------------------------------------- all_reduce ----
+
+
+def _process_group() -> str:
+    """The default process group, one rank: NCCL for CUDA tensors and gloo for the CPU
+    copies the op's own body reduces (gloo alone under --cpu-smoke); a file store,
+    no network."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = Path(tempfile.mkdtemp(prefix="memcheck-pg-")) / "store"
+        backend = "cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo"
+        if DEVICE == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return dist.group.WORLD.group_name
+
+
+def all_reduce_cases(quick: bool):
+    """all_reduce_rms_norm: on one rank the collective is the identity, and the norm
+    kernel (add_rms_norm's, or rms_norm's without a residual) runs on its buffer."""
+    group = _process_group()
+    sizes = [(1, 4096), (7, 4096), (4096, 4096), (1, 8192), (7, 8192), (4096, 8192), (3, 4097), (0, 64)]
+    for M, N in sizes if not quick else [(7, 4096), (3, 4097)]:
+        for residual in (True, False):
+            x, w = _randn(M, N), _randn(N)
+            r = _randn(M, N) if residual else None
+            yield (f"all_reduce_rms_norm M{M} N{N} residual={residual}", ops.all_reduce_rms_norm,
+                   (x, r, w, 1e-6, 0.0, True, torch.bfloat16, group), 2e-2)
+
+
 def peer_sequence() -> list[tuple[str, str, float]]:
     """fusepass's recurrent kernel, FLA's, then transformers' fp64 loop on the same decode inputs."""
     out = []
@@ -209,7 +533,57 @@ def peer_sequence() -> list[tuple[str, str, float]]:
     return out
 
 
-GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "gdn": gdn_cases, "conv": conv_cases}
+GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "library": library_cases, "gdn": gdn_cases,
+          "conv": conv_cases, "moe": moe_cases, "all_reduce": all_reduce_cases}
+
+
+def run_group(group: str, quick: bool, start: int = 0, record=None) -> list[tuple[str, str, float]]:
+    """The group's cases from index ``start`` (earlier ones are built, not run: the
+    inputs come from one seeded stream).  ``record`` gets a line as each case
+    starts and ends, so a parent can name the case a dead child was running.
+    Raises ContextLost after a case that faulted."""
+    torch.manual_seed(0)  # per group: a child running one group draws what a whole sweep draws
+    results = []
+    for i, c in enumerate(GROUPS[group](quick)):
+        if i < start:
+            continue
+        if record:
+            record(dict(group=group, i=i, name=c[0]))
+        name, verdict, err = _case(*c)
+        results.append((name, verdict, err))
+        if record:
+            record(dict(group=group, i=i, name=name, verdict=verdict, err=err))
+        if verdict != "ok" and not _context_alive():
+            raise ContextLost(f"group {group}, case {i} ({name})")
+    return results
+
+
+def run_isolated(group: str, args) -> list[tuple[str, str, float]]:
+    """``group`` in child processes: one, and after a fault a new one from the next case.
+    ``group`` "" runs only the peer sequence."""
+    results, start = [], 0
+    while True:
+        fd, path = tempfile.mkstemp(prefix="memcheck-", suffix=".jsonl")
+        os.close(fd)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--ops", group, "--start", str(start), "--record", path]
+        cmd += ["--quick"] * args.quick + ["--cpu-smoke"] * args.cpu_smoke + ["--peers"] * (not group)
+        rc = subprocess.run(cmd).returncode
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        os.unlink(path)
+        results += [(r["name"], r["verdict"], r["err"]) for r in lines if "verdict" in r]
+        if rc in (0, 1):  # the child ran to its end
+            return results
+        last = lines[-1] if lines else None
+        if last is None or last.get("i") is None:
+            results.append((f"[{group or 'peers'}] from case {start}", f"FAULT: child exited {rc} outside a case",
+                            float("nan")))
+            return results
+        if "verdict" not in last:  # died inside the case (a signal, an abort)
+            results.append((last["name"], f"FAULT: child exited {rc}", float("nan")))
+        print(f"*** group {group}: the child exited {rc} at or after case {last['i']} ({last['name']}); "
+              f"going on from case {last['i'] + 1} in a new process", flush=True)
+        start = last["i"] + 1
 
 
 def main(argv=None) -> int:
@@ -218,15 +592,40 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a few cases per group")
     p.add_argument("--cpu-smoke", action="store_true", help="run the script's logic on CPU tensors (no kernels)")
     p.add_argument("--peers", action="store_true", help="also the GDN decode sequence with FLA and transformers")
+    p.add_argument("--isolate", action="store_true",
+                   help="each group in its own process; after a fault, the rest of the group in a new one")
+    p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)  # a child's first case
+    p.add_argument("--record", help=argparse.SUPPRESS)  # a child's JSON-lines record of its cases
     args = p.parse_args(argv)
     global DEVICE
     DEVICE = "cpu" if args.cpu_smoke else "cuda"
-    torch.manual_seed(0)
+    groups = [g for g in args.ops.split(",") if g]
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown:
+        p.error(f"unknown groups {unknown}; known: {', '.join(GROUPS)}")
+    record = None
+    if args.record:
+        def record(line, path=args.record):
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
     results = []
-    for group in args.ops.split(","):
-        results += [_case(*c) for c in GROUPS[group](args.quick)]
-    if args.peers:
-        results += peer_sequence()
+    try:
+        for group in groups:
+            if args.isolate:
+                results += run_isolated(group, args)
+            else:
+                results += run_group(group, args.quick, args.start, record)
+        if args.peers:
+            results += run_isolated("", args) if args.isolate else peer_sequence()
+    except ContextLost as exc:
+        print(f"*** CUDA context lost after {exc}: no later case can run in this process "
+              "(--isolate goes on in a new one)", flush=True)
+        results.append((str(exc), "FAULT: CUDA context lost, later cases not run", float("nan")))
+        if args.record:
+            return 3  # the parent starts a new child after the recorded case
+    if args.record and args.peers and not groups:
+        for name, verdict, err in results:
+            record(dict(group="peers", i=None, name=name, verdict=verdict, err=err))
     bad = [r for r in results if r[1] != "ok"]
     print(f"\n{len(results)} cases, {len(bad)} not ok")
     for name, verdict, _ in bad:
