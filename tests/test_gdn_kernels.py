@@ -206,6 +206,14 @@ def test_op_runs_kernels(T):
     assert not kernel_fallbacks(), kernel_fallbacks()
 
 
+@pytest.mark.parametrize("dk,served", [(64, True), (128, True), (256, True), (96, False), (80, False), (512, False)])
+def test_kernels_serve_power_of_two_key_heads_only(dk, served):
+    """d_k 96 (padded tiles) goes to the plain-torch path: compute-sanitizer saw the
+    state pass read shared memory out of bounds there (H100, Triton 3.6)."""
+    q, k, v, g, beta, s0 = make_inputs(1, 3, 2, 2, dk, 64, torch.bfloat16)
+    assert gdn.kernel_supported(q, k, v, g, beta, s0) is served
+
+
 # -- GPU, real sizes -----------------------------------------------------------------------------
 
 GPU_CASES = [

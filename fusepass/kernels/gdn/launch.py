@@ -26,6 +26,11 @@ from fusepass.match import hint
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # Widest key head held in registers: the state pass keeps a [BK, BV] fp32
 # state slice and [64, BK] tiles of w, k (and q); 256 covers every GDN model.
+# d_k a power of two only: at d_k 96 (tiles padded to 128) compute-sanitizer
+# reported the state pass's dot reading shared memory out of bounds (H100,
+# Triton 3.6: "Invalid __shared__ read of size 1024 bytes"), though its
+# results matched the fp64 reference without the sanitizer.  Cause not
+# established; the op takes its plain-torch path there.
 _MAX_DK = 256
 # d_v columns per state-pass program: 64 where that still gives one program
 # per SM, else 32.  The pass is sequential over chunks and parallel only over
@@ -49,7 +54,7 @@ def kernel_supported(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
     return (q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
             and g.dtype in _KERNEL_DTYPES and beta.dtype in _KERNEL_DTYPES
             and (initial_state is None or initial_state.dtype in _KERNEL_DTYPES)
-            and q.shape[-1] <= _MAX_DK)
+            and q.shape[-1] <= _MAX_DK and _pow2(q.shape[-1], 1) == q.shape[-1])
 
 
 def _unit_last(t: Tensor) -> Tensor:
