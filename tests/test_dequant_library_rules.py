@@ -127,6 +127,32 @@ def test_gptq_torch_form(v1, act_order):
     assert_close(out, expected, "GPTQ torch form")
 
 
+def test_library_layouts_are_left_to_the_library_on_cuda(monkeypatch):
+    """On CUDA the layouts' kernels are slower than the libraries' path (H100 figures in the
+    reason): refused there with the reason; the CPU path still fuses (the tests above)."""
+    import types
+
+    from fusepass.patterns import dequant_matmul as dm
+    from fusepass.patterns.dequant_matmul_gptq import gptq_weights
+
+    cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    for fmt in ("nf4", "fp4", "hqq4", "gptq4"):
+        assert "faster" in dm.check_library_device(cuda, fmt), fmt
+        assert dm.check_library_device(torch.empty(1), fmt) is None
+    # the rule asks for every matched linear: a CUDA activation is refused with that reason
+    real = dm.check_library_device
+    monkeypatch.setattr(dm, "check_library_device", lambda x, fmt: real(cuda, fmt))
+    gen = torch.Generator().manual_seed(3)
+    model = GptqTorchLinear(*gptq_weights(40, 256, 64, torch.float16, act_order=False, gen=gen)[:4])
+    x = torch.randn(2, 256, dtype=torch.float16)
+    with torch.no_grad():
+        expected = model(x)
+        out, report = compile_and_run(model, [x], rules=LIB_RULES)
+    assert not report.hits and any("left to the library's path on CUDA" in r.reason for r in report.refusals), \
+        str(report)
+    assert_close(out, expected, "GPTQ torch form, left to Inductor")
+
+
 def test_gptq_under_verify_mode():
     """Verify mode runs the pattern on random inputs: GPTQ's g_idx picks a group's scale, so random
     integers index out of range; the check draws index-safe ones instead of refusing with a crash."""

@@ -240,6 +240,32 @@ def check_activation(x: torch.Tensor) -> str | None:
     return None
 
 
+# The libraries' layouts are read value by value on the GPU (one load per
+# code and per scale, kernels.dequant_matmul.tiles._library_tile): slower
+# than what runs without fusepass.  H100, CUDA-graph time, cold weights,
+# 4096x4096 at M = 1 / 16 (python -m fusepass.bench.registry.dequant_library
+# --gpu-run, f817d0e): NF4 43.5 / 130.5 µs against bitsandbytes' own
+# kernel's 10.6 / 32.9; HQQ 47.6 against Inductor's 29.0 on HQQ's torch form
+# (M = 1); GPTQ act-order 66.3 against Inductor's 32.4.  Until the layouts
+# have loops of their own, CUDA graphs keep the libraries' path.
+_LIBRARY_ON_CUDA = {
+    "nf4": "bitsandbytes' own kernel is faster (H100, 4096x4096: 10.6 against fusepass's 43.5 µs at M = 1)",
+    "fp4": "bitsandbytes' own kernel is faster (H100, 4096x4096: 10.5 against fusepass's 42.8 µs at M = 1)",
+    "hqq4": "Inductor's code for HQQ's dequantization is faster (H100, 4096x4096: 29.0 against fusepass's "
+            "47.6 µs at M = 1)",
+    "gptq4": "Inductor's code for GPTQ's dequantization is as fast or faster (H100, 4096x4096: 32.5 and 32.4 "
+             "against fusepass's 30.3 and, act-order, 66.3 µs at M = 1); fusepass.load_quantized takes a GPTQ "
+             "checkpoint to the int4 kernels (7.1 µs)",
+}
+
+
+def check_library_device(x: torch.Tensor, fmt: str) -> str | None:
+    """A refusal on CUDA for a library layout (``fmt`` nf4, fp4, hqq4, gptq4): the rule's kernel is slower."""
+    if x.device.type == "cuda":
+        return "left to the library's path on CUDA: " + _LIBRARY_ON_CUDA[fmt]
+    return None
+
+
 def check_weight(w: torch.Tensor, what: str = "quantized weight") -> str | None:
     if w.dim() != 2:
         return f"{what} is {w.dim()}-D {shape_str(w)}, not [N, K]"
