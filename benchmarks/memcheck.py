@@ -236,29 +236,10 @@ def conv_cases(quick: bool):
 
 
 def _library_inputs(fmt, M, N, K, dtype, seed=0):
-    """(x, weight, scale, zero, g_idx, group) in ``fmt``'s stored layout with random codes, on DEVICE:
-    tests/test_dequant_matmul_kernels.py's ``_library_inputs`` (copied: that module needs pytest)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=gen).to(dtype)
-    if fmt in ("nf4", "fp4"):
-        group = 64
-        w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
-        s = (torch.rand(N, K // group, generator=gen) + 0.5) / (0.5 * K ** 0.5)
-        z = g = None
-    elif fmt == "hqq4":  # HQQ's float zero points, packed by halves of the group rows
-        group, g = 32, None
-        w = torch.randint(0, 256, (N * K // group // 2, group), generator=gen, dtype=torch.uint8)
-        s = ((torch.rand(N, K // group, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
-        z = (torch.rand(N, K // group, generator=gen) * 15).to(dtype)
-    else:  # gptq4, gptq4_v1: an act-order g_idx (each k's group a permutation's)
-        group = 32
-        w = torch.randint(-2**31, 2**31 - 1, (K // 8, N), generator=gen, dtype=torch.int32)
-        z = torch.randint(-2**31, 2**31 - 1, (K // group, -(-N // 8)), generator=gen, dtype=torch.int32)
-        s = ((torch.rand(K // group, N, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
-        g = torch.empty(K, dtype=torch.int32)
-        g[torch.randperm(K, generator=gen)] = (torch.arange(K) // group).to(torch.int32)
-    t = lambda v: None if v is None else v.to(DEVICE)  # noqa: E731
-    return t(x), t(w), t(s), t(z), t(g), group
+    """(x, weight, scale, zero, g_idx, group) in ``fmt``'s stored layout with random codes, on DEVICE."""
+    from fusepass.testing.library_layouts import library_inputs
+
+    return tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in library_inputs(fmt, M, N, K, dtype, seed))
 
 
 def _library_path(cfg, N):

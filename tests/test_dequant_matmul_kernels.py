@@ -23,6 +23,7 @@ from fusepass.kernels import dequant_matmul as dm
 from fusepass.kernels.dequant_matmul import counters, launch, op, plans, tuner
 from fusepass.kernels.dequant_matmul.config import Problem, m_bucket, valid
 from fusepass.kernels._common import TOLERANCES
+from fusepass.testing.library_layouts import library_inputs
 from fusepass.testing import differential
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -635,31 +636,6 @@ LIB_PATHS = {
 }
 
 
-def _library_inputs(fmt, M, N, K, dtype, seed=0):
-    """(x, weight, scale, zero, g_idx, group) in ``fmt``'s stored layout, random codes;
-    gptq4 with an act-order g_idx (each k's group a permutation's)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=gen).to(dtype)
-    if fmt in ("nf4", "fp4"):
-        group = 64
-        w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
-        s = (torch.rand(N, K // group, generator=gen) + 0.5) / (0.5 * K ** 0.5)
-        return x, w, s, None, None, group
-    if fmt == "hqq4":  # HQQ's float zero points, packed by halves of the group rows
-        group = 32
-        w = torch.randint(0, 256, (N * K // group // 2, group), generator=gen, dtype=torch.uint8)
-        s = ((torch.rand(N, K // group, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
-        z = (torch.rand(N, K // group, generator=gen) * 15).to(dtype)
-        return x, w, s, z, None, group
-    group = 32
-    w = torch.randint(-2**31, 2**31 - 1, (K // 8, N), generator=gen, dtype=torch.int32)
-    z = torch.randint(-2**31, 2**31 - 1, (K // group, -(-N // 8)), generator=gen, dtype=torch.int32)
-    s = ((torch.rand(K // group, N, generator=gen) + 0.5) / (4 * K ** 0.5)).to(dtype)
-    g_idx = torch.empty(K, dtype=torch.int32)
-    g_idx[torch.randperm(K, generator=gen)] = (torch.arange(K) // group).to(torch.int32)
-    return x, w, s, z, g_idx, group
-
-
 def _library_cases():
     for path, cfg in LIB_PATHS.items():
         for fmt in ("nf4", "fp4", "gptq4", "gptq4_v1", "hqq4"):
@@ -677,7 +653,7 @@ def test_library_layout_path_matches_reference(cfg, fmt, dtype, M):
     """Each path reads the bitsandbytes and GPTQ layouts as stored: N = 40 (not
     whole blocks of rows or of GPTQ's eight zero points per word), K = 192."""
     N, K = 40, 192
-    x, w, s, z, g, group = _library_inputs(fmt, M, N, K, dtype, seed=M)
+    x, w, s, z, g, group = library_inputs(fmt, M, N, K, dtype, seed=M)
     b = torch.randn(N).to(dtype) if M % 2 else None
     out = torch.full((M, N), float("nan"), dtype=dtype)
     launch._launch(x, w, s, z, b, out, fmt, group if fmt in ("nf4", "fp4", "hqq4") else 0, cfg, g_idx=g)
@@ -704,7 +680,7 @@ def test_library_reference_is_the_libraries_dequantization():
 @pytest.mark.parametrize("fmt", ["nf4", "gptq4", "hqq4"])
 def test_library_op_cuda_body_under_interpreter(fmt):
     """The op's CUDA body (plan, launch) on CPU tensors with the Triton interpreter."""
-    x, w, s, z, g, group = _library_inputs(fmt, 5, 24, 128, torch.bfloat16)
+    x, w, s, z, g, group = library_inputs(fmt, 5, 24, 128, torch.bfloat16)
     with differential.triton_on_cpu(["dequant_matmul"]):
         out = torch.ops.fusepass.dequant_matmul(x.view(1, 5, 128), w, s, z, None, fmt, group, g)
     ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
@@ -726,7 +702,7 @@ def test_gpu_library_layouts_real_sizes(fmt):
             if not _valid(cfg, M, K, fmt, 64 if fmt in ("nf4", "fp4") else 32, dtype):
                 continue
             x, w, s, z, g, group = (t.cuda() if isinstance(t, torch.Tensor) else t
-                                    for t in _library_inputs(fmt, M, N, K, dtype, seed=M))
+                                    for t in library_inputs(fmt, M, N, K, dtype, seed=M))
             out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
             launch._launch(x, w, s, z, None, out, fmt, group if fmt in ("nf4", "fp4", "hqq4") else 0, cfg, g_idx=g)
             ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
@@ -734,7 +710,7 @@ def test_gpu_library_layouts_real_sizes(fmt):
             tol = TOLERANCES[dtype]
             torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol, msg=lambda m: f"{cfg} M{M}: {m}")
     x, w, s, z, g, group = (t.cuda() if isinstance(t, torch.Tensor) else t
-                            for t in _library_inputs(fmt, 16, N, K, torch.bfloat16))
+                            for t in library_inputs(fmt, 16, N, K, torch.bfloat16))
     expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

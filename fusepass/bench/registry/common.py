@@ -37,6 +37,17 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def lazy(make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """A provider built on its first call (compiles and repacking cost nothing for cases never run)."""
+    box: list[Callable[..., Any]] = []
+
+    def fn(*args: Any) -> Any:
+        if not box:
+            box.append(make())
+        return box[0](*args)
+    return fn
+
+
 def compiled(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """torch.compile with a fresh cache entry per case (dynamic off: fixed shapes).
 

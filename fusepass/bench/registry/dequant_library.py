@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fusepass.bench.registry.common import Case, compiled
+from fusepass.bench.registry.common import Case, compiled, lazy
 from fusepass.formats import dequantize
 from fusepass.kernels import dequant_matmul  # noqa: F401 - registers fusepass::dequant_matmul
 
@@ -157,7 +157,7 @@ def _hqq_weight(w: torch.Tensor, device: str) -> Weight:
         return torch.matmul(x, Quantizer.dequantize(w_q, meta).t())
 
     providers = {"fusepass": (_replace, ops), "hqq-torch": (hqq_torch, (w_q, meta)),
-                 "inductor": (_lazy(lambda: compiled(search)), ops)}
+                 "inductor": (lazy(lambda: compiled(search)), ops)}
     return Weight("hqq4", N, K, ref, _nbytes(*ops), providers)
 
 
@@ -189,7 +189,7 @@ def _gptq_weight(fmt: str, w: torch.Tensor) -> Weight:
     wf = torch.arange(0, 32, 4, dtype=torch.int32, device=device).unsqueeze(0)
     ops = (qweight, qzeros, scales, g_idx, wf)
     ref = dequantize(qweight, scales, qzeros, "gptq4", 0, g_idx=g_idx)
-    providers = {"fusepass": (_replace("gptq4"), ops), "inductor": (_lazy(lambda: compiled(search)), ops)}
+    providers = {"fusepass": (_replace("gptq4"), ops), "inductor": (lazy(lambda: compiled(search)), ops)}
     return Weight(fmt, N, K, ref, _nbytes(qweight, qzeros, scales, g_idx), providers)
 
 
@@ -209,7 +209,7 @@ def _int4_weight(w: torch.Tensor) -> Weight:
         return torch.ops.fusepass.dequant_matmul(x, w, s, z, None, "int4", BLOCK)
 
     form = _dequant_form("int4", BLOCK)
-    providers = {"fusepass": (op, ops), "inductor": (_lazy(lambda: compiled(form)), ops)}
+    providers = {"fusepass": (op, ops), "inductor": (lazy(lambda: compiled(form)), ops)}
     return Weight("int4", N, K, ref, _nbytes(*ops), providers)
 
 
@@ -233,17 +233,6 @@ def make_weight(fmt: str, N: int, K: int, device: str) -> Weight:
     w_bf16 = wt.ref.to(torch.bfloat16)  # the unquantized model's linear at the same numerics
     wt.providers["cublas-bf16" if device == "cuda" else "aten-bf16"] = (lambda x, w: F.linear(x, w), (w_bf16,))
     return wt
-
-
-def _lazy(make):
-    """Build (compile) a provider on its first call: cases never run cost nothing."""
-    box = []
-
-    def fn(*args):
-        if not box:
-            box.append(make())
-        return box[0](*args)
-    return fn
 
 
 def _available(fmt: str) -> bool:

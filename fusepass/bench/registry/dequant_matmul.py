@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 
-from fusepass.bench.registry.common import Case, compiled
+from fusepass.bench.registry.common import Case, compiled, lazy
 from fusepass.formats import FORMATS, dequantize
 from fusepass.kernels import dequant_matmul as dm  # registers fusepass::dequant_matmul
 from fusepass.kernels.dequant_matmul import Problem, plans, tuner
@@ -180,10 +180,10 @@ def _case(fmt: str, N: int, K: int, M: int, quick: bool, device: str, suite: boo
         # cuBLAS on a GPU; on the CPU the same F.linear is ATen's CPU matmul.
         providers["cublas-bf16" if device == "cuda" else "aten-bf16"] = lambda x: F.linear(x, w_deq)
     if fmt == "int8" or not quick:
-        providers["inductor"] = _bind(_lazy(lambda: compiled(form)), q, s, z)
+        providers["inductor"] = _bind(lazy(lambda: compiled(form)), q, s, z)
     if not quick and fmt == "int8" and M in (SUITE_AUTOTUNE_MS if suite else AUTOTUNE_MS):
         providers["inductor-max-autotune"] = _bind(
-            _lazy(lambda: compiled(form, mode="max-autotune-no-cudagraphs")), q, s, z)
+            lazy(lambda: compiled(form, mode="max-autotune-no-cudagraphs")), q, s, z)
     # Peers: CUDA only (gemlite has no CPU path; torchao's CPU int8 is another
     # kernel than the one the GPU rows compare with), and only when installed.
     peers = device != "cpu" and not (suite and M > SUITE_PEER_MAX_M)
@@ -208,17 +208,6 @@ def _weights(fmt: str, N: int, K: int, device: str):
     qw = quantize(w, fmt)
     w_deq = dequantize(qw["weight"], qw["scale"], qw["zero"], fmt, qw["group"], torch.bfloat16)
     return qw, w_deq
-
-
-def _lazy(make):
-    """Build a provider on first call (compiles and peer repacking cost nothing for cases never run)."""
-    box = []
-
-    def fn(*args):
-        if not box:
-            box.append(make())
-        return box[0](*args)
-    return fn
 
 
 def _bind(fn, *extra):
