@@ -171,6 +171,23 @@ def _rms_norm_without_offset(x, weight, eps, weight_offset, cast_before_weight, 
     return (n * weight.float()).to(out_dtype)  # forgets weight_offset
 
 
+def test_bitsandbytes_matmul_counts_as_a_contraction():
+    """The opaque bitsandbytes 4-bit matmul rounds its dequantized weight before the sum: the
+    generator's roundoff floor counts its terms as it does an mm's (sum_k |x_k w_k|)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from fusepass.formats import dequantize_library
+    from fusepass.testing.differential.build import _Dtypes
+
+    torch.manual_seed(0)
+    w, x = torch.randn(24, 128), torch.randn(2, 128, dtype=torch.bfloat16)
+    packed, state = bnb.functional.quantize_4bit(w.bfloat16(), blocksize=64, quant_type="nf4")
+    with _Dtypes() as seen:
+        torch.ops.bitsandbytes.gemm_4bit(x, packed, [24, 128], state.absmax, 64, "nf4")
+    deq = dequantize_library(packed.view(24, 64), state.absmax.view(24, 2), None, None, "nf4", 64)
+    want = (x.double().abs() @ deq.double().abs().t()).max().item()
+    assert seen.terms == pytest.approx(want, rel=1e-6) and want > 0
+
+
 def test_a_wrong_op_is_caught():
     """The oracle has teeth: an RMSNorm op that forgets the (1 + w) offset fails
     the zero-centred block, and only it."""

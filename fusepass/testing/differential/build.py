@@ -458,10 +458,42 @@ class _Dtypes(TorchDispatchMode):
             if a.numel() and b.numel() and a.dtype.is_floating_point:
                 sums = torch.nan_to_num(a.double().abs(), posinf=0.0) @ torch.nan_to_num(b.double().abs(), posinf=0.0)
                 self.terms = max(self.terms, sums.max().item())
+        elif getattr(func, "namespace", None) == "bitsandbytes" and func.overloadpacket.__name__ == "gemm_4bit":
+            self.terms = max(self.terms, _bnb_terms(func, args, kwargs or {}))
         return out
 
     def floor(self, precision: torch.dtype) -> float:
         return 4 * _UNIT_ROUNDOFF.get(precision, 2.0**-8) * self.terms
+
+
+def _bnb_terms(func, args, kwargs) -> float:
+    """The largest sum_k |x_k w_k| of bitsandbytes' opaque 4-bit matmul, from its weight
+    dequantized by fusepass's reference (bitsandbytes' own dequantization, tested), the
+    nested absmax of double quantization expanded first; where blocks straddle rows, a
+    bound (codes lie in [-1, 1]: |w| is at most the block's absmax).  Its CPU path rounds
+    the dequantized weight to x's dtype before the sum, the fused op after it (seen: 0.023
+    off on a bf16 output of -0.035 whose terms cancel)."""
+    from fusepass.formats import dequantize_library
+
+    names = [a.name for a in func._schema.arguments]
+    b = {**dict(zip(names, args)), **kwargs}
+    x, packed, absmax, shape = b.get("A"), b.get("B"), b.get("absmax"), b.get("shapeB")
+    if not all(isinstance(t, torch.Tensor) and t.numel() for t in (x, packed, absmax)):
+        return 0.0
+    absmax = absmax.double()
+    if isinstance(b.get("absmax_8bit"), torch.Tensor) and isinstance(b.get("absmax_code"), torch.Tensor):
+        a8, code, offset = b["absmax_8bit"], b["absmax_code"], b.get("absmax_offset")
+        absmax = code.double()[a8.long().flatten()] * absmax.repeat_interleave(256)[:a8.numel()] + (
+            offset.double().flatten()[0] if isinstance(offset, torch.Tensor) else 0.0)
+    xa = torch.nan_to_num(x.double().abs(), posinf=0.0)
+    n, k = shape
+    bs = b.get("blocksize")
+    if k % bs == 0 and packed.numel() * 2 == n * k and absmax.numel() == n * k // bs \
+            and b.get("quant_type") in ("nf4", "fp4"):
+        w = dequantize_library(packed.reshape(n, k // 2), absmax.reshape(n, k // bs).float(), None, None,
+                               b.get("quant_type"), bs)
+        return (xa.reshape(-1, k) @ torch.nan_to_num(w.double().abs(), posinf=0.0).t()).max().item()
+    return (xa.sum(-1).max() * torch.nan_to_num(absmax.abs(), posinf=0.0).max()).item()
 
 
 def _magnitude(t: torch.Tensor) -> float:
