@@ -135,6 +135,30 @@ def scalar_arg(value: float | torch.Tensor, like: torch.Tensor) -> float | torch
 
 
 @triton.jit
+def rne_bf16(x):
+    """x rounded to the nearest bf16 (ties to even), as fp32."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to(x, DT: tl.constexpr, EMU: tl.constexpr):
+    """x.to(DT) rounded to nearest.  EMU (bf16 under the interpreter only): the
+    interpreter's bf16 conversion truncates (Triton 3.9: twice the error of the
+    GPU's rounding, and always toward zero, so roundings in a row add up)."""
+    if EMU:
+        return rne_bf16(x).to(DT)
+    else:
+        return x.to(DT)
+
+
+def emulate_rounding(dtype: torch.dtype) -> bool:
+    """The EMU flag of :func:`round_to` for a kernel rounding to ``dtype``."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+@triton.jit
 def scalar_fp32(v, IS_PTR: tl.constexpr):
     # A number, or with IS_PTR a pointer to one (scalar_arg), in fp32.
     # Inductor passes Python floats to kernels it launches as fp64: the row

@@ -37,12 +37,14 @@ from fusepass.kernels._common import (
     Launch,
     call,
     cdiv,
+    emulate_rounding,
     eps_args,
     inline_enabled,
     is_ptr,
     on_device,
     op_eps,
     register_inline,
+    round_to,
     rows,
     run_kernel,
     scalar_arg,
@@ -63,17 +65,19 @@ def _act(b_z, ACT: tl.constexpr):
 
 @triton.jit
 def _gate_and_store(b_n, b_w, p_z, p_y, mask, CAST_BEFORE_WEIGHT: tl.constexpr,
-                    ROUND_PRODUCT: tl.constexpr, ACT: tl.constexpr):
+                    ROUND_PRODUCT: tl.constexpr, ACT: tl.constexpr, EMU: tl.constexpr):
     # b_n: the normalised rows in fp32; b_w: the weight in fp32, broadcast.
-    # y has x's dtype: its element type is the rounding to x's dtype.
+    # y has x's dtype: its element type is the rounding to x's dtype (three
+    # roundings in a row: under the interpreter, round_to rounds to nearest
+    # as the GPU does, where its bf16 conversion would truncate all three).
     if CAST_BEFORE_WEIGHT:
-        b_n = b_n.to(p_y.dtype.element_ty).to(tl.float32)
+        b_n = round_to(b_n, p_y.dtype.element_ty, EMU).to(tl.float32)
     b_p = b_n * b_w
     if ROUND_PRODUCT:
         # weight * n.to(x.dtype) is a half-precision multiply when w has x's dtype.
-        b_p = b_p.to(p_y.dtype.element_ty).to(tl.float32)
+        b_p = round_to(b_p, p_y.dtype.element_ty, EMU).to(tl.float32)
     b_z = tl.load(p_z, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    tl.store(p_y, (b_p * _act(b_z, ACT)).to(p_y.dtype.element_ty), mask=mask)
+    tl.store(p_y, round_to(b_p * _act(b_z, ACT), p_y.dtype.element_ty, EMU), mask=mask)
 
 
 @triton.jit
@@ -95,6 +99,7 @@ def _rms_norm_gated_fwd_kernel(
     BN: tl.constexpr,
     LOOPED: tl.constexpr,
     EPS_PTR: tl.constexpr,
+    EMU: tl.constexpr,
 ):
     # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
     eps = scalar_fp32(eps, EPS_PTR)
@@ -123,7 +128,7 @@ def _rms_norm_gated_fwd_kernel(
             _gate_and_store(b_x * b_rstd[:, None], b_w[None, :],
                             z + o_m[:, None] * stride_z + (i_n + o_n)[None, :],
                             y + o_m[:, None] * stride_y + (i_n + o_n)[None, :],
-                            m_mn, CAST_BEFORE_WEIGHT, ROUND_PRODUCT, ACT)
+                            m_mn, CAST_BEFORE_WEIGHT, ROUND_PRODUCT, ACT, EMU)
     else:
         # BN >= N: each row is read once and stays in registers.
         m_n = o_n < N
@@ -138,7 +143,7 @@ def _rms_norm_gated_fwd_kernel(
         _gate_and_store(b_x * b_rstd[:, None], b_w[None, :],
                         z + o_m[:, None] * stride_z + o_n[None, :],
                         y + o_m[:, None] * stride_y + o_n[None, :],
-                        m_mn, CAST_BEFORE_WEIGHT, ROUND_PRODUCT, ACT)
+                        m_mn, CAST_BEFORE_WEIGHT, ROUND_PRODUCT, ACT, EMU)
 
 
 # ---------------------------------------------------------------- launch ----
@@ -191,7 +196,8 @@ def rms_norm_gated_config(M: int, N: int, n_sm: int, block_m: int | None = None,
 def _flags(x: Tensor, weight: Tensor, cast_before_weight: bool, activation: str) -> dict:
     round_product = bool(cast_before_weight) and torch.promote_types(x.dtype, weight.dtype) == x.dtype \
         and x.dtype != torch.float32
-    return dict(CAST_BEFORE_WEIGHT=bool(cast_before_weight), ROUND_PRODUCT=round_product, ACT=activation)
+    return dict(CAST_BEFORE_WEIGHT=bool(cast_before_weight), ROUND_PRODUCT=round_product, ACT=activation,
+                EMU=emulate_rounding(x.dtype))
 
 
 def _check(x: Tensor, gate: Tensor, weight: Tensor, activation: str) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusepass.kernels._common import rne_bf16 as _rne_bf16, round_to as _to  # noqa: F401 - _to for the kernels
+
 
 @triton.jit
 def _load_rows(ptr, base, o_t, T, stride_t, o_d, D: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
@@ -89,24 +91,6 @@ def _qk_block(b_qi, b_kj, b_Gi, b_Gj, DIAG: tl.constexpr, DT: tl.constexpr, PREC
         o_c = tl.arange(0, 16)
         b_d = tl.where(o_c[:, None] >= o_c[None, :], b_d, float("-inf"))
     return b_a * tl.exp(b_d)
-
-
-@triton.jit
-def _rne_bf16(x):
-    """x rounded to the nearest bf16 (ties to even), as fp32."""
-    b = x.to(tl.uint32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to(x, DT: tl.constexpr, EMU: tl.constexpr):
-    """x.to(DT) rounded to nearest.  EMU: under the interpreter, whose bf16
-    conversion truncates (Triton 3.9: twice the error of the GPU's rounding)."""
-    if EMU:
-        return _rne_bf16(x).to(DT)
-    else:
-        return x.to(DT)
 
 
 @triton.jit
