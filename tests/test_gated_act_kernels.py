@@ -108,11 +108,9 @@ def test_kernel_default_launch_config(act, device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("act", ACTS)
 def test_kernel_rounds_like_eager(act, dtype, device):
-    if dtype == torch.bfloat16 and INTERPRET:
-        # The interpreter truncates fp32 -> bf16 (cast_impl ignores the rounding
-        # mode in triton/runtime/interpreter.py); compiled Triton rounds to
-        # nearest even.  fp16 runs the same kernel code through numpy's RTNE.
-        pytest.skip("the interpreter truncates fp32 -> bf16")
+    # bf16 too under the interpreter, whose own fp32 -> bf16 conversion truncates
+    # (cast_impl ignores the rounding mode): the kernel rounds to nearest there
+    # (_common.round_to), as compiled Triton does.
     gate, up = _inputs((64, 130), dtype, device)
     out = ga.gated_act_fwd(gate, up, ACTS[act][0])
     # Against eager's math done exactly (CPU eager is no referee: its fp16
@@ -123,9 +121,13 @@ def test_kernel_rounds_like_eager(act, dtype, device):
     # (fp16, interpreter): up to 6 ulps at |out| ~ 1e-4, |diff| <= 5e-7.
     tail = (out.double() - _expected(gate, up, act).double()).abs() <= TOLERANCES[torch.float32].atol
     assert ((ulps <= 1) | tail).all()
-    # Measured exact (fp16, interpreter): silu 100%, gelu 96.3%, gelu_tanh 100%.
-    # Rounding only the product, not the activation first, gives 74-80%.
-    assert (ulps == 0).double().mean() >= 0.95
+    # Exact away from that tail (|out| > 1e-3), measured under the interpreter:
+    # fp16 silu 100%, gelu 99.9%, gelu_tanh 100%; bf16 100% for all three (bf16
+    # keeps the tail's tiny values that fp16 flushes, so counted everywhere it
+    # is 89% for gelu).  Rounding only the product, not the activation first,
+    # gives 74-80%.
+    away = _expected(gate, up, act).double().abs() > 1e-3
+    assert (ulps == 0)[away].double().mean() >= 0.99
 
 
 def test_kernel_fused_projection_halves_read_in_place(device):

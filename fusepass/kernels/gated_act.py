@@ -36,10 +36,12 @@ from fusepass.kernels._common import (
     Launch,
     call,
     cdiv,
+    emulate_rounding,
     inline_enabled,
     on_device,
     register_inline,
     row_view,
+    round_to,
     rows,
     run_kernel,
     sm_count,
@@ -59,6 +61,8 @@ def _gated_act_fwd_kernel(
     stride_o,
     ACT: tl.constexpr,
     BN: tl.constexpr,
+    EMU_G: tl.constexpr,
+    EMU_O: tl.constexpr,
 ):
     # One flat grid of M * NB programs, column blocks fastest: consecutive
     # programs walk along a row, and M is not bound by the 65535 limit of the
@@ -88,10 +92,11 @@ def _gated_act_fwd_kernel(
         # negative tail, where 1 + tanh(z) loses every bit below 6e-8.
         b_z = 0.7978845608028654 * (b_x + 0.044715 * b_x * b_x * b_x)
         b_a = b_x / (1.0 + tl.exp(-2.0 * b_z))
-    # Eager's intermediate rounding to the input dtype (a no-op for fp32).
-    b_a = b_a.to(b_g.dtype).to(tl.float32)
+    # Eager's intermediate rounding to the input dtype (a no-op for fp32); to
+    # nearest under the interpreter too (round_to: its bf16 conversion truncates).
+    b_a = round_to(b_a, b_g.dtype, EMU_G).to(tl.float32)
     b_o = b_a * b_u.to(tl.float32)
-    tl.store(out + i_m * stride_o + o_n, b_o.to(out.dtype.element_ty), mask=m_n)
+    tl.store(out + i_m * stride_o + o_n, round_to(b_o, out.dtype.element_ty, EMU_O), mask=m_n)
 
 
 # ---------------------------------------------------------------- launch ----
@@ -150,7 +155,8 @@ def gated_act_launch(gate: Tensor, up: Tensor, out: Tensor, activation: str, blo
         block = _launch_config(hint(M), N, gate.element_size(), sm_count(gate.device))
     NB = cdiv(N, block)
     args = dict(gate=g2, up=u2, out=o2, N=N, NB=NB, stride_g=g2.stride(0), stride_u=u2.stride(0),
-                stride_o=o2.stride(0), ACT=_ACTIVATIONS[activation], BN=block)
+                stride_o=o2.stride(0), ACT=_ACTIVATIONS[activation], BN=block,
+                EMU_G=emulate_rounding(gate.dtype), EMU_O=emulate_rounding(out.dtype))
     return Launch(_gated_act_fwd_kernel, (M * NB,), args, ("out",), num_warps or _num_warps(block))
 
 
