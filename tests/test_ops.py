@@ -735,7 +735,7 @@ def test_a_launch_names_exactly_the_kernels_arguments():
 
     g = torch.randn(4, 8)
     args = dict(gate=g, up=g, out=torch.empty_like(g), N=8, NB=1, stride_g=8, stride_u=8, stride_o=8, ACT="silu",
-                BN=8)
+                BN=8, EMU_G=False, EMU_O=False)
     Launch(_gated_act_fwd_kernel, (4,), args, ("out",))
     with pytest.raises(TypeError, match=r"missing \['BN'\]"):
         Launch(_gated_act_fwd_kernel, (4,), {k: v for k, v in args.items() if k != "BN"}, ("out",))
