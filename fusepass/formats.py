@@ -116,6 +116,14 @@ def codebook(fmt: str, device: torch.device | str = "cpu") -> Tensor:
     return torch.tensor(CODEBOOKS[fmt], dtype=torch.float32, device=device)
 
 
+def bnb_absmax(nested: Tensor, absmax_8bit: Tensor, code: Tensor, offset: Tensor) -> Tensor:
+    """bitsandbytes' double quantization: the fp32 absmax per block, flat, from its uint8 codes
+    (``code[absmax_8bit]``), one nested absmax per 256 blocks and the offset."""
+    blocks = absmax_8bit.numel()
+    return (code[absmax_8bit.long().flatten()] * nested.flatten().repeat_interleave(256)[:blocks]
+            + offset.reshape(())).float()
+
+
 def dequantize_library(weight: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tensor | None, fmt: str,
                        group_size: int, shifts: Tensor | None = None) -> Tensor:
     """The [N, K] fp32 weight of a ``LIBRARY_FORMATS`` layout (the reference)."""

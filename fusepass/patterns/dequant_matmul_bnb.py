@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from fusepass.formats import bnb_absmax
 from fusepass.match import same, shape_str
 from fusepass.patterns import dequant_matmul as dm
 from fusepass.rule import Form, NearMiss, Region, Rule
@@ -187,9 +188,7 @@ def _replace(n, k, blocksize, fmt, has_bias, nested):
     def absmax_of(absmax, a8=None, code=None, offset=None):
         if a8 is None:
             return absmax.reshape(n, k // blocksize)
-        blocks = a8.numel()
-        full = code[a8.long()] * absmax.repeat_interleave(256)[:blocks] + offset.reshape(())
-        return full.float().reshape(n, k // blocksize)
+        return bnb_absmax(absmax, a8, code, offset).reshape(n, k // blocksize)
 
     def call(x, packed, absmax, *rest):
         rest = list(rest)

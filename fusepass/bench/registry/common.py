@@ -34,7 +34,7 @@ class Case:
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def lazy(make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:

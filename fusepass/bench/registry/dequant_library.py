@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fusepass.bench.registry.common import Case, compiled, lazy
-from fusepass.formats import dequantize
+from fusepass.bench.registry.common import Case, compiled, lazy, nbytes
+from fusepass.formats import bnb_absmax, dequantize
 from fusepass.kernels import dequant_matmul  # noqa: F401 - registers fusepass::dequant_matmul
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K)
@@ -89,10 +89,6 @@ class Weight:
         self.fmt, self.N, self.K, self.ref, self.nbytes, self.providers = fmt, N, K, ref, nbytes, providers
 
 
-def _nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-
-
 def _bnb_weight(fmt: str, w: torch.Tensor, device: str) -> Weight:
     import bitsandbytes as bnb
     import bitsandbytes.functional as bf
@@ -105,23 +101,17 @@ def _bnb_weight(fmt: str, w: torch.Tensor, device: str) -> Weight:
     rule = _replace(N, K, BLOCK, quant_type, False, nested)  # what the rule puts in the graph
     if nested:  # the rule's operands: nested absmax, uint8 absmax codes, their code table, the offset
         ops = (packed, state.state2.absmax, state.absmax, state.state2.code, state.offset)
-        absmax = expand_absmax(*ops[1:])
+        absmax = bnb_absmax(*ops[1:])
     else:
         ops = (packed, state.absmax)
         absmax = state.absmax
     ref = dequantize(packed.view(N, K // 2), absmax.view(N, K // BLOCK), None, quant_type, BLOCK)
     providers = {"fusepass": (rule, ops)}
     if nested:  # the expansion alone (timed, not checked): part of fusepass's time above
-        providers["absmax-expand"] = (lambda x, nested, a8, code, off: expand_absmax(nested, a8, code, off), ops[1:])
+        providers["absmax-expand"] = (lambda x, nested, a8, code, off: bnb_absmax(nested, a8, code, off), ops[1:])
     if device == "cuda" or _bnb_cpu_matmul():
         providers["bnb"] = (lambda x, p, st: bnb.matmul_4bit(x, p.t(), st), (packed, state))
-    return Weight(fmt, N, K, ref, _nbytes(*ops), providers)
-
-
-def expand_absmax(nested, absmax_8bit, code, offset):
-    """Double quantization's fp32 absmax, as the bnb rule computes it in the graph each call."""
-    blocks = absmax_8bit.numel()
-    return (code[absmax_8bit.long()] * nested.repeat_interleave(256)[:blocks] + offset.reshape(())).float()
+    return Weight(fmt, N, K, ref, nbytes(*ops), providers)
 
 
 @functools.cache
@@ -158,7 +148,7 @@ def _hqq_weight(w: torch.Tensor, device: str) -> Weight:
 
     providers = {"fusepass": (_replace, ops), "hqq-torch": (hqq_torch, (w_q, meta)),
                  "inductor": (lazy(lambda: compiled(search)), ops)}
-    return Weight("hqq4", N, K, ref, _nbytes(*ops), providers)
+    return Weight("hqq4", N, K, ref, nbytes(*ops), providers)
 
 
 def _gptq_weight(fmt: str, w: torch.Tensor) -> Weight:
@@ -190,7 +180,7 @@ def _gptq_weight(fmt: str, w: torch.Tensor) -> Weight:
     ops = (qweight, qzeros, scales, g_idx, wf)
     ref = dequantize(qweight, scales, qzeros, "gptq4", 0, g_idx=g_idx)
     providers = {"fusepass": (_replace("gptq4"), ops), "inductor": (lazy(lambda: compiled(search)), ops)}
-    return Weight(fmt, N, K, ref, _nbytes(qweight, qzeros, scales, g_idx), providers)
+    return Weight(fmt, N, K, ref, nbytes(qweight, qzeros, scales, g_idx), providers)
 
 
 def _int4_weight(w: torch.Tensor) -> Weight:
@@ -210,7 +200,7 @@ def _int4_weight(w: torch.Tensor) -> Weight:
 
     form = _dequant_form("int4", BLOCK)
     providers = {"fusepass": (op, ops), "inductor": (lazy(lambda: compiled(form)), ops)}
-    return Weight("int4", N, K, ref, _nbytes(*ops), providers)
+    return Weight("int4", N, K, ref, nbytes(*ops), providers)
 
 
 @functools.cache
@@ -301,8 +291,7 @@ def time_us(fn, ops, x, device: str, rep_ms: float) -> tuple[float, int]:
 
     if device != "cuda":
         return time_cpu(lambda: fn(x, *ops), rep_ms).median * 1e3, 1
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors(ops))
-    ring = [ops] + [copy.deepcopy(ops) for _ in range(cold_copies(nbytes, x.device) - 1)]
+    ring = [ops] + [copy.deepcopy(ops) for _ in range(cold_copies(nbytes(*_tensors(ops)), x.device) - 1)]
 
     def calls():
         for o in ring:

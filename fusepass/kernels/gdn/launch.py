@@ -15,7 +15,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import Launch, cdiv, interpreting, on_device, run_all, sm_count
+from fusepass.kernels._common import Launch, cdiv, emulate_rounding, on_device, run_all, sm_count
 from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_scan_kernel, _gdn_state_kernel
 from fusepass.kernels.gdn.recurrent_kernel import _gdn_recurrent_kernel
 from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
@@ -91,7 +91,7 @@ def _dots(dt: torch.dtype) -> dict:
     """The dots' operand dtype and precision: bf16/fp16 operands with fp32
     accumulation for half-precision inputs, ieee fp32 for fp32."""
     DT, PREC = _TL_DTYPES[dt], ("ieee" if dt == torch.float32 else "tf32")
-    return dict(DT=DT, PREC=PREC, EMU=dt == torch.bfloat16 and interpreting())
+    return dict(DT=DT, PREC=PREC, EMU=emulate_rounding(dt))
 
 
 def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
@@ -226,7 +226,7 @@ def recurrent_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h
                 T=T, HV=HV, GROUP=HV // HK, NV=NV, scale=scale, **_strides("q", q), **_strides("k", k),
                 **_strides("v", v), **_strides("g", g), **_strides("b", beta),
                 DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
-                EMU=q.dtype == torch.bfloat16 and interpreting(), EPS=L2NORM_EPS)
+                EMU=emulate_rounding(q.dtype), EPS=L2NORM_EPS)
     return Launch(_gdn_recurrent_kernel, (NV * B * HV,), args, ("o", "hT"), num_warps or 4)
 
 

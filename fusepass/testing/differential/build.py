@@ -473,7 +473,7 @@ def _bnb_terms(func, args, kwargs) -> float:
     bound (codes lie in [-1, 1]: |w| is at most the block's absmax).  Its CPU path rounds
     the dequantized weight to x's dtype before the sum, the fused op after it (seen: 0.023
     off on a bf16 output of -0.035 whose terms cancel)."""
-    from fusepass.formats import dequantize_library
+    from fusepass.formats import bnb_absmax, dequantize_library
 
     names = [a.name for a in func._schema.arguments]
     b = {**dict(zip(names, args)), **kwargs}
@@ -482,9 +482,7 @@ def _bnb_terms(func, args, kwargs) -> float:
         return 0.0
     absmax = absmax.double()
     if isinstance(b.get("absmax_8bit"), torch.Tensor) and isinstance(b.get("absmax_code"), torch.Tensor):
-        a8, code, offset = b["absmax_8bit"], b["absmax_code"], b.get("absmax_offset")
-        absmax = code.double()[a8.long().flatten()] * absmax.repeat_interleave(256)[:a8.numel()] + (
-            offset.double().flatten()[0] if isinstance(offset, torch.Tensor) else 0.0)
+        absmax = bnb_absmax(absmax, b["absmax_8bit"], b["absmax_code"].double(), b["absmax_offset"]).double()
     xa = torch.nan_to_num(x.double().abs(), posinf=0.0)
     n, k = shape
     bs = b.get("blocksize")
