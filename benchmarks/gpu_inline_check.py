@@ -73,6 +73,22 @@ def _time_calls(fn, calls: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / calls
 
 
+def _profile_kernels(fn, calls: int) -> list[dict]:
+    """GPU kernels of ``calls`` back-to-back calls under torch.profiler: per kernel name, launches and µs per
+    call, longest first (what a forward spends where; CUDA-graph replays are listed kernel by kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync()
+    rows = [{"name": e.key, "per_call": e.count / calls, "us_per_call": e.self_device_time_total / calls}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
 def _count_graph_ops(folder: str) -> dict:
     """Inlined fusepass kernel launches and dispatcher ``fusepass::`` calls in the dumped post-pass graphs."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -158,6 +174,15 @@ def run_model(name: str, quant: str, args, log) -> list[dict]:
                 rows.append(row)
                 log(f"  {s} {row['tokens']}: inductor {med['inductor']:.3f} ms, fusepass {med['fusepass']:.3f} ms, "
                     f"ratio {row['inductor_over_fusepass']:.2f}, logits {'OK' if ok else 'MISMATCH'}")
+                if args.profile and torch.cuda.is_available():
+                    for backend, (fn, _) in contenders.items():
+                        kernels = _profile_kernels(lambda fn=fn, ids=ids: fn(ids, use_cache=False), args.calls)
+                        row.setdefault("kernels", {})[backend] = kernels
+                        log(f"  {s} {backend}: {len(kernels)} kernel names, "
+                            f"{sum(k['per_call'] for k in kernels):.0f} launches and "
+                            f"{sum(k['us_per_call'] for k in kernels):.1f} µs of kernel time per forward")
+                        for k in kernels[:args.profile]:
+                            log(f"    {k['us_per_call']:7.2f} µs  x{k['per_call']:<4g} {k['name'][:110]}")
             del contenders
     return rows
 
@@ -175,6 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--budget", type=float, default=540, help="seconds after which no new model starts")
     p.add_argument("--modes", default="default,reduce-overhead", help="default and/or reduce-overhead")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="also list each contender's GPU kernels per forward (torch.profiler), the K longest in the log")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU (interpreter): the script runs")
     args = p.parse_args(argv)
     if args.cpu_smoke:

@@ -159,6 +159,7 @@ def _failed(exc: Exception, redo: str) -> str:
     note = (f"compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
             f"compiled again {redo}")
     log.warning("fusepass: %s", note)
+    log.debug("fusepass: the failed compile's exception", exc_info=exc)  # (a subprocess's traceback is in its text)
     return note
 
 def _stable(value: Any) -> str:

@@ -148,3 +148,68 @@ def test_importing_and_compiling_print_nothing():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr == "", out.stderr[-3000:]
     assert out.stdout == "", f"imported: {out.stdout}"
+
+
+
+def _is_jit(obj) -> bool:
+    import triton
+
+    kinds = (triton.runtime.JITFunction,)
+    try:
+        from triton.runtime.interpreter import InterpretedFunction  # what triton.jit makes under TRITON_INTERPRET
+
+        kinds += (InterpretedFunction,)
+    except ImportError:
+        pass
+    return isinstance(obj, kinds)
+
+
+def _jit_functions(modules):
+    """(module, name, jit function) for every ``@triton.jit`` function defined in ``modules``."""
+    for mod in modules:
+        for name, obj in vars(mod).items():
+            if _is_jit(obj) and obj.fn.__module__ == mod.__name__:
+                yield mod.__name__, name, obj
+
+
+def _renamed_calls(modules) -> tuple[int, list[str]]:
+    found, renamed = 0, []
+    for module, name, jit in _jit_functions(modules):
+        found += 1
+        for ref in jit.fn.__code__.co_names:
+            target = jit.fn.__globals__.get(ref)
+            if _is_jit(target) and target.fn.__name__ != ref:
+                renamed.append(f"{module}.{name} calls {target.fn.__module__}.{target.fn.__name__} as {ref}")
+    return found, renamed
+
+
+def test_kernels_call_jit_functions_by_their_own_names():
+    """Inductor inlines a kernel by copying the source of each jit function it
+    calls, under that function's own name: a kernel that calls one through
+    another name (``import round_to as _to``) compiles on its own but fails with
+    NameError inside Inductor's code on the GPU."""
+    import importlib
+    import pkgutil
+
+    import fusepass.kernels
+
+    modules = [importlib.import_module(i.name) for i in pkgutil.walk_packages(fusepass.kernels.__path__,
+                                                                              "fusepass.kernels.")]
+    found, renamed = _renamed_calls(modules)
+    assert found > 30, found  # (the walk reached the kernels)
+    assert not renamed, renamed
+
+
+def test_a_renamed_jit_call_is_found(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "renamed_jit_probe.py").write_text(
+        "import triton\nimport triton.language as tl\nfrom fusepass.kernels._common import round_to as _to\n\n"
+        "@triton.jit\ndef k(x, DT: tl.constexpr):\n    return _to(x, DT, False)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import renamed_jit_probe as probe
+
+    try:
+        assert _renamed_calls([probe]) == (1, ["renamed_jit_probe.k calls fusepass.kernels._common.round_to as _to"])
+    finally:
+        sys.modules.pop("renamed_jit_probe", None)

@@ -82,9 +82,10 @@ def _causal_conv1d_kernel(
 
 
 @triton.jit
-def _window(state, x, idx, S, p_s, s_ss, p_x, s_xt, m_c):
-    """[BC, BL] values at positions idx of cat(state, x) along time."""
-    m = m_c[:, None] & (idx >= 0)
+def _window(state, x, idx, S, L, p_s, s_ss, p_x, s_xt, m_c):
+    """[BC, BL] values at positions idx of cat(state, x) along time; positions
+    past S + L (the tiles' padding lanes, never stored) are not read."""
+    m = m_c[:, None] & (idx >= 0) & (idx < S + L)
     b_s = tl.load(p_s + idx * s_ss, mask=m & (idx < S), other=0.0)
     b_x = tl.load(p_x + (idx - S) * s_xt, mask=m & (idx >= S), other=0.0)
     return b_s, b_x
@@ -107,7 +108,7 @@ def _causal_conv1d_update_kernel(
     p_s = state + i_b.to(tl.int64) * s_sb + o_c[:, None].to(tl.int64) * s_sc
     p_x = x + i_b.to(tl.int64) * s_xb + o_c[:, None].to(tl.int64) * s_xc
     # the shifted state: position s of the new state is position L + s of cat(state, x)
-    b_ns, b_nx = _window(state, x, L + o_s[None, :], S, p_s, s_ss, p_x, s_xt, m_c)
+    b_ns, b_nx = _window(state, x, L + o_s[None, :], S, L, p_s, s_ss, p_x, s_xt, m_c)
     b_new = tl.where((L + o_s[None, :]) < S, b_ns.to(WDT), b_nx.to(WDT))
     b_acc = tl.zeros([BC, BL], dtype=tl.float32)
     if HAS_BIAS:
@@ -115,7 +116,7 @@ def _causal_conv1d_update_kernel(
     for j in tl.static_range(K):
         # output l reads positions S - K + 1 + l + j of cat(state, x)
         idx = S - K + 1 + o_l[None, :] + j
-        b_s, b_x = _window(state, x, idx, S, p_s, s_ss, p_x, s_xt, m_c)
+        b_s, b_x = _window(state, x, idx, S, L, p_s, s_ss, p_x, s_xt, m_c)
         b_v = tl.where(idx < S, b_s.to(WDT), b_x.to(WDT)).to(tl.float32)
         b_w = tl.load(w + o_c * s_wc + j * s_wk, mask=m_c, other=0.0).to(tl.float32)
         b_acc += b_v * b_w[:, None]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusepass.kernels._common import round_to
 from fusepass.kernels.gdn.tiles import (_dot, _dot_ieee, _inv16_product, _inv16x4, _kkt_block, _load_rows, _load_vec,
-                                        _qk_block, _store_lower_product, _to)
+                                        _qk_block, _store_lower_product)
 
 
 # ------------------------------------------------------------------- kernels ----
@@ -92,19 +93,19 @@ def _gdn_prep_kernel(
         # blocks above the diagonal are never stored (the scan masks them)
         a_base = i_c.to(tl.int64) * 4096 + o_c[:, None] * 64 + o_c[None, :]
         b_q = _load_rows(q, q_base, o_t0, T, s_qt, o_k, DK, L2NORM, EPS) * scale
-        tl.store(aq + a_base, _to(_qk_block(b_q, b_k0, b_G0, b_G0, True, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base, round_to(_qk_block(b_q, b_k0, b_G0, b_G0, True, DT, PREC, EMU), DT, EMU))
         b_q = _load_rows(q, q_base, o_t1, T, s_qt, o_k, DK, L2NORM, EPS) * scale
-        tl.store(aq + a_base + 1024, _to(_qk_block(b_q, b_k0, b_G1, b_G0, False, DT, PREC, EMU), DT, EMU))
-        tl.store(aq + a_base + 1040, _to(_qk_block(b_q, b_k1, b_G1, b_G1, True, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 1024, round_to(_qk_block(b_q, b_k0, b_G1, b_G0, False, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 1040, round_to(_qk_block(b_q, b_k1, b_G1, b_G1, True, DT, PREC, EMU), DT, EMU))
         b_q = _load_rows(q, q_base, o_t2, T, s_qt, o_k, DK, L2NORM, EPS) * scale
-        tl.store(aq + a_base + 2048, _to(_qk_block(b_q, b_k0, b_G2, b_G0, False, DT, PREC, EMU), DT, EMU))
-        tl.store(aq + a_base + 2064, _to(_qk_block(b_q, b_k1, b_G2, b_G1, False, DT, PREC, EMU), DT, EMU))
-        tl.store(aq + a_base + 2080, _to(_qk_block(b_q, b_k2, b_G2, b_G2, True, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 2048, round_to(_qk_block(b_q, b_k0, b_G2, b_G0, False, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 2064, round_to(_qk_block(b_q, b_k1, b_G2, b_G1, False, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 2080, round_to(_qk_block(b_q, b_k2, b_G2, b_G2, True, DT, PREC, EMU), DT, EMU))
         b_q = _load_rows(q, q_base, o_t3, T, s_qt, o_k, DK, L2NORM, EPS) * scale
-        tl.store(aq + a_base + 3072, _to(_qk_block(b_q, b_k0, b_G3, b_G0, False, DT, PREC, EMU), DT, EMU))
-        tl.store(aq + a_base + 3088, _to(_qk_block(b_q, b_k1, b_G3, b_G1, False, DT, PREC, EMU), DT, EMU))
-        tl.store(aq + a_base + 3104, _to(_qk_block(b_q, b_k2, b_G3, b_G2, False, DT, PREC, EMU), DT, EMU))
-        tl.store(aq + a_base + 3120, _to(_qk_block(b_q, b_k3, b_G3, b_G3, True, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 3072, round_to(_qk_block(b_q, b_k0, b_G3, b_G0, False, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 3088, round_to(_qk_block(b_q, b_k1, b_G3, b_G1, False, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 3104, round_to(_qk_block(b_q, b_k2, b_G3, b_G2, False, DT, PREC, EMU), DT, EMU))
+        tl.store(aq + a_base + 3120, round_to(_qk_block(b_q, b_k3, b_G3, b_G3, True, DT, PREC, EMU), DT, EMU))
 
     # A in [16, 16] blocks (i >= j)
     b_A00 = _kkt_block(b_k0, b_k0, b_b0, b_G0, b_G0, True, DT, PREC, EMU)
@@ -151,14 +152,14 @@ def _gdn_prep_kernel(
     if PRE_KD:
         # the state pass's key operand, exp(Gamma_last - Gamma) k~, off its sequential path
         b_Gl = b_c3 + tl.sum(b_g3, 0)
-        tl.store(kd + w_base + o_t0[:, None] * DK + o_k[None, :], _to(b_k0 * tl.exp(b_Gl - b_G0)[:, None], DT, EMU),
-                 mask=(o_t0 < T)[:, None] & m_k)
-        tl.store(kd + w_base + o_t1[:, None] * DK + o_k[None, :], _to(b_k1 * tl.exp(b_Gl - b_G1)[:, None], DT, EMU),
-                 mask=(o_t1 < T)[:, None] & m_k)
-        tl.store(kd + w_base + o_t2[:, None] * DK + o_k[None, :], _to(b_k2 * tl.exp(b_Gl - b_G2)[:, None], DT, EMU),
-                 mask=(o_t2 < T)[:, None] & m_k)
-        tl.store(kd + w_base + o_t3[:, None] * DK + o_k[None, :], _to(b_k3 * tl.exp(b_Gl - b_G3)[:, None], DT, EMU),
-                 mask=(o_t3 < T)[:, None] & m_k)
+        tl.store(kd + w_base + o_t0[:, None] * DK + o_k[None, :],
+                 round_to(b_k0 * tl.exp(b_Gl - b_G0)[:, None], DT, EMU), mask=(o_t0 < T)[:, None] & m_k)
+        tl.store(kd + w_base + o_t1[:, None] * DK + o_k[None, :],
+                 round_to(b_k1 * tl.exp(b_Gl - b_G1)[:, None], DT, EMU), mask=(o_t1 < T)[:, None] & m_k)
+        tl.store(kd + w_base + o_t2[:, None] * DK + o_k[None, :],
+                 round_to(b_k2 * tl.exp(b_Gl - b_G2)[:, None], DT, EMU), mask=(o_t2 < T)[:, None] & m_k)
+        tl.store(kd + w_base + o_t3[:, None] * DK + o_k[None, :],
+                 round_to(b_k3 * tl.exp(b_Gl - b_G3)[:, None], DT, EMU), mask=(o_t3 < T)[:, None] & m_k)
 
     # u = T (beta v), BV value columns at a time
     u_base = i_bh.to(tl.int64) * T * DV
@@ -257,7 +258,7 @@ def _gdn_scan_kernel(
         b_S = b_S * tl.exp(b_Gl) + _dot(tl.trans(b_kd), b_v, DT, PREC, EMU)
         o_t = i_t * 64 + o_c
         p_o = o + ((i_b64 * T + o_t[:, None]) * HV + i_h) * DV + o_v[None, :]
-        tl.store(p_o, _to(b_o, o.dtype.element_ty, EMU), mask=(o_t < T)[:, None] & m_v[None, :])
+        tl.store(p_o, round_to(b_o, o.dtype.element_ty, EMU), mask=(o_t < T)[:, None] & m_v[None, :])
     tl.store(hT + i_bh64 * DK * DV + p_S, b_S, mask=m_kv)
 
 
@@ -306,8 +307,8 @@ def _gdn_state_kernel(
         m_u = m_t[:, None] & m_v[None, :]
         b_u = tl.load(p_u, mask=m_u, other=0.0).to(tl.float32)
         b_v = b_u - _dot(b_w, b_S, DT, PREC, EMU)
-        tl.store(hs + (i_bh64 * NT + i_t) * DK * DV + p_S, _to(b_S, DT, EMU), mask=m_kv)
-        tl.store(p_u, _to(b_v, DT, EMU), mask=m_u)
+        tl.store(hs + (i_bh64 * NT + i_t) * DK * DV + p_S, round_to(b_S, DT, EMU), mask=m_kv)
+        tl.store(p_u, round_to(b_v, DT, EMU), mask=m_u)
         b_S = b_S * tl.exp(b_Gl) + _dot(tl.trans(b_kd), b_v, DT, PREC, EMU)
     tl.store(hT + i_bh64 * DK * DV + p_S, b_S, mask=m_kv)
 
@@ -340,4 +341,4 @@ def _gdn_output_kernel(
     b_v = tl.load(vn + i_bh64 * T * DV + o_t[:, None] * DV + o_v[None, :], mask=m_u, other=0.0)
     b_o = _chunk_output(b_q, b_k, b_G, b_S, b_v, o_c, DT, PREC, EMU)
     p_o = o + ((i_b64 * T + o_t[:, None]) * HV + i_h) * DV + o_v[None, :]
-    tl.store(p_o, _to(b_o, o.dtype.element_ty, EMU), mask=m_u)
+    tl.store(p_o, round_to(b_o, o.dtype.element_ty, EMU), mask=m_u)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels.gdn.tiles import _to
+from fusepass.kernels._common import round_to
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _gdn_recurrent_kernel(
         b_d = (b_v - tl.sum(b_S * b_k[:, None], 0)) * b_b
         b_S = b_S + b_k[:, None] * b_d[None, :]
         b_o = tl.sum(b_S * b_q[:, None], 0)
-        tl.store(p_o, _to(b_o, o.dtype.element_ty, EMU), mask=m_v)
+        tl.store(p_o, round_to(b_o, o.dtype.element_ty, EMU), mask=m_v)
         # pointers step in 64 bits: no T x stride product to overflow
         p_q += s_qt
         p_k += s_kt

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import rne_bf16 as _rne_bf16, round_to as _to  # noqa: F401 - _to for the kernels
+from fusepass.kernels._common import rne_bf16, round_to
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     interpreter's bf16 dot multiplies raw bits (Triton 3.9), so the operands
     are rounded and multiplied in fp32 -- the tensor-core result, exactly."""
     if EMU:
-        return tl.dot(_rne_bf16(a.to(tl.float32)), _rne_bf16(b.to(tl.float32)), input_precision="ieee")
+        return tl.dot(rne_bf16(a.to(tl.float32)), rne_bf16(b.to(tl.float32)), input_precision="ieee")
     else:
         return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 
@@ -116,12 +116,12 @@ def _store_lower_product(p_out, N, o_c, m_c, o_t0, o_t1, o_t2, o_t3, T,
     """Store rows i of (T X) for a block-lower-triangular T of 4 x 4 blocks of
     16 rows (w = T (beta e^G k), u = T (beta v)): row block i sums T_ij X_j, j <= i."""
     b_o = tl.dot(b_T00, b_x0, input_precision=PREC)
-    tl.store(p_out + o_t0[:, None] * N + o_c[None, :], _to(b_o, DT, EMU), mask=(o_t0 < T)[:, None] & m_c)
+    tl.store(p_out + o_t0[:, None] * N + o_c[None, :], round_to(b_o, DT, EMU), mask=(o_t0 < T)[:, None] & m_c)
     b_o = tl.dot(b_T10, b_x0, input_precision=PREC) + tl.dot(b_T11, b_x1, input_precision=PREC)
-    tl.store(p_out + o_t1[:, None] * N + o_c[None, :], _to(b_o, DT, EMU), mask=(o_t1 < T)[:, None] & m_c)
+    tl.store(p_out + o_t1[:, None] * N + o_c[None, :], round_to(b_o, DT, EMU), mask=(o_t1 < T)[:, None] & m_c)
     b_o = (tl.dot(b_T20, b_x0, input_precision=PREC) + tl.dot(b_T21, b_x1, input_precision=PREC)
            + tl.dot(b_T22, b_x2, input_precision=PREC))
-    tl.store(p_out + o_t2[:, None] * N + o_c[None, :], _to(b_o, DT, EMU), mask=(o_t2 < T)[:, None] & m_c)
+    tl.store(p_out + o_t2[:, None] * N + o_c[None, :], round_to(b_o, DT, EMU), mask=(o_t2 < T)[:, None] & m_c)
     b_o = (tl.dot(b_T30, b_x0, input_precision=PREC) + tl.dot(b_T31, b_x1, input_precision=PREC)
            + tl.dot(b_T32, b_x2, input_precision=PREC) + tl.dot(b_T33, b_x3, input_precision=PREC))
-    tl.store(p_out + o_t3[:, None] * N + o_c[None, :], _to(b_o, DT, EMU), mask=(o_t3 < T)[:, None] & m_c)
+    tl.store(p_out + o_t3[:, None] * N + o_c[None, :], round_to(b_o, DT, EMU), mask=(o_t3 < T)[:, None] & m_c)

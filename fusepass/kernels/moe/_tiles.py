@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fusepass.kernels._common import Launch
-from fusepass.kernels.dequant_matmul.tiles import _dot as dot  # noqa: F401 - the kernels' dot, shared
+from fusepass.kernels.dequant_matmul.tiles import _dot  # noqa: F401 - the kernels' dot (its own name: see test_imports)
 from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _nibbles_to_f32
 
 

@@ -46,7 +46,7 @@ from fusepass.kernels.moe._tiles import (
     _round,
     _round_if,
     cdiv_pow2,
-    dot,
+    _dot,
     gated_act,
     proj_epilogue,
     row_scale,
@@ -149,11 +149,11 @@ def _moe_sorted_up_kernel(
             b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
             b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K, stride_wk,
                          FMT, G, HAS_ZERO, BK, TRANS)
-            acc_g = dot(b_x, _k_major(b_w.to(DT), TRANS), acc_g, F32)
+            acc_g = _dot(b_x, _k_major(b_w.to(DT), TRANS), acc_g, F32)
             if HALVES:
                 b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
                              stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-                acc_u = dot(b_x, _k_major(b_w.to(DT), TRANS), acc_u, F32)
+                acc_u = _dot(b_x, _k_major(b_w.to(DT), TRANS), acc_u, F32)
         b_g = proj_epilogue(acc_g, row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :], p_b + o_g[None, :],
                             m_g[None, :], DT, HAS_BIAS)
         if HALVES:
@@ -195,7 +195,7 @@ def _moe_sorted_down_kernel(
             o_k = k0 + tl.arange(0, BK)
             b_h = tl.load(p_h + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
             b_w = w_tile(p_w, m_n, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-            acc = dot(b_h, _k_major(b_w.to(DT), TRANS), acc, F32)
+            acc = _dot(b_h, _k_major(b_w.to(DT), TRANS), acc, F32)
         b_tw = tl.load(tw + b_slot, mask=m_m, other=0).to(tl.float32)
         b_d = proj_epilogue(acc, row_scale(p_s, m_n, FMT)[None, :], bias + e64 * stride_be + o_n[None, :],
                             m_n[None, :], DT, HAS_BIAS)

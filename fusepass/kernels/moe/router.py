@@ -60,7 +60,7 @@ from fusepass.formats import KERNEL_DTYPES
 from fusepass.kernels._common import Launch, cdiv, inline_enabled, interpreting, on_device, register_inline, run_kernel
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.moe import _tiles
-from fusepass.kernels.moe._tiles import cdiv_pow2, dot
+from fusepass.kernels.moe._tiles import _dot, cdiv_pow2
 
 ROUTER_KINDS = ("softmax", "topk_softmax", "sigmoid")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -173,7 +173,7 @@ def _moe_router_kernel(
             m_k = o_k < K
             b_x = tl.load(p_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
             b_w = tl.load(p_w + o_k[None, :], mask=m_e[:, None] & m_k[None, :], other=0)
-            acc = dot(b_x, tl.trans(b_w), acc, F32)
+            acc = _dot(b_x, tl.trans(b_w), acc, F32)
     else:
         acc3 = tl.zeros([BT, BE, BK], dtype=tl.float32)
         for k0 in range(0, K, BK):
