@@ -188,6 +188,80 @@ def test_bitsandbytes_matmul_counts_as_a_contraction():
     assert seen.terms == pytest.approx(want, rel=1e-6) and want > 0
 
 
+def test_a_step_reading_memory_it_never_wrote_is_no_program():
+    """A mutation that also uses an allocation before it is written (HQQ's
+    torch.empty, "reused") has no value to compare: the builder drops it; an
+    allocation written whole before it is read is a step like any other."""
+    from fusepass.testing.differential.build import _Builder, _Invalid
+
+    b = _Builder(diff.ProgramSpec((), seed=0), torch.device("cpu"))
+    x = b.leaf(torch.randn(3, 4))
+
+    def whole(x):
+        t = torch.empty(3, 4)
+        t[:] = x
+        return t * 2
+
+    def garbage(x):
+        t = torch.empty(3, 4)
+        return t * 1.5 + x, x  # the allocation itself used
+
+    (v,) = b.step(whole, [x], "whole({args})")
+    assert torch.equal(b.value(v), b.value(x) * 2)
+    with pytest.raises(_Invalid, match="never wrote"):
+        b.step(garbage, [x], "garbage({args})")
+
+
+def test_known_inductor_bugs_name_only_their_mismatch():
+    from fusepass.testing.differential.stats import known_inductor_bug
+
+    promoted = "v5 step (dequant_matmul/dequant_fp32_bias[float16](v2, v3, a8, v4)): float32[2, 3, 24] vs float16[2, 3, 24]"
+    assert known_inductor_bug(promoted)
+    assert not known_inductor_bug(promoted.replace("dequant_fp32_bias", "dequant_fp32"))  # no bias: not that bug
+    assert not known_inductor_bug(promoted.replace("float32[2, 3, 24] vs", "float16[2, 3, 24] vs"))
+    assert not known_inductor_bug("v5 step (dequant_matmul/dequant_fp32_bias[float16](v2)): max abs error 0.5")
+    # ...and the bug is Inductor's: plain Inductor promotes where eager does not
+    x = torch.randn(3, 2, 16, dtype=torch.float16).transpose(0, 1)
+    w, bias = torch.randn(24, 16, dtype=torch.float16), torch.randn(24)
+    assert torch.nn.functional.linear(x, w, bias).dtype == torch.float16
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, b: torch.nn.functional.linear(x, w, b), backend="inductor", fullgraph=True)
+    assert compiled(x, w, bias).dtype == torch.float32, "Inductor fixed: drop its KNOWN_INDUCTOR_BUGS entry"
+
+
+def test_end_to_end_allows_what_upstream_differences_become():
+    """fp32: a value downstream of an allowed difference is held to the table
+    plus eager's own move when fed the compiled upstream value (the replay);
+    a difference beyond that still fails."""
+    from fusepass.testing.differential.check import _compare
+
+    eager = torch.tensor([1000.0, -3.0, 2.0])
+    replay = eager * (1 + 4e-5)  # eager's step on an upstream value 4e-5 off
+    assert _compare(replay, eager, torch.float32, end_to_end=True)  # beyond rtol 1e-5 on its own
+    assert _compare(replay, eager, torch.float32, end_to_end=True, slack=replay) is None
+    wrong = replay.clone()
+    wrong[1] = -3.1
+    assert "max abs error" in _compare(wrong, eager, torch.float32, end_to_end=True, slack=replay)
+
+
+def test_a_scale_after_the_sum_scales_the_roundoff_floor():
+    """A matmul's summation-order floor follows its result through views and
+    adds, and grows by the other factor of a multiply after it (a per-channel
+    scale in the thousands: an upstream linear's output used as the scale)."""
+    from fusepass.testing.differential.build import _Dtypes
+
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 3, 128), torch.randn(128, 24)
+    scale = torch.full((24,), 3000.0)
+    sums = (a.double().abs().reshape(6, 128) @ b.double().abs()).max().item()
+    with _Dtypes() as plain:
+        (a @ b) + 1.0
+    with _Dtypes() as scaled:
+        (a @ b) * scale
+    assert plain.terms == pytest.approx(sums)
+    assert scaled.terms == pytest.approx(3000 * sums)
+
+
 def test_a_wrong_op_is_caught():
     """The oracle has teeth: an RMSNorm op that forgets the (1 + w) offset fails
     the zero-centred block, and only it."""

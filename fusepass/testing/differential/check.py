@@ -36,13 +36,21 @@ class Outcome:
 
 
 def _compare(actual: torch.Tensor, expected: torch.Tensor, precision: torch.dtype, scale: float = 1.0,
-             floor: float = 0.0, nonfinite_in: bool = False, end_to_end: bool = False) -> str | None:
+             floor: float = 0.0, nonfinite_in: bool = False, end_to_end: bool = False,
+             slack: torch.Tensor | None = None) -> str | None:
     """``None`` if ``actual`` is ``expected`` within the table for ``precision``
     (atol scaled by ``scale``, see _mismatches, and at least ``floor``, see
-    _Dtypes), else what differs."""
+    _Dtypes; with ``slack``, each element also within |slack - expected|), else
+    what differs."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return f"{_tstr(actual)} vs {_tstr(expected)}"
     tol = tolerance(loosest([precision, expected.dtype], default=torch.float64))
+    if slack is not None and slack.shape == expected.shape and expected.dtype.is_floating_point:
+        # Elements within the replay's own distance from eager plus the table
+        # (the step check holds them to the table of the replay): taken as eager's.
+        e, a = expected.double(), actual.double()
+        allowed = (slack.double() - e).abs() + max(tol.atol, floor) + tol.rtol * e.abs()
+        actual = torch.where((a - e).abs() <= allowed, expected, actual)
     if expected.dtype.is_floating_point:
         # At the edge of the dtype's range one rounding more or less is the
         # difference between the largest finite value and an infinity (an fp16
@@ -185,10 +193,24 @@ def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
     where the fused op, which keeps the intermediate in fp32, gives the
     finite value: the step is then held to its own computation in fp64, and
     the values that depend on it are not compared end to end with eager.
+
+    End to end in fp32 and fp64, a value may also differ from eager by what
+    its upstream values' allowed differences become through it: an fp32
+    quantized linear's output within its summation floor (3.6e-5 relative,
+    K-term sums in another order), used as another linear's scale, moves that
+    linear's output by the same relative amount, 4e-5 against the table's
+    1e-5 (four programs of a 415-program run).  There each element may differ
+    by the table plus how far eager's own step moves when fed the compiled
+    upstream values (the replay); the step check holds the step itself to the
+    table.  Half precision keeps the magnitude allowance above instead: its
+    end-to-end check is what sees roundings biased the same way step after
+    step (the interpreter's truncating bf16 conversion, 2-3 ulps over three
+    roundings, each step within one).
     """
     found = []
     got = dict(zip(program.returned, out))
     env: dict[int, torch.Tensor] = {}
+    replay: dict[int, torch.Tensor] = {}  # each checked value as eager computes it from the compiled inputs
     overflowed: set[int] = set()
     nonfinite: set[int] = set()  # values computed, at some step, from non-finite inputs
     for step in program.steps:
@@ -218,6 +240,8 @@ def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
                     err = None
                 if err:
                     found.append(f"v{j} step ({step.text.split(' = ', 1)[1][:80]}): {err}")
+                elif isinstance(r, torch.Tensor):
+                    replay[j] = r
                 env[j] = got[j]
             else:
                 env[j] = r
@@ -227,6 +251,9 @@ def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
         half = program.precision[j] in (torch.float16, torch.bfloat16)
         err = _compare(got[j], program.eager[j], program.precision[j], program.scale[j] if half else 1.0,
                        program.floor[j], nonfinite_in=j in nonfinite, end_to_end=True)
+        if err and not half and j in replay:
+            err = _compare(got[j], program.eager[j], program.precision[j], 1.0, program.floor[j],
+                           nonfinite_in=j in nonfinite, end_to_end=True, slack=replay[j])
         if err:
             found.insert(0, f"v{j} end to end: {err}")
     return found
@@ -295,6 +322,12 @@ def run(program: Program, triton: bool | None = None) -> Outcome:
                 except Exception:  # noqa: BLE001
                     plain_found = []
                 same = {m.split(":")[0] for m in plain_found}
+                # A value whose own step plain Inductor gets wrong the same way is
+                # Inductor's end to end too: there its step's error compounds with
+                # the upstream values' allowed differences (an fp32 bmm fed an
+                # infinity, 2.75 off in both, times an upstream fp32 scale).
+                wrong_steps = {m.split(" ")[0] for m in plain_found if m.split(" ")[1:2] == ["step"]}
+                same |= {m.split(":")[0] for m in found if m.startswith(tuple(f"{v} end to end" for v in wrong_steps))}
                 inductor += [m for m in found if m.split(":")[0] in same]
                 failures += [m for m in found if m.split(":")[0] not in same]
             failures += _report_problems(program, report)
