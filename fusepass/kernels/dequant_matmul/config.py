@@ -110,6 +110,8 @@ def valid(cfg: Config, p: Problem) -> bool:
             return False
         if fmt == "int4":  # a thread's chunk of 16 bytes (fewer for G < 32) lies inside one group
             return cfg.BK % G == 0 and (G % 32 == 0 or G in (2, 4, 8, 16))
+        if fmt.startswith("gptq4"):  # columns in whole zero-point words; tiles of four-word-row sub-tiles
+            return cfg.BN % 8 == 0 and cfg.BK % 32 == 0
         if fmt == "hqq4":  # whole chunks of up to 16 bytes (the group's largest power-of-two divisor)
             return cfg.BK % 16 == 0
         return True

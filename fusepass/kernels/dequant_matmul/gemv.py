@@ -1,9 +1,11 @@
 """The GEMV kernel: one to a few rows of x against a weight stream.
 
-fusepass's own layouts (int4, int8, fp8) and HQQ's 4-bit have a loop of
-their own, reading each stored byte once with wide loads (``_hqq_gemv``: the
-two nibbles of a byte are two output rows).  The other libraries' layouts and
-an HQQ weight of odd N go value by value (``tiles._library_tile``)."""
+fusepass's own layouts (int4, int8, fp8) and two of the libraries' have a loop
+of their own, reading each stored byte once with wide loads: HQQ's 4-bit
+(``_hqq_gemv``: the two nibbles of a byte are two output rows) and GPTQ's
+(``_gptq_gemv``: words of eight codes along K, read across N).  The
+code-book layouts (nf4, fp4) and an HQQ weight of odd N go value by value
+(``tiles._library_tile``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from fusepass.kernels.dequant_matmul.tiles import (
     _library_tile,
     _nibbles_128,
     _pair_to_f32,
+    _word_128,
 )
 
 
@@ -97,6 +100,230 @@ def _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_
 
 
 @triton.jit
+def _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, row, stride_x2m, o_kw, m_k, DT: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """sum_j b_j x[row, 8 o_kw + j] for the eight codes b_j ([SUB, BNW, 8]) of the word
+    rows o_kw ([SUB]): x's eight values of a word row read as four pairs (x2)."""
+    p_x = x2 + row * stride_x2m + 4 * o_kw
+    if EVEN_K:
+        b_x01, b_x23, b_x45, b_x67 = tl.load(p_x), tl.load(p_x + 1), tl.load(p_x + 2), tl.load(p_x + 3)
+    else:
+        b_x01 = tl.load(p_x, mask=m_k, other=0)
+        b_x23 = tl.load(p_x + 1, mask=m_k, other=0)
+        b_x45 = tl.load(p_x + 2, mask=m_k, other=0)
+        b_x67 = tl.load(p_x + 3, mask=m_k, other=0)
+    # one FMUL, then a chain of FMAs (a sum of pair products costs an FADD per pair more)
+    b_xa, b_xb = _pair_to_f32(b_x01, DT)
+    b_d = b_0 * b_xa[:, None, None]
+    b_d += b_1 * b_xb[:, None, None]
+    b_xa, b_xb = _pair_to_f32(b_x23, DT)
+    b_d += b_2 * b_xa[:, None, None]
+    b_d += b_3 * b_xb[:, None, None]
+    b_xa, b_xb = _pair_to_f32(b_x45, DT)
+    b_d += b_4 * b_xa[:, None, None]
+    b_d += b_5 * b_xb[:, None, None]
+    b_xa, b_xb = _pair_to_f32(b_x67, DT)
+    b_d += b_6 * b_xa[:, None, None]
+    b_d += b_7 * b_xb[:, None, None]
+    return b_d
+
+
+@triton.jit
+def _gptq_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, b_s,
+               x2, M, stride_x2m, o_kw, m_k, DT: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
+               BM: tl.constexpr):
+    # One sum per row of x, each its own tensor: a [BM, SUB, BNW, 8] sum
+    # updated with a where per row took a layout conversion through shared
+    # memory per sub-tile (Triton's 4-D default layout is not the 3-D tile's
+    # with a row added; sm_90: 16 barriers per tile at M = 1).  Rows past M
+    # read row M - 1 (never stored).
+    b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, 0, stride_x2m, o_kw, m_k, DT, EVEN_K)
+    acc0 += b_d * b_s if SCALED else b_d
+    if BM > 1:
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(1, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc1 += b_d * b_s if SCALED else b_d
+    if BM > 2:
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(2, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc2 += b_d * b_s if SCALED else b_d
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(3, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc3 += b_d * b_s if SCALED else b_d
+    if BM > 4:
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(4, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc4 += b_d * b_s if SCALED else b_d
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(5, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc5 += b_d * b_s if SCALED else b_d
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(6, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc6 += b_d * b_s if SCALED else b_d
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(7, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc7 += b_d * b_s if SCALED else b_d
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _gptq_code(b_wd, j: tl.constexpr, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+               stride_sn, V1: tl.constexpr, EVEN_K: tl.constexpr):
+    """(q - z) s of code j of the words b_wd [SUB, BNW, 8], each k's own group (g_idx)."""
+    if EVEN_K:
+        b_g = tl.load(g_idx + 8 * o_kw + j)
+    else:
+        b_g = tl.load(g_idx + 8 * o_kw + j, mask=m_k, other=0)
+    b_s = tl.load(scale + b_g[:, None, None] * stride_sn + o_n[None, :, :], mask=m_n[None, :, :], other=0)
+    b_zw = tl.load(zero + b_g[:, None] * NZW + o_w[None, :], mask=m_w[None, :], other=0)  # [SUB, BNW]
+    b_z = (b_zw[:, :, None] >> b_sh[None, None, :]) & 0xF
+    b_q = (b_wd >> tl.load(shifts + j)) & 0xF
+    # q - z as fp32 without a conversion: 2**23 + 16 + q - z is a float's bits
+    # (16 + q - z in [1, 31]); 2**23 + 16 (+ 1: v1's zero points are stored
+    # minus one) comes off in one FADD.
+    OFF: tl.constexpr = 8388625.0 if V1 else 8388624.0
+    return (((b_q | 0x4B000010) - b_z).to(tl.float32, bitcast=True) - OFF) * b_s.to(tl.float32)
+
+
+@triton.jit
+def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT,
+               stride_xm, stride_x2m, stride_wn, stride_sn, V1: tl.constexpr, HAS_BIAS: tl.constexpr,
+               PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # GPTQ: int32 words [K / 8, N], word (i, n) the codes of k = 8i .. 8i + 7 of
+    # column n.  Program (i_n, i_s) owns BN columns, as [BNW, 8] (the columns of
+    # BNW zero-point words), over a slice of K read in sub-tiles of SUB word
+    # rows: [SUB, BNW, 8] words, one row per warp at four warps and 128
+    # columns, each thread four adjacent words (one 16-byte load, coalesced
+    # along N).  The sums stay per sub-tile row and are added across the
+    # warps once, at the end.
+    #
+    # Two loops.  Where each word's eight codes share a group (GPTQ without
+    # act-order: g_idx[k] = k // G, any G that is a multiple of 8) and the
+    # codes sit at GPTQ's own bit offsets (shifts 0, 4, ..., 28), a word row
+    # has one scale row and one zero-point word: the codes become 128 + q by
+    # _word_128 (one PRMT per value on the GPU), minus 128 + z in one FADD,
+    # one FMA with x, and the scale goes on the word's sum.  Anything else
+    # (act-order: a group per k) takes each code's group from g_idx, its
+    # scale and zero point with it, and reads the codes at the offsets the
+    # layer's table gives.  Which loop runs is decided here, per program, from
+    # the g_idx of its slice and the table: the host cannot look at them
+    # without a sync.
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    SUB: tl.constexpr = 4
+    RW: tl.constexpr = BK // (8 * SUB)  # sub-tiles per tile
+    BNW: tl.constexpr = BN // 8
+    DT: tl.constexpr = x.dtype.element_ty
+    NZW = (N + 7) // 8  # zero-point words per group
+    o_s = tl.arange(0, SUB)
+    o_e = tl.arange(0, 8)
+    o_w = i_n * BNW + tl.arange(0, BNW)
+    o_n = o_w[:, None] * 8 + o_e[None, :]  # [BNW, 8]: column 8 w + e, zero point e of word w
+    m_n = o_n < N
+    m_w = o_w < NZW
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+
+    # The check waits for the slice's g_idx before any weight is read: in
+    # blocks of 2048 (16 per thread at four warps), one round trip for every
+    # slice of the Llama-3-8B shapes' plans.
+    CB: tl.constexpr = 2048 if BK < 2048 else BK
+    o_kk = tl.arange(0, CB)
+    b_bad = tl.zeros([CB], dtype=tl.int32)
+    for k0 in range(k_lo, k_hi, CB):
+        m_kk = k0 + o_kk < k_hi
+        b_g = tl.load(g_idx + k0 + o_kk, mask=m_kk, other=0)
+        b_g0 = tl.load(g_idx + k0 + (o_kk // 8) * 8, mask=m_kk, other=0)
+        b_bad |= (b_g != b_g0).to(tl.int32)
+    b_sh = tl.load(shifts + o_e)  # [8]: the bit offset of code e in a word (zero points too)
+    grouped = (tl.max(b_bad, axis=0) == 0) & (tl.max((b_sh != 4 * o_e).to(tl.int32), axis=0) == 0)
+
+    acc0 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc1 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc2 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc3 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc4 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc5 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc6 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc7 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    if grouped:
+        for k0 in range(k_lo, k_hi, BK):
+            for t in tl.static_range(RW):
+                o_kw = k0 // 8 + t * SUB + o_s  # [SUB] word rows
+                m_k = 8 * o_kw < k_hi
+                p_wd = w + o_kw.to(tl.int64)[:, None, None] * stride_wn + o_n[None, :, :]
+                if EVEN_K:
+                    b_wd = tl.load(p_wd, mask=m_n[None, :, :], other=0)
+                    b_g = tl.load(g_idx + 8 * o_kw)
+                else:
+                    b_wd = tl.load(p_wd, mask=m_k[:, None, None] & m_n[None, :, :], other=0)
+                    b_g = tl.load(g_idx + 8 * o_kw, mask=m_k, other=0)
+                b_s = tl.load(scale + b_g[:, None, None] * stride_sn + o_n[None, :, :], mask=m_n[None, :, :],
+                              other=0).to(tl.float32)
+                b_zw = tl.load(zero + b_g[:, None] * NZW + o_w[None, :], mask=m_w[None, :], other=0)  # [SUB, BNW]
+                # 128 + z: the zero point placed in 128.0's mantissa, as the codes are
+                b_c = ((((b_zw[:, :, None] >> b_sh[None, None, :]) & 0xF) << 16) | 0x43000000).to(
+                    tl.float32, bitcast=True)
+                if V1:
+                    b_c += 1.0
+                b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7 = _word_128(b_wd, ASM)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gptq_rows(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, b_0 - b_c, b_1 - b_c, b_2 - b_c, b_3 - b_c,
+                    b_4 - b_c, b_5 - b_c, b_6 - b_c, b_7 - b_c, b_s, x2, M, stride_x2m, o_kw, m_k, DT, EVEN_K,
+                    True, BM)
+    else:
+        # Two sub-tiles per iteration, not a tile's RW: each code's scale and
+        # zero-point loads are live together, and eight sub-tiles' took more
+        # than 255 registers (sm_90, BN 128).
+        RA: tl.constexpr = 2 if RW >= 2 else 1
+        for k0 in range(k_lo, k_hi, 8 * SUB * RA):
+            for t in tl.static_range(RA):
+                o_kw = k0 // 8 + t * SUB + o_s
+                m_k = 8 * o_kw < k_hi
+                p_wd = w + o_kw.to(tl.int64)[:, None, None] * stride_wn + o_n[None, :, :]
+                if EVEN_K:
+                    b_wd = tl.load(p_wd, mask=m_n[None, :, :], other=0)
+                else:
+                    b_wd = tl.load(p_wd, mask=m_k[:, None, None] & m_n[None, :, :], other=0)
+                b_0 = _gptq_code(b_wd, 0, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_1 = _gptq_code(b_wd, 1, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_2 = _gptq_code(b_wd, 2, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_3 = _gptq_code(b_wd, 3, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_4 = _gptq_code(b_wd, 4, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_5 = _gptq_code(b_wd, 5, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_6 = _gptq_code(b_wd, 6, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_7 = _gptq_code(b_wd, 7, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gptq_rows(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, b_0,
+                    x2, M, stride_x2m, o_kw, m_k, DT, EVEN_K, False, BM)
+
+    # [BM, BNW, 8]: the rows' sums added over the sub-tile rows (across the warps), once
+    o_m = tl.arange(0, BM)[:, None, None]
+    acc = tl.where(o_m == 0, tl.sum(acc0, axis=0)[None, :, :], 0.0)
+    if BM > 1:
+        acc += tl.where(o_m == 1, tl.sum(acc1, axis=0)[None, :, :], 0.0)
+    if BM > 2:
+        acc += tl.where(o_m == 2, tl.sum(acc2, axis=0)[None, :, :], 0.0)
+        acc += tl.where(o_m == 3, tl.sum(acc3, axis=0)[None, :, :], 0.0)
+    if BM > 4:
+        acc += tl.where(o_m == 4, tl.sum(acc4, axis=0)[None, :, :], 0.0)
+        acc += tl.where(o_m == 5, tl.sum(acc5, axis=0)[None, :, :], 0.0)
+        acc += tl.where(o_m == 6, tl.sum(acc6, axis=0)[None, :, :], 0.0)
+        acc += tl.where(o_m == 7, tl.sum(acc7, axis=0)[None, :, :], 0.0)
+    m_o = (o_m < M) & m_n[None, :, :]
+    _finish(acc, out, part, bias + o_n[None, :, :], m_n[None, :, :], ctr + i_n, o_m * N + o_n[None, :, :], m_o,
+            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+
+
+@triton.jit
 def _dequant_gemv_kernel(
     x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
     M, N, K, K_SPLIT,
@@ -106,13 +333,17 @@ def _dequant_gemv_kernel(
     PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT)
-    # (HQQ: BN pairs of rows).
+    # (HQQ: BN pairs of rows; GPTQ: BN columns of its [K, N] words).
     # EVEN_K: the slices cover K exactly and BK divides K_SPLIT, so no load along K
     # is masked and the loads stay 16-byte vectors.  PAIRS: an HQQ weight of even N
     # (_hqq_gemv); HQQ of odd N has no such pairs of rows and goes value by value.
     if FMT == "hqq4" and PAIRS:
         _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm, stride_sn, G, HAS_BIAS,
                   PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)
+    elif FMT == "gptq4" or FMT == "gptq4_v1":
+        _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm,
+                   stride_x2m, stride_wn, stride_sn, FMT == "gptq4_v1", HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM,
+                   BM, BN, BK)
     else:
         i_n, i_s = tl.program_id(0), tl.program_id(1)
         o_n = i_n * BN + tl.arange(0, BN)

@@ -85,10 +85,12 @@ def gemv_asm(fmt: str, G: int, N: int, cfg: Config) -> bool:
     needs 4-byte chunks within a group (G >= 8); HQQ's pairs, chunks of 16 bytes
     (G a multiple of 16) and a tile deep enough that each thread holds a whole
     chunk (BK >= 16 bytes x 32 x warps: fewer, and Triton gives a thread single
-    bytes)."""
+    bytes).  GPTQ's words convert one at a time."""
     if fmt == "int4":
         return G >= 8
-    return hqq_pairs(fmt, N) and G % 16 == 0 and cfg.BK >= 512 * cfg.warps
+    if hqq_pairs(fmt, N):
+        return G % 16 == 0 and cfg.BK >= 512 * cfg.warps
+    return fmt.startswith("gptq4")
 
 
 def splits(cfg: Config, K: int) -> int:
@@ -131,13 +133,13 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
     outputs = ("out",) + (("part",) if split > 1 else ()) + (("ctr",) if ctr is not None else ())
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda
     if cfg.kind == "gemv":
-        # int4 reads x as value pairs.  HQQ's pairs of rows read the bytes flat,
-        # n K + k (a strided W_q, which the rule refuses, is copied).
+        # int4 and GPTQ read x as value pairs.  HQQ's pairs of rows read the bytes
+        # flat, n K + k (a strided W_q, which the rule refuses, is copied).
         pairs = hqq_pairs(fmt, N)
         if pairs and not w.is_contiguous():
             w = w.contiguous()
             args.update(w=w, stride_wn=w.stride(0))
-        xp = _pairs(x) if fmt == "int4" else x
+        xp = _pairs(x) if fmt == "int4" or fmt.startswith("gptq4") else x
         asm = x.is_cuda and not interpreting() and gemv_asm(fmt, G, N, cfg)
         return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if pairs else N, cfg.BN), split),
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "BM": _pow2(M), "ASM": asm,
