@@ -4,7 +4,8 @@
         python benchmarks/memcheck.py [--ops gdn,moe,library] [--quick] [--isolate]
 
 Groups: norms, dequant_matmul (int8 / int4 / fp8), library (nf4, fp4, gptq4
-with an act-order g_idx, gptq4_v1, hqq4), gdn, conv, moe (router and experts
+with an act-order g_idx and, at GEMV sizes, g_idx = k // G too, gptq4_v1,
+hqq4), gdn, conv, moe (router and experts
 at Qwen3-30B-A3B's, gpt-oss-20b's and DeepSeek-V3's sizes, quantized expert
 stacks) and all_reduce (``all_reduce_rms_norm`` on a one-rank process group:
 NCCL for the CUDA tensors, gloo for the CPU copies).  Besides each op's own
@@ -235,11 +236,12 @@ def conv_cases(quick: bool):
                (x, state, w, None, "silu"), 2e-2)
 
 
-def _library_inputs(fmt, M, N, K, dtype, seed=0):
+def _library_inputs(fmt, M, N, K, dtype, seed=0, **kw):
     """(x, weight, scale, zero, g_idx, group) in ``fmt``'s stored layout with random codes, on DEVICE."""
     from fusepass.testing.library_layouts import library_inputs
 
-    return tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in library_inputs(fmt, M, N, K, dtype, seed))
+    return tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+                 for t in library_inputs(fmt, M, N, K, dtype, seed, **kw))
 
 
 def _library_path(cfg, N):
@@ -274,6 +276,10 @@ def library_cases(quick: bool):
             b = _randn(N) if M == 3 else None
             yield (f"dequant_matmul {fmt} g{group} M{M} N{N} K{K}", ops.dequant_matmul,
                    (x, w, s, z, b, fmt, group, g), 2e-2)
+            if fmt.startswith("gptq4") and M < 16:  # g_idx = k // G: the GEMV's other loop (one group per word)
+                x, w, s, z, g, group = _library_inputs(fmt, M, N, K, torch.bfloat16, seed=M, act_order=False)
+                yield (f"dequant_matmul {fmt} g{group} grouped M{M} N{N} K{K}", ops.dequant_matmul,
+                       (x, w, s, z, b, fmt, group, g), 2e-2)
     # The op's plan takes one path per (M, N, K): each of the others once (the
     # real-size configs of tests/test_dequant_matmul_kernels.py's GPU test).
     paths = {"gemv": dm.Config("gemv", BN=8, BK=256, split=1), "gemv-splitk": dm.Config("gemv", BN=16, BK=256, split=4),

@@ -110,25 +110,28 @@ def histogram(instrs, lo=0, hi=None) -> collections.Counter:
 
 def compile_config(fmt, group, M, N, K, dtype, cfg, x_dtype=None):
     """The compiled kernel (Triton CompiledKernel) of one config, built by the op's own launcher."""
+    from fusepass.formats import LIBRARY_FORMATS
     from fusepass.kernels.dequant_matmul import launch
 
     compiled = []
     real_run = launch._run
+    # Compile as the GPU would run it: the inline-PTX code conversions where the GPU takes them
+    # (launch.gemv_asm for the GEMV), tensor-core dots in 16 bit.
+    asm = launch.gemv_asm(fmt, group, N, cfg) if cfg.kind == "gemv" else fmt == "int4" and group >= 8
 
     def capture(*a, **kw):
-        # Compile as the GPU would run it: the inline-PTX nibble path on, tensor-core dots in 16 bit.
         if isinstance(a[0], triton.runtime.jit.JITFunction):  # _run(kernel, grid, warmup, *args, **meta)
             kernel, grid, _, *args = a
             meta = dict(kw)
             if "ASM" in meta:
-                meta["ASM"] = fmt == "int4" and group >= 8
+                meta["ASM"] = asm
             if "DOT_F32" in meta:
                 meta["DOT_F32"] = dtype == torch.float32
             compiled.append(kernel.warmup(*args, grid=grid, **meta))
         else:  # a Launch
             lch = a[0]
             if "ASM" in lch.args:
-                lch.args["ASM"] = fmt == "int4" and group >= 8
+                lch.args["ASM"] = asm
             if "DOT_F32" in lch.args:
                 lch.args["DOT_F32"] = dtype == torch.float32
             compiled.append(lch.kernel.warmup(**lch.args, grid=lch.grid, **lch._meta()))
@@ -140,7 +143,12 @@ def compile_config(fmt, group, M, N, K, dtype, cfg, x_dtype=None):
         pass
     try:
         x = torch.randn(M, K, dtype=dtype)
-        if fmt == "int4":
+        g_idx = None
+        if fmt in LIBRARY_FORMATS:  # (the GPTQ loop is chosen at run time from g_idx: both compile)
+            from fusepass.testing.library_layouts import library_inputs
+
+            x, w, s, z, g_idx, _ = library_inputs(fmt, M, N, K, dtype, group=group)
+        elif fmt == "int4":
             w = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
             s = torch.rand(N, K // group, dtype=dtype)
             z = torch.rand(N, K // group, dtype=dtype)
@@ -149,7 +157,8 @@ def compile_config(fmt, group, M, N, K, dtype, cfg, x_dtype=None):
             s = torch.rand(N, dtype=dtype)
             z = None
         out = torch.empty(M, N, dtype=dtype)
-        launch._launch(x, w, s, z, None, out, fmt, group, cfg, warmup=True, sum_here=True)
+        launch._launch(x, w, s, z, None, out, fmt, group if fmt != "gptq4" and fmt != "gptq4_v1" else 0, cfg,
+                       warmup=True, sum_here=True, g_idx=g_idx)
     finally:
         launch._run = real_run
     return compiled

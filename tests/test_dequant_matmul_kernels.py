@@ -22,7 +22,7 @@ import torch
 from fusepass.kernels import dequant_matmul as dm
 from fusepass.kernels.dequant_matmul import counters, launch, op, plans, tuner
 from fusepass.kernels.dequant_matmul.config import Problem, m_bucket, valid
-from fusepass.kernels._common import TOLERANCES
+from fusepass.kernels._common import TOLERANCES, interpreting
 from fusepass.testing.library_layouts import library_inputs
 from fusepass.testing import differential
 
@@ -685,6 +685,161 @@ def test_library_op_cuda_body_under_interpreter(fmt):
         out = torch.ops.fusepass.dequant_matmul(x.view(1, 5, 128), w, s, z, None, fmt, group, g)
     ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
     torch.testing.assert_close(out.view(5, 24), ref, atol=1.6e-2, rtol=1.6e-2)
+
+
+# -- the GEMV loops of HQQ's and GPTQ's layouts (gemv._hqq_gemv, _gptq_gemv) ----------------
+
+GPTQ_SHIFTS = torch.tensor([4, 0, 12, 8, 20, 16, 28, 24], dtype=torch.int32)  # not GPTQ's own table: the general loop
+# id -> (fmt, N, K, group, act_order, shifts, config, M, dtype)
+LIB_GEMV_CASES = {
+    # HQQ, N even: rows n and n + N / 2 share bytes.  N = 22: 11 pairs, not whole blocks of BN.
+    "hqq4-g32-M1-bf16": ("hqq4", 22, 128, 32, False, None, dm.Config("gemv", BN=8, BK=64), 1, torch.bfloat16),
+    "hqq4-g32-M3-fp16-splitk": ("hqq4", 22, 128, 32, False, None, dm.Config("gemv", BN=4, BK=32, split=2), 3,
+                                torch.float16),
+    "hqq4-g64-M2-fp32-splitk": ("hqq4", 22, 256, 64, False, None, dm.Config("gemv", BN=2, BK=128, split=2), 2,
+                                torch.float32),
+    "hqq4-g8-M4-bf16": ("hqq4", 22, 64, 8, False, None, dm.Config("gemv", BN=4, BK=32), 4, torch.bfloat16),
+    "hqq4-g32-N21-M2-bf16": ("hqq4", 21, 128, 32, False, None, dm.Config("gemv", BN=8, BK=64), 2,  # value by value
+                             torch.bfloat16),
+    # GPTQ: N = 20, not whole zero-point words; K = 96, not whole tiles of 64.
+    "gptq4-g32-M1-bf16-splitk": ("gptq4", 20, 96, 32, False, None, dm.Config("gemv", BN=16, BK=32, split=2), 1,
+                                 torch.bfloat16),
+    "gptq4-g32-M3-fp16": ("gptq4", 20, 96, 32, False, None, dm.Config("gemv", BN=8, BK=64), 3, torch.float16),
+    "gptq4-g8-M2-fp32": ("gptq4", 20, 64, 8, False, None, dm.Config("gemv", BN=32, BK=32), 2, torch.float32),
+    "gptq4-act-M1-fp16": ("gptq4", 20, 96, 32, True, None, dm.Config("gemv", BN=16, BK=64), 1, torch.float16),
+    "gptq4-act-M4-bf16-splitk": ("gptq4", 20, 128, 32, True, None, dm.Config("gemv", BN=16, BK=64, split=2), 4,
+                                 torch.bfloat16),
+    "gptq4-shifts-M2-fp32": ("gptq4", 20, 64, 32, False, GPTQ_SHIFTS, dm.Config("gemv", BN=16, BK=32), 2,
+                             torch.float32),
+    "gptq4_v1-g32-M2-bf16": ("gptq4_v1", 20, 96, 32, False, None, dm.Config("gemv", BN=16, BK=32, split=2), 2,
+                             torch.bfloat16),
+    "gptq4_v1-act-M3-fp32": ("gptq4_v1", 20, 64, 32, True, None, dm.Config("gemv", BN=8, BK=32), 3, torch.float32),
+}
+
+
+def _lib_gemv(case, seed=0, inf=False):
+    fmt, N, K, group, act_order, shifts, cfg, M, dtype = LIB_GEMV_CASES[case]
+    x, w, s, z, g, group = library_inputs(fmt, M, N, K, dtype, seed=seed, group=group, act_order=act_order)
+    if inf:
+        x[0, 5] = float("inf")
+        x[M - 1, K - 3] = float("-inf")
+    b = torch.randn(N).to(dtype) if M % 2 else None
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    launch._launch(x, w, s, z, b, out, fmt, group if fmt == "hqq4" else 0, cfg, g_idx=g, shifts=shifts)
+    ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group, g_idx=g, shifts=shifts)
+    return out, ref
+
+
+@pytest.mark.parametrize("case", list(LIB_GEMV_CASES))
+def test_library_gemv_loops_match_reference(case):
+    """HQQ's pairs of rows and GPTQ's word loops (grouped words and per-code
+    groups: act-order, or a shift table that is not GPTQ's) against the fp32
+    reference, NaN-poisoned outputs and split-K workspace."""
+    out, ref = _lib_gemv(case, seed=len(case))
+    assert torch.isfinite(out).all(), "unwritten (NaN) outputs"
+    tol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("case", ["hqq4-g32-M3-fp16-splitk", "gptq4-g32-M3-fp16", "gptq4_v1-act-M3-fp32"])
+def test_library_gemv_non_finite_activation_like_the_dequantised_matmul(case):
+    # The zero point is subtracted from each code, not folded out of the sum (inf - inf = NaN).
+    out, ref = _lib_gemv(case, inf=True)
+    assert torch.isinf(ref).any()
+    tol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out, ref, equal_nan=True, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.skipif(not interpreting(), reason="counts helper calls of the interpreted kernel")
+def test_gptq_gemv_takes_the_word_loop_where_each_word_has_one_group(monkeypatch):
+    """The word loop (one scale row per word row, codes by _word_128) runs where
+    g_idx gives each word's eight codes one group and the shifts are GPTQ's own;
+    act-order and another shift table take the per-code loop."""
+    from fusepass.kernels.dequant_matmul import gemv
+
+    calls = []
+    real = gemv._word_128
+    monkeypatch.setattr(gemv, "_word_128", lambda *a: calls.append(1) or real(*a))
+    for case, words in (("gptq4-g32-M3-fp16", True), ("gptq4-g8-M2-fp32", True), ("gptq4-act-M1-fp16", False),
+                        ("gptq4-shifts-M2-fp32", False)):
+        calls.clear()
+        _lib_gemv(case)
+        assert bool(calls) == words, case
+
+
+def test_gptq_gemv_checks_every_word_of_its_slice(monkeypatch):
+    """Groups k // 32, but two codes beyond the check's first block of 2048 trade
+    groups: their words have two groups each, and the program takes the
+    per-code loop (the word loop would give them one)."""
+    from fusepass.kernels.dequant_matmul import gemv
+
+    calls = []
+    real = gemv._word_128
+    monkeypatch.setattr(gemv, "_word_128", lambda *a: calls.append(1) or real(*a))
+    x, w, s, z, g, _ = library_inputs("gptq4", 1, 8, 2112, torch.float32, act_order=False)
+    g[2060], g[2100] = g[2100].item(), g[2060].item()
+    out = torch.full((1, 8), float("nan"))
+    launch._launch(x, w, s, z, None, out, "gptq4", 0, dm.Config("gemv", BN=8, BK=64), g_idx=g)
+    ref = dm.dequant_matmul_reference(x, w, s, z, None, "gptq4", 32, g_idx=g)
+    torch.testing.assert_close(out, ref, atol=TOLERANCES[torch.float32].atol, rtol=TOLERANCES[torch.float32].rtol)
+    assert not calls or not interpreting()
+
+
+def test_library_gemv_plans():
+    """The GEMV range of HQQ (even N) and GPTQ plans their own loops: HQQ a
+    16-byte chunk per thread and pair, GPTQ 128 columns; odd N, nf4 and more rows
+    take the paths that read value by value."""
+    for M in (1, 2, 5, 8):
+        for N, K in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (22, 128)):
+            p = _problem(M, N, K, "hqq4", 0, torch.bfloat16)
+            cfg = plans.heuristic(p)
+            assert valid(cfg, p) and cfg.kind == "gemv" and cfg.BK == 512 * cfg.warps, (M, N, K, cfg)
+            assert launch.gemv_asm("hqq4", 64, N, cfg)
+            for fmt in ("gptq4", "gptq4_v1"):
+                p = _problem(M, N, K, fmt, 0, torch.float16)
+                cfg = plans.heuristic(p)
+                assert valid(cfg, p) and cfg.kind == "gemv" and cfg.BN == 128, (M, N, K, cfg)
+    p = _problem(1, 4097, 4096, "hqq4", 0, torch.bfloat16)
+    assert plans.heuristic(p).BK == 256 and not launch.hqq_pairs("hqq4", 4097)
+    assert not launch.gemv_asm("hqq4", 64, 4096, dm.Config("gemv", BN=8, BK=256))  # a thread's chunk is not whole
+    assert plans.heuristic(_problem(9, 4096, 4096, "gptq4", 0, torch.bfloat16)).kind == "mm"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,group,act_order", [("hqq4", 64, False), ("hqq4", 32, False), ("gptq4", 128, False),
+                                                 ("gptq4", 128, True), ("gptq4_v1", 32, False)])
+def test_gpu_library_gemv_loops(fmt, group, act_order):
+    """HQQ's and GPTQ's GEMV loops on the GPU, with the inline-PTX conversions the
+    interpreter never runs: the op's plan at M = 1-8 against the reference, with
+    infinite activations, and the op at M = 1 in a CUDA graph."""
+    N, K = 4096, 4096
+    G = group if fmt == "hqq4" else 0
+    for M, dtype in ((1, torch.bfloat16), (2, torch.float16), (5, torch.bfloat16), (8, torch.float32)):
+        x, w, s, z, g, _ = (t.cuda() if isinstance(t, torch.Tensor) else t
+                            for t in library_inputs(fmt, M, N, K, dtype, seed=M, group=group, act_order=act_order))
+        x[0, 5] = float("inf")
+        x[M - 1, 1001] = float("-inf")
+        cfg = plans.lookup(Problem.of(M, N, K, fmt, G, dtype, x.device))
+        assert cfg.kind == "gemv", cfg
+        out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+        launch._launch(x, w, s, z, None, out, fmt, G, cfg, g_idx=g)
+        ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
+        assert torch.isinf(ref).any()
+        tol = TOLERANCES[dtype]
+        torch.testing.assert_close(out, ref, equal_nan=True, atol=tol.atol, rtol=tol.rtol,
+                                   msg=lambda m: f"{cfg.label()} M{M}: {m}")
+    x, w, s, z, g, _ = (t.cuda() if isinstance(t, torch.Tensor) else t
+                        for t in library_inputs(fmt, 1, N, K, torch.bfloat16, group=group, act_order=act_order))
+    expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
+    ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
+    tol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(expected, ref, atol=tol.atol, rtol=tol.rtol)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.gpu

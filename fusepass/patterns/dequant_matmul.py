@@ -247,7 +247,9 @@ def check_activation(x: torch.Tensor) -> str | None:
 # --gpu-run, f817d0e): NF4 43.5 / 130.5 µs against bitsandbytes' own
 # kernel's 10.6 / 32.9; HQQ 47.6 against Inductor's 29.0 on HQQ's torch form
 # (M = 1); GPTQ act-order 66.3 against Inductor's 32.4.  Until the layouts
-# have loops of their own, graphs on CUDA keep the libraries' path.
+# have loops of their own, graphs on CUDA keep the libraries' path.  HQQ's
+# and GPTQ's have GEMV loops now (M <= 8, kernels.dequant_matmul.gemv), not
+# yet timed on a GPU: their refusals stay until a run shows them faster.
 _LIBRARY_ON_CUDA = {
     "nf4": "bitsandbytes' own kernel is faster (H100, 4096x4096: 10.6 against fusepass's 43.5 µs at M = 1)",
     "fp4": "bitsandbytes' own kernel is faster (H100, 4096x4096: 10.5 against fusepass's 42.8 µs at M = 1)",

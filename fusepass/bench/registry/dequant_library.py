@@ -27,6 +27,12 @@ fp32 dequantize-then-matmul reference before it is timed.
     python -m fusepass.bench.registry.dequant_library --cpu-smoke --out DIR # every path, tiny shapes
     fusepass bench --ops dequant_library [--quick]                          # the registry's suite
 
+Each fusepass row names the op's plan (``plan``): at M = 1 HQQ's and GPTQ's
+layouts run GEMV loops of their own (kernels.dequant_matmul.gemv, to M = 8:
+``--ms 1,2,4,8`` times that range), the code books the GEMV that reads value
+by value, M = 16 and 64 the tensor-core kernel.  The table ends with the
+HQQ and GPTQ times over fusepass's own int4 of the same weight.
+
 ``--gpu-run`` times each provider in a CUDA graph on cold weights (the
 weight and copies of it called in turn, ``tuner.cold_copies``: three L2s'
 worth, as a model's layers are read) and gives each row its weight-read
@@ -299,6 +305,16 @@ def time_us(fn, ops, x, device: str, rep_ms: float) -> tuple[float, int]:
     return time_graph(calls, rep_ms).median * 1e3 / len(ring), len(ring)
 
 
+def _plan(fmt: str, M: int, N: int, K: int, device: str) -> str:
+    """The op's plan for this row: "gemv" (HQQ's and GPTQ's own loops at M <= 8, value by value for
+    the code books), "tensor-core", "dequant+cublas"; "reference" off CUDA."""
+    from fusepass.kernels.dequant_matmul import dequant_matmul_plan
+
+    op_fmt = {"nf4-dq": "nf4", "gptq4-act": "gptq4"}.get(fmt, fmt)
+    group = 0 if op_fmt == "gptq4" else BLOCK
+    return dequant_matmul_plan(M, N, K, op_fmt, group, torch.bfloat16, device)
+
+
 def run(device: str, shapes, ms, formats, inductor: str, rep_ms: float, deadline: float, log) -> list[dict]:
     """Check then time every provider of every (shape, format, M); cuBLAS bf16 once per (shape, M)."""
     rows = []
@@ -332,6 +348,8 @@ def run(device: str, shapes, ms, formats, inductor: str, rep_ms: float, deadline
                         log(f"# out of time at {fmt} N{N} K{K} M{M} {name}")
                         break
                     row = {"fmt": fmt, "N": N, "K": K, "M": M, "provider": name, "bytes": wt.nbytes}
+                    if name == "fusepass":
+                        row["plan"] = _plan(fmt, M, N, K, device)
                     t1 = time.time()
                     try:
                         out = fn(x, *ops)
@@ -389,14 +407,16 @@ def table(rows: list[dict], bw: float) -> str:
     head = ["format", "NxK", "M", "floor µs", "fusepass µs", "% of floor", "bnb µs", "fp/bnb speed-up",
             "cuBLAS bf16 µs", "inductor µs", "hqq-torch / dq-expand µs"]
     text = tabulate(lines, headers=head)
-    # HQQ's layout against fusepass's own int4 of the same group (64): the op's time on each
-    cmp = []
-    for (fmt, N, K, M), v in by.items():
-        own = by.get(("int4", N, K, M), {}).get("fusepass")
-        if fmt == "hqq4" and isinstance(v.get("fusepass"), float) and isinstance(own, float):
-            cmp.append(f"{N}x{K} M{M} {v['fusepass'] / own:.2f}")
-    if cmp:
-        text += "\nhqq4 / int4-g64 fusepass time (<= 1: HQQ no slower): " + ", ".join(sorted(cmp))
+    # HQQ's and GPTQ's layouts against fusepass's own int4 (group 64; GPTQ's is 128, fewer
+    # scale bytes) of the same weight: the op's time on each
+    for lib in ("hqq4", "gptq4", "gptq4-act"):
+        cmp = []
+        for (fmt, N, K, M), v in by.items():
+            own = by.get(("int4", N, K, M), {}).get("fusepass")
+            if fmt == lib and isinstance(v.get("fusepass"), float) and isinstance(own, float):
+                cmp.append(f"{N}x{K} M{M} {v['fusepass'] / own:.2f}")
+        if cmp:
+            text += f"\n{lib} / int4-g64 fusepass time (<= 1: no slower): " + ", ".join(sorted(cmp))
     return text
 
 

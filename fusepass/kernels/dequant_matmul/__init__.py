@@ -17,10 +17,13 @@ Other libraries' layouts, read where they lie (``fusepass.formats``,
 ``LIBRARY_FORMATS``): bitsandbytes' NF4 / FP4 ("nf4", "fp4": a 16-entry code
 book times a per-block absmax), GPTQ's words packed along K on a [K, N]
 weight with ``g_idx`` and the layer's shift table (``g_idx``, ``shifts``:
-"gptq4", "gptq4_v1"), HQQ's halves packed along dim 0 ("hqq4").  They run
-through the GEMV, the ``mm`` tensor-core kernel and dequantise + cuBLAS,
-each value gathered from its layout (``tiles._library_tile``): correct for
-any shape, not yet tuned for speed (no ``mmt``, no plans measured).
+"gptq4", "gptq4_v1"), HQQ's halves packed along dim 0 ("hqq4").  At up to
+eight rows HQQ's (even N) and GPTQ's layouts have GEMV loops of their own,
+each stored byte read once with wide loads (``gemv._hqq_gemv``,
+``_gptq_gemv``); the rest (nf4 and fp4, HQQ of odd N, the ``mm``
+tensor-core kernel, dequantise + cuBLAS) gathers each value from its layout
+(``tiles._library_tile``): correct for any shape, not tuned for speed.  No
+library plan is measured yet (no ``mmt``, no shipped plans).
 
 The product accumulates in fp32 with the scale applied to the fp32 result
 (or to the dequantised tile), so it agrees within the dtype table with both

@@ -106,8 +106,15 @@ def valid(cfg: Config, p: Problem) -> bool:
     if cfg.kind == "cublas":
         return True
     if cfg.kind == "gemv":
-        # int4: a thread's chunk of 16 bytes (fewer for G < 32) lies inside one group
-        return M <= _GEMV_MAX_M and (fmt != "int4" or (cfg.BK % G == 0 and (G % 32 == 0 or G in (2, 4, 8, 16))))
+        if M > _GEMV_MAX_M:
+            return False
+        if fmt == "int4":  # a thread's chunk of 16 bytes (fewer for G < 32) lies inside one group
+            return cfg.BK % G == 0 and (G % 32 == 0 or G in (2, 4, 8, 16))
+        if fmt.startswith("gptq4"):  # columns in whole zero-point words; tiles of four-word-row sub-tiles
+            return cfg.BN % 8 == 0 and cfg.BK % 32 == 0
+        if fmt == "hqq4":  # whole chunks of up to 16 bytes (the group's largest power-of-two divisor)
+            return cfg.BK % 16 == 0
+        return True
     if cfg.kind == "mmt":  # 16-deep dots of 16-bit operands; int4 tiles within one group
         return (dtype != torch.float32 and cfg.BK >= 32 and cfg.BM >= 16 and (fmt != "int4" or G % cfg.BK == 0)
                 and fmt not in LIBRARY_FORMATS)  # (the library layouts have a gemv, mm and dequant path)

@@ -1,11 +1,326 @@
-"""The GEMV kernel: one to a few rows of x against a weight stream."""
+"""The GEMV kernel: one to a few rows of x against a weight stream.
+
+fusepass's own layouts (int4, int8, fp8) and two of the libraries' have a loop
+of their own, reading each stored byte once with wide loads: HQQ's 4-bit
+(``_hqq_gemv``: the two nibbles of a byte are two output rows) and GPTQ's
+(``_gptq_gemv``: words of eight codes along K, read across N).  The
+code-book layouts (nf4, fp4) and an HQQ weight of odd N go value by value
+(``tiles._library_tile``)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from fusepass.kernels.dequant_matmul.tiles import _finish, _int8_to_f32, _library_tile, _nibbles_128, _pair_to_f32
+from fusepass.kernels.dequant_matmul.tiles import (
+    _finish,
+    _int8_to_f32,
+    _library_tile,
+    _nibbles_128,
+    _pair_to_f32,
+    _word_128,
+)
+
+
+@triton.jit
+def _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm, stride_sn,
+              G: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr,
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # HQQ (axis=1, N even): group row r = n K / G + k // G, rows r < R / 2 in the
+    # high nibbles of the [R / 2, G] bytes, the others in the low ones; so with
+    # the bytes read flat (the launcher gives them contiguous), output row
+    # n < N / 2 has its K codes in the high nibbles of bytes [n K, +K) and row
+    # n + N / 2 in the low nibbles of the same bytes.  Program (i_n, i_s) owns
+    # the BN pairs of rows (i_n BN + r, i_n BN + r + N / 2): each byte is read
+    # once and both its nibbles used, the bytes per value of the int4 loop,
+    # which this one follows (chunks of VB bytes inside one group, one vector
+    # load, spread over the threads; the rows a static loop; the zero point
+    # subtracted from each value in one FADD, the scale on a chunk's sum).
+    # Here a byte pairs with one value of x, not two.
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    H = N // 2
+    VB: tl.constexpr = 16 if G % 16 == 0 else (8 if G % 8 == 0 else (4 if G % 4 == 0 else (2 if G % 2 == 0 else 1)))
+    NCH: tl.constexpr = BK // VB
+    o_c = tl.arange(0, NCH)
+    o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB]: the tile's k
+    o_m = tl.arange(0, BM)
+    o_r = tl.arange(0, 2 * BN)  # acc's columns: the BN rows of the high nibbles, then their partners
+    ZERO_F32: tl.constexpr = zero.dtype.element_ty == tl.float32
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc3 = tl.zeros([BM, 2 * BN, NCH], dtype=tl.float32)  # chunks last: spread over the threads
+    for k0 in range(k_lo, k_hi, BK):
+        kb = tl.multiple_of(k0, BK)  # k_lo and the step are whole tiles
+        o_k = kb + o_c * VB  # [NCH]: each chunk's first k
+        m_c = o_k < k_hi  # (a chunk never straddles the slice's end: K is whole groups)
+        o_g = o_k // G
+        if BM == 1:
+            if EVEN_K:
+                b_x = tl.load(x + kb + o_b).to(tl.float32)
+            else:
+                b_x = tl.load(x + kb + o_b, mask=m_c[:, None], other=0).to(tl.float32)
+        for r in tl.static_range(BN):
+            n = tl.minimum(i_n * BN + r, H - 1)  # pairs past N / 2 read the last one (never stored)
+            p_q = w + n.to(tl.int64) * K + kb + o_b
+            if EVEN_K:
+                b_q = tl.load(p_q)
+            else:
+                b_q = tl.load(p_q, mask=m_c[:, None], other=0)
+            p_hi = n * stride_sn + o_g  # [NCH]: row n's scale and zero point; row n + N / 2's below
+            p_lo = p_hi + H * stride_sn
+            b_s_hi = tl.load(scale + p_hi, mask=m_c, other=0).to(tl.float32)
+            b_s_lo = tl.load(scale + p_lo, mask=m_c, other=0).to(tl.float32)
+            b_lo, b_hi = _nibbles_128(b_q, ASM)
+            if ZERO_F32:  # an fp32 zero point need not be a multiple of 2**-16 (see the int4 loop)
+                b_hi = (b_hi - 128.0) - tl.load(zero + p_hi, mask=m_c, other=0)[:, None]
+                b_lo = (b_lo - 128.0) - tl.load(zero + p_lo, mask=m_c, other=0)[:, None]
+            else:
+                b_hi = b_hi - (128.0 + tl.load(zero + p_hi, mask=m_c, other=0).to(tl.float32))[:, None]
+                b_lo = b_lo - (128.0 + tl.load(zero + p_lo, mask=m_c, other=0).to(tl.float32))[:, None]
+            for m in tl.static_range(BM):
+                if BM > 1:
+                    # Rows past M read row M - 1 (their sums are never stored): no row mask.
+                    p_x = x + tl.minimum(m, M - 1) * stride_xm + kb + o_b
+                    if EVEN_K:
+                        b_x = tl.load(p_x).to(tl.float32)
+                    else:
+                        b_x = tl.load(p_x, mask=m_c[:, None], other=0).to(tl.float32)
+                b_dh = tl.sum(b_hi * b_x, axis=1) * b_s_hi  # [NCH]
+                b_dl = tl.sum(b_lo * b_x, axis=1) * b_s_lo
+                # (the wheres fold away: each register's row and column are constants)
+                acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_dh[None, None, :], 0.0)
+                acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == BN + r), b_dl[None, None, :], 0.0)
+    acc = tl.sum(acc3, axis=2)
+    o_p = i_n * BN + o_r % BN  # the pair of each column of acc
+    o_n = o_p + (o_r // BN) * H
+    m_n = o_p < H
+    m_o = (o_m[:, None] < M) & m_n[None, :]
+    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
+            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+
+
+@triton.jit
+def _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, row, stride_x2m, o_kw, m_k, DT: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """sum_j b_j x[row, 8 o_kw + j] for the eight codes b_j ([SUB, BNW, 8]) of the word
+    rows o_kw ([SUB]): x's eight values of a word row read as four pairs (x2)."""
+    p_x = x2 + row * stride_x2m + 4 * o_kw
+    if EVEN_K:
+        b_x01, b_x23, b_x45, b_x67 = tl.load(p_x), tl.load(p_x + 1), tl.load(p_x + 2), tl.load(p_x + 3)
+    else:
+        b_x01 = tl.load(p_x, mask=m_k, other=0)
+        b_x23 = tl.load(p_x + 1, mask=m_k, other=0)
+        b_x45 = tl.load(p_x + 2, mask=m_k, other=0)
+        b_x67 = tl.load(p_x + 3, mask=m_k, other=0)
+    # one FMUL, then a chain of FMAs (a sum of pair products costs an FADD per pair more)
+    b_xa, b_xb = _pair_to_f32(b_x01, DT)
+    b_d = b_0 * b_xa[:, None, None]
+    b_d += b_1 * b_xb[:, None, None]
+    b_xa, b_xb = _pair_to_f32(b_x23, DT)
+    b_d += b_2 * b_xa[:, None, None]
+    b_d += b_3 * b_xb[:, None, None]
+    b_xa, b_xb = _pair_to_f32(b_x45, DT)
+    b_d += b_4 * b_xa[:, None, None]
+    b_d += b_5 * b_xb[:, None, None]
+    b_xa, b_xb = _pair_to_f32(b_x67, DT)
+    b_d += b_6 * b_xa[:, None, None]
+    b_d += b_7 * b_xb[:, None, None]
+    return b_d
+
+
+@triton.jit
+def _gptq_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, b_s,
+               x2, M, stride_x2m, o_kw, m_k, DT: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
+               BM: tl.constexpr):
+    # One sum per row of x, each its own tensor: a [BM, SUB, BNW, 8] sum
+    # updated with a where per row took a layout conversion through shared
+    # memory per sub-tile (Triton's 4-D default layout is not the 3-D tile's
+    # with a row added; sm_90: 16 barriers per tile at M = 1).  Rows past M
+    # read row M - 1 (never stored).
+    b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, 0, stride_x2m, o_kw, m_k, DT, EVEN_K)
+    acc0 += b_d * b_s if SCALED else b_d
+    if BM > 1:
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(1, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc1 += b_d * b_s if SCALED else b_d
+    if BM > 2:
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(2, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc2 += b_d * b_s if SCALED else b_d
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(3, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc3 += b_d * b_s if SCALED else b_d
+    if BM > 4:
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(4, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc4 += b_d * b_s if SCALED else b_d
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(5, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc5 += b_d * b_s if SCALED else b_d
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(6, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc6 += b_d * b_s if SCALED else b_d
+        b_d = _gptq_dot8(b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, x2, tl.minimum(7, M - 1), stride_x2m, o_kw, m_k,
+                         DT, EVEN_K)
+        acc7 += b_d * b_s if SCALED else b_d
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _gptq_code(b_wd, j: tl.constexpr, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+               stride_sn, V1: tl.constexpr, EVEN_K: tl.constexpr):
+    """(q - z) s of code j of the words b_wd [SUB, BNW, 8], each k's own group (g_idx)."""
+    if EVEN_K:
+        b_g = tl.load(g_idx + 8 * o_kw + j)
+    else:
+        b_g = tl.load(g_idx + 8 * o_kw + j, mask=m_k, other=0)
+    b_s = tl.load(scale + b_g[:, None, None] * stride_sn + o_n[None, :, :], mask=m_n[None, :, :], other=0)
+    b_zw = tl.load(zero + b_g[:, None] * NZW + o_w[None, :], mask=m_w[None, :], other=0)  # [SUB, BNW]
+    b_z = (b_zw[:, :, None] >> b_sh[None, None, :]) & 0xF
+    b_q = (b_wd >> tl.load(shifts + j)) & 0xF
+    # q - z as fp32 without a conversion: 2**23 + 16 + q - z is a float's bits
+    # (16 + q - z in [1, 31]); 2**23 + 16 (+ 1: v1's zero points are stored
+    # minus one) comes off in one FADD.
+    OFF: tl.constexpr = 8388625.0 if V1 else 8388624.0
+    return (((b_q | 0x4B000010) - b_z).to(tl.float32, bitcast=True) - OFF) * b_s.to(tl.float32)
+
+
+@triton.jit
+def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT,
+               stride_xm, stride_x2m, stride_wn, stride_sn, V1: tl.constexpr, HAS_BIAS: tl.constexpr,
+               PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # GPTQ: int32 words [K / 8, N], word (i, n) the codes of k = 8i .. 8i + 7 of
+    # column n.  Program (i_n, i_s) owns BN columns, as [BNW, 8] (the columns of
+    # BNW zero-point words), over a slice of K read in sub-tiles of SUB word
+    # rows: [SUB, BNW, 8] words, one row per warp at four warps and 128
+    # columns, each thread four adjacent words (one 16-byte load, coalesced
+    # along N).  The sums stay per sub-tile row and are added across the
+    # warps once, at the end.
+    #
+    # Two loops.  Where each word's eight codes share a group (GPTQ without
+    # act-order: g_idx[k] = k // G, any G that is a multiple of 8) and the
+    # codes sit at GPTQ's own bit offsets (shifts 0, 4, ..., 28), a word row
+    # has one scale row and one zero-point word: the codes become 128 + q by
+    # _word_128 (one PRMT per value on the GPU), minus 128 + z in one FADD,
+    # one FMA with x, and the scale goes on the word's sum.  Anything else
+    # (act-order: a group per k) takes each code's group from g_idx, its
+    # scale and zero point with it, and reads the codes at the offsets the
+    # layer's table gives.  Which loop runs is decided here, per program, from
+    # the g_idx of its slice and the table: the host cannot look at them
+    # without a sync.
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    SUB: tl.constexpr = 4
+    RW: tl.constexpr = BK // (8 * SUB)  # sub-tiles per tile
+    BNW: tl.constexpr = BN // 8
+    DT: tl.constexpr = x.dtype.element_ty
+    NZW = (N + 7) // 8  # zero-point words per group
+    o_s = tl.arange(0, SUB)
+    o_e = tl.arange(0, 8)
+    o_w = i_n * BNW + tl.arange(0, BNW)
+    o_n = o_w[:, None] * 8 + o_e[None, :]  # [BNW, 8]: column 8 w + e, zero point e of word w
+    m_n = o_n < N
+    m_w = o_w < NZW
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+
+    # The check waits for the slice's g_idx before any weight is read: in
+    # blocks of 2048 (16 per thread at four warps), one round trip for every
+    # slice of the Llama-3-8B shapes' plans.
+    CB: tl.constexpr = 2048 if BK < 2048 else BK
+    o_kk = tl.arange(0, CB)
+    b_bad = tl.zeros([CB], dtype=tl.int32)
+    for k0 in range(k_lo, k_hi, CB):
+        m_kk = k0 + o_kk < k_hi
+        b_g = tl.load(g_idx + k0 + o_kk, mask=m_kk, other=0)
+        b_g0 = tl.load(g_idx + k0 + (o_kk // 8) * 8, mask=m_kk, other=0)
+        b_bad |= (b_g != b_g0).to(tl.int32)
+    b_sh = tl.load(shifts + o_e)  # [8]: the bit offset of code e in a word (zero points too)
+    grouped = (tl.max(b_bad, axis=0) == 0) & (tl.max((b_sh != 4 * o_e).to(tl.int32), axis=0) == 0)
+
+    acc0 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc1 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc2 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc3 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc4 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc5 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc6 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    acc7 = tl.zeros([SUB, BNW, 8], dtype=tl.float32)
+    if grouped:
+        for k0 in range(k_lo, k_hi, BK):
+            for t in tl.static_range(RW):
+                o_kw = k0 // 8 + t * SUB + o_s  # [SUB] word rows
+                m_k = 8 * o_kw < k_hi
+                p_wd = w + o_kw.to(tl.int64)[:, None, None] * stride_wn + o_n[None, :, :]
+                if EVEN_K:
+                    b_wd = tl.load(p_wd, mask=m_n[None, :, :], other=0)
+                    b_g = tl.load(g_idx + 8 * o_kw)
+                else:
+                    b_wd = tl.load(p_wd, mask=m_k[:, None, None] & m_n[None, :, :], other=0)
+                    b_g = tl.load(g_idx + 8 * o_kw, mask=m_k, other=0)
+                b_s = tl.load(scale + b_g[:, None, None] * stride_sn + o_n[None, :, :], mask=m_n[None, :, :],
+                              other=0).to(tl.float32)
+                b_zw = tl.load(zero + b_g[:, None] * NZW + o_w[None, :], mask=m_w[None, :], other=0)  # [SUB, BNW]
+                # 128 + z: the zero point placed in 128.0's mantissa, as the codes are
+                b_c = ((((b_zw[:, :, None] >> b_sh[None, None, :]) & 0xF) << 16) | 0x43000000).to(
+                    tl.float32, bitcast=True)
+                if V1:
+                    b_c += 1.0
+                b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7 = _word_128(b_wd, ASM)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gptq_rows(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, b_0 - b_c, b_1 - b_c, b_2 - b_c, b_3 - b_c,
+                    b_4 - b_c, b_5 - b_c, b_6 - b_c, b_7 - b_c, b_s, x2, M, stride_x2m, o_kw, m_k, DT, EVEN_K,
+                    True, BM)
+    else:
+        # Two sub-tiles per iteration, not a tile's RW: each code's scale and
+        # zero-point loads are live together, and eight sub-tiles' took more
+        # than 255 registers (sm_90, BN 128).
+        RA: tl.constexpr = 2 if RW >= 2 else 1
+        for k0 in range(k_lo, k_hi, 8 * SUB * RA):
+            for t in tl.static_range(RA):
+                o_kw = k0 // 8 + t * SUB + o_s
+                m_k = 8 * o_kw < k_hi
+                p_wd = w + o_kw.to(tl.int64)[:, None, None] * stride_wn + o_n[None, :, :]
+                if EVEN_K:
+                    b_wd = tl.load(p_wd, mask=m_n[None, :, :], other=0)
+                else:
+                    b_wd = tl.load(p_wd, mask=m_k[:, None, None] & m_n[None, :, :], other=0)
+                b_0 = _gptq_code(b_wd, 0, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_1 = _gptq_code(b_wd, 1, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_2 = _gptq_code(b_wd, 2, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_3 = _gptq_code(b_wd, 3, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_4 = _gptq_code(b_wd, 4, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_5 = _gptq_code(b_wd, 5, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_6 = _gptq_code(b_wd, 6, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                b_7 = _gptq_code(b_wd, 7, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+                                 stride_sn, V1, EVEN_K)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gptq_rows(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, b_0,
+                    x2, M, stride_x2m, o_kw, m_k, DT, EVEN_K, False, BM)
+
+    # [BM, BNW, 8]: the rows' sums added over the sub-tile rows (across the warps), once
+    o_m = tl.arange(0, BM)[:, None, None]
+    acc = tl.where(o_m == 0, tl.sum(acc0, axis=0)[None, :, :], 0.0)
+    if BM > 1:
+        acc += tl.where(o_m == 1, tl.sum(acc1, axis=0)[None, :, :], 0.0)
+    if BM > 2:
+        acc += tl.where(o_m == 2, tl.sum(acc2, axis=0)[None, :, :], 0.0)
+        acc += tl.where(o_m == 3, tl.sum(acc3, axis=0)[None, :, :], 0.0)
+    if BM > 4:
+        acc += tl.where(o_m == 4, tl.sum(acc4, axis=0)[None, :, :], 0.0)
+        acc += tl.where(o_m == 5, tl.sum(acc5, axis=0)[None, :, :], 0.0)
+        acc += tl.where(o_m == 6, tl.sum(acc6, axis=0)[None, :, :], 0.0)
+        acc += tl.where(o_m == 7, tl.sum(acc7, axis=0)[None, :, :], 0.0)
+    m_o = (o_m < M) & m_n[None, :, :]
+    _finish(acc, out, part, bias + o_n[None, :, :], m_n[None, :, :], ctr + i_n, o_m * N + o_n[None, :, :], m_o,
+            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
 
 
 @triton.jit
@@ -15,142 +330,155 @@ def _dequant_gemv_kernel(
     stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT).
+    # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT)
+    # (HQQ: BN pairs of rows; GPTQ: BN columns of its [K, N] words).
     # EVEN_K: the slices cover K exactly and BK divides K_SPLIT, so no load along K
-    # is masked and the loads stay 16-byte vectors.
-    i_n, i_s = tl.program_id(0), tl.program_id(1)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_n = o_n < N
-    o_m = tl.arange(0, BM)
-    k_lo = i_s * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    p_wn = w + o_n.to(tl.int64) * stride_wn
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-
-    if FMT == "int4":
-        # A thread owns a chunk of VB packed bytes (16: one vector load, 32 codes
-        # inside one group) of each of the BN rows, and the VB matching pairs of
-        # x's values (x2: x viewed as int32 pairs, or int64 for fp32 x).  Each
-        # row's bytes are a tensor of the same shape as x's pairs, so Triton gives
-        # both one layout (the same threads hold a byte and its pair of x: no
-        # shuffles); the rows are a static loop with one sum per row and chunk.
-        # Each code becomes (128 + q) - (128 + z) = q - z in one FADD
-        # (_nibbles_128: one PRMT per value), then one FMA; a chunk's sum is
-        # scaled once.  The zero point is subtracted from each value, not
-        # folded out as s (sum q x - z sum x): with an infinite activation the
-        # folded form gives inf - inf = NaN where the dequantised matmul gives
-        # +-inf.
-        VB: tl.constexpr = 16 if G >= 32 else G // 2  # (the plans' G are powers of two)
-        NCH: tl.constexpr = BK // (2 * VB)
-        o_c = tl.arange(0, NCH)
-        o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
-        o_r = tl.arange(0, BN)
-        ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
-        # [BM, BN, NCH]: chunks last, so that Triton spreads them over the threads
-        # and keeps a thread's rows in its registers.
-        acc3 = tl.zeros([BM, BN, NCH], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            kp0 = tl.multiple_of(k0 // 2, BK // 2)  # k_lo and the step are whole tiles
-            m_c = 2 * kp0 + o_c * (2 * VB) < k_hi  # [NCH]: chunks inside the slice (a group never straddles it)
-            o_g = (2 * kp0 + o_c * (2 * VB)) // G  # [NCH]: each chunk's group
-            if BM == 1:
-                if EVEN_K:
-                    b_x = tl.load(x2 + kp0 + o_b)
-                else:
-                    b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
-                b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
-            for r in tl.static_range(BN):
-                n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
-                p_wr = w + n.to(tl.int64) * stride_wn + kp0
-                if EVEN_K:
-                    b_q = tl.load(p_wr + o_b)
-                else:
-                    b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
-                b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
-                b_lo, b_hi = _nibbles_128(b_q, ASM)
-                if ZERO_F32:
-                    # An fp32 zero point need not be a multiple of 2**-16: q, then q - z
-                    # rounded once, as the reference does.
-                    b_z = tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0)[:, None]
-                    b_lo = (b_lo - 128.0) - b_z
-                    b_hi = (b_hi - 128.0) - b_z
-                else:
-                    if HAS_ZERO:  # bf16 / fp16: 128 + z is exact for z = 0 and every z >= 2**-9 (bf16), 2**-6 (fp16)
-                        b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)[:, None]
-                    else:
-                        b_c = 136.0
-                    b_lo = b_lo - b_c  # q - z in one FADD
-                    b_hi = b_hi - b_c
-                for m in tl.static_range(BM):
-                    if BM > 1:
-                        # Rows past M read row M - 1 (their sums are never stored): no row mask.
-                        p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_b
-                        if EVEN_K:
-                            b_x = tl.load(p_x)
-                        else:
-                            b_x = tl.load(p_x, mask=m_c[:, None], other=0)
-                        b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
-                    b_d = tl.sum(b_lo * b_xe + b_hi * b_xo, axis=1) * b_s  # [NCH]
-                    # (the where folds away: each register's row and column are constants)
-                    acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
-        acc += tl.sum(acc3, axis=2)
+    # is masked and the loads stay 16-byte vectors.  PAIRS: an HQQ weight of even N
+    # (_hqq_gemv); HQQ of odd N has no such pairs of rows and goes value by value.
+    if FMT == "hqq4" and PAIRS:
+        _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm, stride_sn, G, HAS_BIAS,
+                  PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)
+    elif FMT == "gptq4" or FMT == "gptq4_v1":
+        _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm,
+                   stride_x2m, stride_wn, stride_sn, FMT == "gptq4_v1", HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM,
+                   BM, BN, BK)
     else:
-        o_k = tl.arange(0, BK)
-        if BM == 1:
-            # One row of x: accumulate products elementwise and reduce across
-            # the K lanes once at the end, not once per tile.
-            acc1 = tl.zeros([BN, BK], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BK):
-                if LIB:
-                    m_k = k0 + o_k < k_hi
-                    b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
-                    b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
-                                        m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
-                else:
-                    if EVEN_K:
-                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
-                        b_x = tl.load(x + k0 + o_k).to(tl.float32)
-                    else:
-                        m_k = k0 + o_k < k_hi
-                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
-                        b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
-                    if FMT == "int8":
-                        b_w = _int8_to_f32(b_q)
-                    else:
-                        b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                acc1 += b_w * b_x[None, :]
-            acc += tl.sum(acc1, axis=1)[None, :]
-        else:
-            # A few rows of x: the same deferred sum over [BM, BN, BK] (the
-            # plans keep BM * BN * BK to 64 fp32 registers per thread).  Rows
-            # past M read row M - 1; their sums are never stored.
-            acc3 = tl.zeros([BM, BN, BK], dtype=tl.float32)
-            p_xm = x + tl.minimum(o_m, M - 1)[:, None] * stride_xm
-            for k0 in range(k_lo, k_hi, BK):
-                if LIB:
-                    m_k = k0 + o_k < k_hi
-                    b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
-                    b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
-                                        m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
-                else:
-                    if EVEN_K:
-                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
-                        b_x = tl.load(p_xm + (k0 + o_k)[None, :]).to(tl.float32)
-                    else:
-                        m_k = k0 + o_k < k_hi
-                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
-                        b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
-                    if FMT == "int8":
-                        b_w = _int8_to_f32(b_q)
-                    else:
-                        b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                acc3 += b_w[None, :, :] * b_x[:, None, :]
-            acc += tl.sum(acc3, axis=2)
-        if not LIB:  # (library layouts scale each value: their scales change along K)
-            acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+        i_n, i_s = tl.program_id(0), tl.program_id(1)
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < N
+        o_m = tl.arange(0, BM)
+        k_lo = i_s * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        p_wn = w + o_n.to(tl.int64) * stride_wn
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
 
-    m_o = (o_m[:, None] < M) & m_n[None, :]
-    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
-            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+        if FMT == "int4":
+            # A thread owns a chunk of VB packed bytes (16: one vector load, 32 codes
+            # inside one group) of each of the BN rows, and the VB matching pairs of
+            # x's values (x2: x viewed as int32 pairs, or int64 for fp32 x).  Each
+            # row's bytes are a tensor of the same shape as x's pairs, so Triton gives
+            # both one layout (the same threads hold a byte and its pair of x: no
+            # shuffles); the rows are a static loop with one sum per row and chunk.
+            # Each code becomes (128 + q) - (128 + z) = q - z in one FADD
+            # (_nibbles_128: one PRMT per value), then one FMA; a chunk's sum is
+            # scaled once.  The zero point is subtracted from each value, not
+            # folded out as s (sum q x - z sum x): with an infinite activation the
+            # folded form gives inf - inf = NaN where the dequantised matmul gives
+            # +-inf.
+            VB: tl.constexpr = 16 if G >= 32 else G // 2  # (the plans' G are powers of two)
+            NCH: tl.constexpr = BK // (2 * VB)
+            o_c = tl.arange(0, NCH)
+            o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
+            o_r = tl.arange(0, BN)
+            ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
+            # [BM, BN, NCH]: chunks last, so that Triton spreads them over the threads
+            # and keeps a thread's rows in its registers.
+            acc3 = tl.zeros([BM, BN, NCH], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                kp0 = tl.multiple_of(k0 // 2, BK // 2)  # k_lo and the step are whole tiles
+                m_c = 2 * kp0 + o_c * (2 * VB) < k_hi  # [NCH]: chunks inside the slice (a group never straddles it)
+                o_g = (2 * kp0 + o_c * (2 * VB)) // G  # [NCH]: each chunk's group
+                if BM == 1:
+                    if EVEN_K:
+                        b_x = tl.load(x2 + kp0 + o_b)
+                    else:
+                        b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
+                    b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
+                for r in tl.static_range(BN):
+                    n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
+                    p_wr = w + n.to(tl.int64) * stride_wn + kp0
+                    if EVEN_K:
+                        b_q = tl.load(p_wr + o_b)
+                    else:
+                        b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
+                    b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
+                    b_lo, b_hi = _nibbles_128(b_q, ASM)
+                    if ZERO_F32:
+                        # An fp32 zero point need not be a multiple of 2**-16: q, then q - z
+                        # rounded once, as the reference does.
+                        b_z = tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0)[:, None]
+                        b_lo = (b_lo - 128.0) - b_z
+                        b_hi = (b_hi - 128.0) - b_z
+                    else:
+                        # bf16 / fp16: 128 + z is exact for z = 0 and every z >= 2**-9 (bf16), 2**-6 (fp16)
+                        if HAS_ZERO:
+                            b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)[:, None]
+                        else:
+                            b_c = 136.0
+                        b_lo = b_lo - b_c  # q - z in one FADD
+                        b_hi = b_hi - b_c
+                    for m in tl.static_range(BM):
+                        if BM > 1:
+                            # Rows past M read row M - 1 (their sums are never stored): no row mask.
+                            p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_b
+                            if EVEN_K:
+                                b_x = tl.load(p_x)
+                            else:
+                                b_x = tl.load(p_x, mask=m_c[:, None], other=0)
+                            b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
+                        b_d = tl.sum(b_lo * b_xe + b_hi * b_xo, axis=1) * b_s  # [NCH]
+                        # (the where folds away: each register's row and column are constants)
+                        acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
+            acc += tl.sum(acc3, axis=2)
+        else:
+            o_k = tl.arange(0, BK)
+            if BM == 1:
+                # One row of x: accumulate products elementwise and reduce across
+                # the K lanes once at the end, not once per tile.
+                acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BK):
+                    if LIB:
+                        m_k = k0 + o_k < k_hi
+                        b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
+                        b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
+                                            m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
+                    else:
+                        if EVEN_K:
+                            b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                            b_x = tl.load(x + k0 + o_k).to(tl.float32)
+                        else:
+                            m_k = k0 + o_k < k_hi
+                            b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :],
+                                          other=0)
+                            b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
+                        if FMT == "int8":
+                            b_w = _int8_to_f32(b_q)
+                        else:
+                            b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    acc1 += b_w * b_x[None, :]
+                acc += tl.sum(acc1, axis=1)[None, :]
+            else:
+                # A few rows of x: the same deferred sum over [BM, BN, BK] (the
+                # plans keep BM * BN * BK to 64 fp32 registers per thread).  Rows
+                # past M read row M - 1; their sums are never stored.
+                acc3 = tl.zeros([BM, BN, BK], dtype=tl.float32)
+                p_xm = x + tl.minimum(o_m, M - 1)[:, None] * stride_xm
+                for k0 in range(k_lo, k_hi, BK):
+                    if LIB:
+                        m_k = k0 + o_k < k_hi
+                        b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
+                        b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
+                                            m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
+                    else:
+                        if EVEN_K:
+                            b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                            b_x = tl.load(p_xm + (k0 + o_k)[None, :]).to(tl.float32)
+                        else:
+                            m_k = k0 + o_k < k_hi
+                            b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :],
+                                          other=0)
+                            b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
+                        if FMT == "int8":
+                            b_w = _int8_to_f32(b_q)
+                        else:
+                            b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    acc3 += b_w[None, :, :] * b_x[:, None, :]
+                acc += tl.sum(acc3, axis=2)
+            if not LIB:  # (library layouts scale each value: their scales change along K)
+                acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+
+        m_o = (o_m[:, None] < M) & m_n[None, :]
+        _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
+                i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)

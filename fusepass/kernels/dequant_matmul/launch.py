@@ -73,6 +73,26 @@ def _library_operands(w: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tens
     return zero, g_idx, shifts
 
 
+def hqq_pairs(fmt: str, N: int) -> bool:
+    """Whether the GEMV reads an HQQ weight as pairs of rows (n, n + N / 2), whose
+    codes share bytes (gemv._hqq_gemv): for even N; odd N goes value by value."""
+    return fmt == "hqq4" and N % 2 == 0
+
+
+def gemv_asm(fmt: str, G: int, N: int, cfg: Config) -> bool:
+    """Whether a GEMV on the GPU converts codes with inline PTX (tiles._nibbles_128,
+    _word_128).  _nibbles_128 converts the bytes of a thread four at a time: int4
+    needs 4-byte chunks within a group (G >= 8); HQQ's pairs, chunks of 16 bytes
+    (G a multiple of 16) and a tile deep enough that each thread holds a whole
+    chunk (BK >= 16 bytes x 32 x warps: fewer, and Triton gives a thread single
+    bytes).  GPTQ's words convert one at a time."""
+    if fmt == "int4":
+        return G >= 8
+    if hqq_pairs(fmt, N):
+        return G % 16 == 0 and cfg.BK >= 512 * cfg.warps
+    return fmt.startswith("gptq4")
+
+
 def splits(cfg: Config, K: int) -> int:
     """K slices the product runs in (1: whole K)."""
     return _k_split(K, cfg.BK, cfg.split)[1]
@@ -113,12 +133,17 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
     outputs = ("out",) + (("part",) if split > 1 else ()) + (("ctr",) if ctr is not None else ())
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda
     if cfg.kind == "gemv":
-        # int4 reads x as value pairs; its PTX nibble path wants 4-byte chunks within a group (G >= 8).
-        xp = _pairs(x) if fmt == "int4" else x
-        asm = fmt == "int4" and x.is_cuda and not interpreting() and G >= 8
-        return Launch(_dequant_gemv_kernel, (cdiv(N, cfg.BN), split),
-                      {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "BM": _pow2(M), "ASM": asm},
-                      outputs, cfg.warps, cfg.stages)
+        # int4 and GPTQ read x as value pairs.  HQQ's pairs of rows read the bytes
+        # flat, n K + k (a strided W_q, which the rule refuses, is copied).
+        pairs = hqq_pairs(fmt, N)
+        if pairs and not w.is_contiguous():
+            w = w.contiguous()
+            args.update(w=w, stride_wn=w.stride(0))
+        xp = _pairs(x) if fmt == "int4" or fmt.startswith("gptq4") else x
+        asm = x.is_cuda and not interpreting() and gemv_asm(fmt, G, N, cfg)
+        return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if pairs else N, cfg.BN), split),
+                      {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "BM": _pow2(M), "ASM": asm,
+                       "PAIRS": pairs}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mmt":
         # int4 always, int8 in whole tiles: the weight read as int32 words (see the kernel)
         words = fmt == "int4" or (fmt == "int8" and even and K % 4 == 0)

@@ -163,8 +163,8 @@ def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, stride_wn, s
     along K, the zero point a nibble of a word per eight columns, both indexed
     by the group ``g_idx`` gives each k, each code at the bit offset ``shifts``
     holds for its place in the word (the model's own table, read, not assumed).  Correct in any tile shape and any
-    group size; a layout-specific loop (wide loads, one group per tile) is what
-    the GPU still needs for speed."""
+    group size, and slow: HQQ's and GPTQ's GEMVs have loops of their own (gemv._hqq_gemv, _gptq_gemv),
+    this serves the other paths and layouts."""
     if FMT == "nf4" or FMT == "fp4":
         b_b = tl.load(w + o_n.to(tl.int64) * stride_wn + o_k // 2, mask=m, other=0).to(tl.int32)
         b_q = (b_b >> ((1 - o_k % 2) * 4)) & 0xF
