@@ -127,30 +127,76 @@ def test_gptq_torch_form(v1, act_order):
     assert_close(out, expected, "GPTQ torch form")
 
 
-def test_library_layouts_are_left_to_the_library_on_cuda(monkeypatch):
-    """On CUDA the layouts' kernels are slower than the libraries' path (H100 figures in the
-    reason): refused there with the reason; the CPU path still fuses (the tests above)."""
+def test_library_layouts_on_cuda_go_where_their_loops_are_faster(monkeypatch):
+    """On CUDA the code books (nf4, fp4) stay with bitsandbytes' kernel, and HQQ / GPTQ go to
+    fusepass only at the GEMV's row counts (their own loops, measured faster than Inductor on the
+    GPU; HQQ at even N): refused elsewhere with the reason; the CPU path always fuses."""
     import types
 
     from fusepass.patterns import dequant_matmul as dm
     from fusepass.patterns.dequant_matmul_gptq import gptq_weights
 
-    cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    def cuda(*shape):
+        return types.SimpleNamespace(device=torch.device("cuda"), shape=shape)
+
+    for fmt in ("nf4", "fp4"):
+        assert "bitsandbytes' own kernel is faster" in dm.check_library_device(cuda(1, 64), fmt), fmt
+    for fmt in ("hqq4", "gptq4"):
+        assert dm.check_library_device(cuda(2, 4, 64), fmt, 24) is None, fmt  # 8 rows
+        assert "9 rows" in dm.check_library_device(cuda(9, 64), fmt, 24), fmt
+        assert "dynamic" in dm.check_library_device(cuda(_Sym(), 64), fmt, 24)
+    assert "odd" in dm.check_library_device(cuda(1, 64), "hqq4", 25)
+    assert dm.check_library_device(cuda(1, 64), "gptq4", 25) is None
     for fmt in ("nf4", "fp4", "hqq4", "gptq4"):
-        assert "faster" in dm.check_library_device(cuda, fmt), fmt
-        assert dm.check_library_device(torch.empty(1), fmt) is None
-    # the rule asks for every matched linear: a CUDA activation is refused with that reason
+        assert dm.check_library_device(torch.empty(16, 1), fmt, 25) is None
+    # the rule asks for every matched linear: a CUDA activation of 16 rows is refused with that reason
     real = dm.check_library_device
-    monkeypatch.setattr(dm, "check_library_device", lambda x, fmt: real(cuda, fmt))
+    monkeypatch.setattr(dm, "check_library_device", lambda x, fmt, n=None: real(cuda(*x.shape), fmt, n))
     gen = torch.Generator().manual_seed(3)
     model = GptqTorchLinear(*gptq_weights(40, 256, 64, torch.float16, act_order=False, gen=gen)[:4])
-    x = torch.randn(2, 256, dtype=torch.float16)
+    x = torch.randn(16, 256, dtype=torch.float16)
     with torch.no_grad():
         expected = model(x)
         out, report = compile_and_run(model, [x], rules=LIB_RULES)
-    assert not report.hits and any("left to the library's path on CUDA" in r.reason for r in report.refusals), \
-        str(report)
+    assert not report.hits and any("16 rows" in r.reason for r in report.refusals), str(report)
     assert_close(out, expected, "GPTQ torch form, left to Inductor")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_hqq_and_gptq_fuse_at_decode_sizes():
+    """On the GPU, HQQ's library layer and GPTQ's torch form are fused at one token (their GEMV loops)
+    and left to Inductor at sixteen, with the reason; both within the table of eager."""
+    hqq = pytest.importorskip("hqq.core.quantize")
+    from fusepass.patterns.dequant_matmul_gptq import gptq_weights
+
+    hqq.HQQLinear.set_backend(hqq.HQQBackend.PYTORCH)
+    torch.manual_seed(0)
+    cfg = hqq.BaseQuantizeConfig(nbits=4, group_size=64, axis=1)
+    lin = hqq.HQQLinear(torch.nn.Linear(1024, 768), quant_config=cfg, compute_dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(1)
+    gptq = GptqTorchLinear(*[t.cuda() for t in gptq_weights(768, 1024, 128, torch.bfloat16, act_order=True,
+                                                             gen=gen)[:4]])
+    for model, rule in ((lin, "dequant_matmul_hqq"), (gptq, "dequant_matmul_gptq")):
+        for rows, fused in ((1, True), (16, False)):
+            x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
+            torch._dynamo.reset()
+            with torch.no_grad():
+                expected = model(x)
+                out, report = compile_and_run(model, [x], rules=LIB_RULES)
+            assert report.count(rule) == int(fused), str(report)
+            if not fused:
+                assert any("16 rows" in r.reason for r in report.refusals), str(report)
+            assert_close(out, expected, f"{rule} on CUDA, {rows} rows")
+
+
+class _Sym:
+    """A row count that is not a number (what a dynamic shape gives)."""
+
+    def __mul__(self, other):
+        return self
+
+    __rmul__ = __mul__
 
 
 def test_gptq_under_verify_mode():

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from fusepass.formats import CHANNEL_FORMATS
 from fusepass.formats import KERNEL_DTYPES as SUPPORTED
-from fusepass.kernels.dequant_matmul import dequant_matmul_call, dequant_matmul_plan
+from fusepass.kernels.dequant_matmul import GEMV_MAX_M, dequant_matmul_call, dequant_matmul_plan
 from fusepass.match import MatchInfo, hint, same, shape_str
 from fusepass.rule import Form, NearMiss, Rule
 
@@ -240,31 +240,41 @@ def check_activation(x: torch.Tensor) -> str | None:
     return None
 
 
-# The libraries' layouts are read value by value on the GPU (one load per
-# code and per scale, kernels.dequant_matmul.tiles._library_tile): slower
-# than what runs without fusepass.  H100, CUDA-graph time, cold weights,
-# 4096x4096 at M = 1 / 16 (python -m fusepass.bench.registry.dequant_library
-# --gpu-run, f817d0e): NF4 43.5 / 130.5 µs against bitsandbytes' own
-# kernel's 10.6 / 32.9; HQQ 47.6 against Inductor's 29.0 on HQQ's torch form
-# (M = 1); GPTQ act-order 66.3 against Inductor's 32.4.  Until the layouts
-# have loops of their own, graphs on CUDA keep the libraries' path.  HQQ's
-# and GPTQ's have GEMV loops now (M <= 8, kernels.dequant_matmul.gemv), not
-# yet timed on a GPU: their refusals stay until a run shows them faster.
+# On CUDA a library layout goes to fusepass only where it has a loop of its
+# own.  H200, CUDA-graph time, cold weights, 4096x4096 (python -m
+# fusepass.bench.registry.dequant_library --gpu-run --ms 1,4,16, 05d6c3f):
+# HQQ g64 8.0 / 11.1 µs at M = 1 / 4 (Inductor on HQQ's torch form, M = 1:
+# 25.0; fusepass's own int4 g64: 6.5 / 16.0), GPTQ g128 9.9 / 14.7 and
+# act-order 18.3 / 22.6 (Inductor 28.5); at 14336x4096 and 4096x14336 HQQ is
+# 0.97-1.00x int4's time at M = 1, 0.69-0.70x at M = 4.  Beyond the GEMV's 8
+# rows these layouts are read value by value (kernels.dequant_matmul.tiles.
+# _library_tile): 52.6 (HQQ) and 143.7 µs (GPTQ) at M = 16 against bf16
+# cuBLAS's 13.5.  NF4 / FP4 always are: 43.2 / 130.2 µs at M = 1 / 16
+# against bitsandbytes' own kernel's 10.4 / 30.2.
+_LIBRARY_GEMV = ("hqq4", "gptq4")
 _LIBRARY_ON_CUDA = {
-    "nf4": "bitsandbytes' own kernel is faster (H100, 4096x4096: 10.6 against fusepass's 43.5 µs at M = 1)",
-    "fp4": "bitsandbytes' own kernel is faster (H100, 4096x4096: 10.5 against fusepass's 42.8 µs at M = 1)",
-    "hqq4": "Inductor's code for HQQ's dequantization is faster (H100, 4096x4096: 29.0 against fusepass's "
-            "47.6 µs at M = 1)",
-    "gptq4": "Inductor's code for GPTQ's dequantization is as fast or faster (H100, 4096x4096: 32.5 and 32.4 "
-             "against fusepass's 30.3 and, act-order, 66.3 µs at M = 1); fusepass.load_quantized takes a GPTQ "
-             "checkpoint to the int4 kernels (7.1 µs)",
+    "nf4": "bitsandbytes' own kernel is faster (H200, 4096x4096: 10.4 against fusepass's 43.2 µs at M = 1)",
+    "fp4": "bitsandbytes' own kernel is faster (H200, 4096x4096: 10.5 against fusepass's 43.7 µs at M = 1)",
 }
 
 
-def check_library_device(x: torch.Tensor, fmt: str) -> str | None:
-    """A refusal on CUDA for a library layout (``fmt`` nf4, fp4, hqq4, gptq4): the rule's kernel is slower."""
-    if x.device.type == "cuda":
+def check_library_device(x: torch.Tensor, fmt: str, n=None) -> str | None:
+    """A refusal on CUDA for a library layout (``fmt`` nf4, fp4, hqq4, gptq4) where fusepass's kernel is
+    slower than the library's or Inductor's path: the code books always, HQQ and GPTQ beyond the GEMV's rows
+    (and HQQ at an odd N, ``n``, whose rows do not pair)."""
+    if x.device.type != "cuda":
+        return None
+    if fmt not in _LIBRARY_GEMV:
         return "left to the library's path on CUDA: " + _LIBRARY_ON_CUDA[fmt]
+    rows = math.prod(x.shape[:-1])
+    where = "left to Inductor's path on CUDA: "
+    if not isinstance(rows, int):
+        return where + f"the row count is dynamic ({rows}); fusepass's {fmt} loop covers at most {GEMV_MAX_M} rows"
+    if rows > GEMV_MAX_M:
+        return (where + f"{rows} rows; beyond {GEMV_MAX_M} fusepass reads {fmt} value by value (H200, 4096x4096, "
+                f"M = 16: {'52.6' if fmt == 'hqq4' else '143.7'} µs against bf16 cuBLAS's 13.5)")
+    if fmt == "hqq4" and isinstance(n, int) and n % 2:
+        return where + f"N = {n} is odd: HQQ's rows n and n + N / 2 do not pair, and fusepass would read it value by value"
     return None
 
 

@@ -64,7 +64,7 @@ Modules, in reading order: ``tiles`` (the Triton helpers the kernels share),
 its reference and its inlined form).
 """
 
-from fusepass.kernels.dequant_matmul.config import BUCKETS, CUBLAS, Config, Problem, m_bucket
+from fusepass.kernels.dequant_matmul.config import BUCKETS, CUBLAS, GEMV_MAX_M, Config, Problem, m_bucket
 from fusepass.kernels.dequant_matmul.op import (
     dequant_matmul,
     dequant_matmul_call,
@@ -76,7 +76,7 @@ from fusepass.kernels.dequant_matmul.plans import dequant_matmul_plan, lookup
 from fusepass.kernels.dequant_matmul.tuner import cold_copies, tune, tune_and_save
 
 __all__ = [
-    "BUCKETS", "CUBLAS", "Config", "Problem", "cold_copies", "dequant_matmul",
+    "BUCKETS", "CUBLAS", "Config", "GEMV_MAX_M", "Problem", "cold_copies", "dequant_matmul",
     "dequant_matmul_call", "dequant_matmul_fwd", "dequant_matmul_plan", "dequant_matmul_reference",
     "dequant_matmul_traced", "lookup", "m_bucket", "tune", "tune_and_save",
 ]

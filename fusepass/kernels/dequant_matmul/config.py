@@ -39,7 +39,7 @@ CUBLAS = Config("cublas")
 # M buckets of the plan table: a plan measured at the bucket's M serves every
 # M in (bucket / 2, bucket]; above the last one, M itself is the key.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-_GEMV_MAX_M = 8  # the GEMV's per-row FMA loop is unrolled M times
+GEMV_MAX_M = 8  # the GEMV's per-row FMA loop is unrolled M times
 _GROUP_M = 8
 
 
@@ -106,7 +106,7 @@ def valid(cfg: Config, p: Problem) -> bool:
     if cfg.kind == "cublas":
         return True
     if cfg.kind == "gemv":
-        if M > _GEMV_MAX_M:
+        if M > GEMV_MAX_M:
             return False
         if fmt == "int4":  # a thread's chunk of 16 bytes (fewer for G < 32) lies inside one group
             return cfg.BK % G == 0 and (G % 32 == 0 or G in (2, 4, 8, 16))

@@ -24,7 +24,7 @@ import torch
 
 from fusepass.formats import KERNEL_DTYPES, LIBRARY_FORMATS
 from fusepass.kernels._common import cdiv
-from fusepass.kernels.dequant_matmul.config import _GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, valid
+from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, valid
 
 log = logging.getLogger("fusepass")
 
@@ -93,11 +93,11 @@ def heuristic(p: Problem) -> Config:
         # Not measured yet (the GPU run): the GEMV for a few rows (HQQ's and
         # GPTQ's with loops of their own), the tensor-core kernel to 256 rows in
         # 16-bit, dequantise + cuBLAS beyond.
-        if M <= _GEMV_MAX_M and fmt == "hqq4" and N % 2 == 0:
+        if M <= GEMV_MAX_M and fmt == "hqq4" and N % 2 == 0:
             return _hqq_gemv(M, N, K, n_sm)
-        if M <= _GEMV_MAX_M and fmt.startswith("gptq4"):
+        if M <= GEMV_MAX_M and fmt.startswith("gptq4"):
             return _gptq_gemv(M, N, K, n_sm)
-        if M <= _GEMV_MAX_M:
+        if M <= GEMV_MAX_M:
             bn = 8 if M == 1 else max(1, 8 // _pow2(M))
             return Config("gemv", BN=bn, BK=256, split=_auto_split(cdiv(N, bn), K, 256, n_sm), warps=4)
         if dtype == torch.float32 or M > 256:
@@ -119,7 +119,7 @@ def heuristic(p: Problem) -> Config:
         bn = 128 if N >= 4096 else 64
         return Config("mmt", BM=bm, BN=bn, BK=bk, warps=4, stages=3,
                       split=max(1, _auto_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm) // 2))
-    if M <= _GEMV_MAX_M:
+    if M <= GEMV_MAX_M:
         if fmt == "int4" and (G % 32 == 0 or G in (2, 4, 8, 16)):
             return _int4_gemv(M, N, K, G, n_sm)
         bk = 512

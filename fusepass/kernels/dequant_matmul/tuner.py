@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from fusepass.kernels._common import cdiv, on_device
-from fusepass.kernels.dequant_matmul.config import _GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, valid
+from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, valid
 from fusepass.kernels.dequant_matmul.launch import _launch
 from fusepass.kernels.dequant_matmul.plans import _auto_split, int4_gemv_bk, save
 
@@ -33,7 +33,7 @@ def candidates(p: Problem) -> list[Config]:
         if valid(cfg, p) and cfg not in out:
             out.append(cfg)
 
-    if M <= _GEMV_MAX_M:
+    if M <= GEMV_MAX_M:
         # int8 / fp8: weight bytes per row per tile; 512 is one warp of 16-byte
         # loads on one row.
         bm = _pow2(M)
