@@ -127,10 +127,11 @@ def test_gptq_torch_form(v1, act_order):
     assert_close(out, expected, "GPTQ torch form")
 
 
-def test_library_layouts_on_cuda_go_where_their_loops_are_faster(monkeypatch):
-    """On CUDA the code books (nf4, fp4) stay with bitsandbytes' kernel, and HQQ / GPTQ go to
-    fusepass only at the GEMV's row counts (their own loops, measured faster than Inductor on the
-    GPU; HQQ at even N): refused elsewhere with the reason; the CPU path always fuses."""
+def test_library_layouts_on_cuda(monkeypatch):
+    """On CUDA the code books (nf4, fp4) stay with bitsandbytes' kernel, and HQQ / GPTQ, where
+    enabled (dm._LIBRARY_GEMV), go to fusepass only at the GEMV's row counts (their own loops,
+    measured faster than Inductor on the GPU; HQQ at even N), refused elsewhere with the reason;
+    not enabled, they are refused on CUDA with theirs.  The CPU path always fuses."""
     import types
 
     from fusepass.patterns import dequant_matmul as dm
@@ -141,6 +142,10 @@ def test_library_layouts_on_cuda_go_where_their_loops_are_faster(monkeypatch):
 
     for fmt in ("nf4", "fp4"):
         assert "bitsandbytes' own kernel is faster" in dm.check_library_device(cuda(1, 64), fmt), fmt
+    for fmt in ("hqq4", "gptq4"):
+        if fmt not in dm._LIBRARY_GEMV:
+            assert "not yet verified on a GPU" in dm.check_library_device(cuda(1, 64), fmt, 24)
+    monkeypatch.setattr(dm, "_LIBRARY_GEMV", ("hqq4", "gptq4"))
     for fmt in ("hqq4", "gptq4"):
         assert dm.check_library_device(cuda(2, 4, 64), fmt, 24) is None, fmt  # 8 rows
         assert "9 rows" in dm.check_library_device(cuda(9, 64), fmt, 24), fmt
@@ -154,21 +159,27 @@ def test_library_layouts_on_cuda_go_where_their_loops_are_faster(monkeypatch):
     monkeypatch.setattr(dm, "check_library_device", lambda x, fmt, n=None: real(cuda(*x.shape), fmt, n))
     gen = torch.Generator().manual_seed(3)
     model = GptqTorchLinear(*gptq_weights(40, 256, 64, torch.float16, act_order=False, gen=gen)[:4])
-    x = torch.randn(16, 256, dtype=torch.float16)
-    with torch.no_grad():
-        expected = model(x)
-        out, report = compile_and_run(model, [x], rules=LIB_RULES)
-    assert not report.hits and any("16 rows" in r.reason for r in report.refusals), str(report)
-    assert_close(out, expected, "GPTQ torch form, left to Inductor")
+    for rows, fused in ((16, False), (1, True)):
+        x = torch.randn(rows, 256, dtype=torch.float16)
+        with torch.no_grad():
+            expected = model(x)
+            out, report = compile_and_run(model, [x], rules=LIB_RULES)
+        assert report.count("dequant_matmul_gptq") == int(fused), str(report)
+        assert fused or any("16 rows" in r.reason for r in report.refusals), str(report)
+        assert_close(out, expected, f"GPTQ torch form, {rows} rows")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_hqq_and_gptq_fuse_at_decode_sizes():
-    """On the GPU, HQQ's library layer and GPTQ's torch form are fused at one token (their GEMV loops)
-    and left to Inductor at sixteen, with the reason; both within the table of eager."""
+def test_gpu_hqq_and_gptq_fuse_at_decode_sizes(monkeypatch):
+    """On the GPU, HQQ's library layer and GPTQ's torch form, enabled, are fused at one token (their
+    GEMV loops) and left to Inductor at sixteen, with the reason; both within the table of eager.
+    (Failed its one run on an H200, cause not seen: the layouts stay off on CUDA until it passes.)"""
     hqq = pytest.importorskip("hqq.core.quantize")
+    from fusepass.patterns import dequant_matmul as dm
     from fusepass.patterns.dequant_matmul_gptq import gptq_weights
+
+    monkeypatch.setattr(dm, "_LIBRARY_GEMV", ("hqq4", "gptq4"))
 
     hqq.HQQLinear.set_backend(hqq.HQQBackend.PYTORCH)
     torch.manual_seed(0)

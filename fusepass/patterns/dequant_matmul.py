@@ -251,10 +251,20 @@ def check_activation(x: torch.Tensor) -> str | None:
 # _library_tile): 52.6 (HQQ) and 143.7 µs (GPTQ) at M = 16 against bf16
 # cuBLAS's 13.5.  NF4 / FP4 always are: 43.2 / 130.2 µs at M = 1 / 16
 # against bitsandbytes' own kernel's 10.4 / 30.2.
-_LIBRARY_GEMV = ("hqq4", "gptq4")
+# The GEMV loops passed their own GPU tests (H200), but the rules' compiled
+# path on CUDA (tests/test_dequant_library_rules.py's GPU test, HQQ's layer
+# and GPTQ's torch form at 1 and 16 rows) failed its one run there, cause not
+# yet seen: until it passes, no library layout goes to fusepass on CUDA
+# (_LIBRARY_GEMV lists those that do).
+_LIBRARY_GEMV: tuple[str, ...] = ()
 _LIBRARY_ON_CUDA = {
     "nf4": "bitsandbytes' own kernel is faster (H200, 4096x4096: 10.4 against fusepass's 43.2 µs at M = 1)",
     "fp4": "bitsandbytes' own kernel is faster (H200, 4096x4096: 10.5 against fusepass's 43.7 µs at M = 1)",
+    "hqq4": "fusepass's HQQ loop is faster at up to 8 rows (H200, 4096x4096, M = 1: 8.0 against Inductor's 25.0 "
+            "µs) but its compiled path is not yet verified on a GPU",
+    "gptq4": "fusepass's GPTQ loop is faster at up to 8 rows (H200, 4096x4096, M = 1: 9.9 against Inductor's "
+             "28.5 µs) but its compiled path is not yet verified on a GPU; fusepass.load_quantized takes a GPTQ "
+             "checkpoint to the int4 kernels",
 }
 
 
