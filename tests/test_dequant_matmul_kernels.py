@@ -834,9 +834,14 @@ def test_gpu_library_gemv_loops(fmt, group, act_order):
     ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
     tol = TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(expected, ref, atol=tol.atol, rtol=tol.rtol)
+    _assert_graph_replays(lambda: torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g), expected)
+
+
+def _assert_graph_replays(call, expected):
+    """``call`` captured in a CUDA graph and replayed gives ``expected``."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
+        out = call()
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected)
@@ -867,9 +872,4 @@ def test_gpu_library_layouts_real_sizes(fmt):
     x, w, s, z, g, group = (t.cuda() if isinstance(t, torch.Tensor) else t
                             for t in library_inputs(fmt, 16, N, K, torch.bfloat16))
     expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, expected)
+    _assert_graph_replays(lambda: torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g), expected)
