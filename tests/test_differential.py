@@ -215,7 +215,8 @@ def test_a_step_reading_memory_it_never_wrote_is_no_program():
 def test_known_inductor_bugs_name_only_their_mismatch():
     from fusepass.testing.differential.stats import known_inductor_bug
 
-    promoted = "v5 step (dequant_matmul/dequant_fp32_bias[float16](v2, v3, a8, v4)): float32[2, 3, 24] vs float16[2, 3, 24]"
+    promoted = ("v5 step (dequant_matmul/dequant_fp32_bias[float16](v2, v3, a8, v4)): "
+                "float32[2, 3, 24] vs float16[2, 3, 24]")
     assert known_inductor_bug(promoted)
     assert not known_inductor_bug(promoted.replace("dequant_fp32_bias", "dequant_fp32"))  # no bias: not that bug
     assert not known_inductor_bug(promoted.replace("float32[2, 3, 24] vs", "float16[2, 3, 24] vs"))

@@ -284,7 +284,7 @@ def check_library_device(x: torch.Tensor, fmt: str, n=None) -> str | None:
         return (where + f"{rows} rows; beyond {GEMV_MAX_M} fusepass reads {fmt} value by value (H200, 4096x4096, "
                 f"M = 16: {'52.6' if fmt == 'hqq4' else '143.7'} µs against bf16 cuBLAS's 13.5)")
     if fmt == "hqq4" and isinstance(n, int) and n % 2:
-        return where + f"N = {n} is odd: HQQ's rows n and n + N / 2 do not pair, and fusepass would read it value by value"
+        return where + f"N = {n} is odd: HQQ's rows n and n + N / 2 do not pair (fusepass would read it value by value)"
     return None
 
 

@@ -195,8 +195,8 @@ def find(gm: torch.fx.GraphModule):
         if found is None:
             continue
         nodes, x, w_q, scale, zero, reason = found
-        reason = reason or _refusal(x, w_q, scale, zero, node) or dm.check_library_device(_val(x), "hqq4",
-                                                                                            _val(node).shape[-1])
+        reason = (reason or _refusal(x, w_q, scale, zero, node)
+                  or dm.check_library_device(_val(x), "hqq4", _val(node).shape[-1]))
         if reason:
             yield Region("hqq", node, reason=reason)
             continue
