@@ -263,6 +263,25 @@ def test_a_scale_after_the_sum_scales_the_roundoff_floor():
     assert scaled.terms == pytest.approx(3000 * sums)
 
 
+def test_bitsandbytes_on_a_strided_weight_has_no_eager_value():
+    """bitsandbytes' CPU kernels read the packed weight through a raw pointer as if contiguous: an
+    expanded one is read past its memory (a different eager value each process), so the generator
+    drops such a block; a contiguous weight and rows of x with a stride are fine."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from fusepass.testing.differential.build import _Dtypes
+
+    torch.manual_seed(0)
+    packed, state = bnb.functional.quantize_4bit(torch.randn(24, 128).bfloat16(), blocksize=64, quant_type="nf4")
+    x = torch.randn(4, 256, dtype=torch.bfloat16)[:, :128]  # rows strided, each row contiguous
+    op = torch.ops.bitsandbytes.gemm_4bit
+    with _Dtypes() as seen:
+        op(x, packed, [24, 128], state.absmax, 64, "nf4")
+    assert not seen.undefined and seen.terms > 0
+    with _Dtypes() as seen:
+        op(x, packed[:1].expand(packed.shape[0], -1), [24, 128], state.absmax, 64, "nf4")
+    assert "strided operand" in seen.undefined
+
+
 def test_a_wrong_op_is_caught():
     """The oracle has teeth: an RMSNorm op that forgets the (1 + w) offset fails
     the zero-centred block, and only it."""

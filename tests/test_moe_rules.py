@@ -271,3 +271,39 @@ def test_training_graph_is_refused_and_gradients_are_eagers():
     assert any("backward" in r for r in report.reasons("moe_experts")), report.reasons("moe_experts")
     for g, w in zip(got, want):
         assert_close(g, w, "gradient")
+
+
+def _router_group_score_of_indices(x, weight, correction_bias):
+    """DeepSeek-V3's router with one change: the groups are ranked by the sum of their top-2
+    *indices*, not values (the differential run's mutated constant)."""
+    T, E = x.shape[0], weight.shape[0]
+    logits = torch.nn.functional.linear(x.float(), weight.float())
+    scores = logits.sigmoid()
+    choice = scores + correction_bias
+    group_scores = choice.view(T, 4, E // 4).topk(2, dim=-1)[1].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=2, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    mask = mask.unsqueeze(-1).expand(T, 4, E // 4).reshape(T, E)
+    choice = choice.masked_fill(~mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=4, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    ids, order = ids.sort(dim=-1)  # (an order-free reader of the unordered top-k)
+    return (w / (w.sum(dim=-1, keepdim=True) + 1e-20) * 2.5).gather(1, order), ids
+
+
+def test_router_checked_on_more_rows_than_one_token():
+    """At one token a wrong region can agree with the op on one random row by chance (here it
+    did: the groups ranked by index sums picked the op's groups); the check draws about 64 rows."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, cb = torch.randn(1, 33, generator=gen), torch.randn(16, 33, generator=gen), torch.randn(16, generator=gen)
+    report = None
+    with torch.no_grad():
+        expected = _router_group_score_of_indices(x, w, cb)
+        torch._dynamo.reset()
+        fusepass.reset_reports()
+        out = torch.compile(_router_group_score_of_indices, backend="fusepass", options={"rules": ["moe_router"]},
+                            fullgraph=True, dynamic=False)(x, w, cb)
+        report = fusepass.last_report()
+    assert report.count("moe_router") == 0, str(report)
+    assert any("does not compute fusepass::moe_router" in r for r in report.reasons("moe_router")), str(report)
+    assert torch.equal(out[1], expected[1]) and torch.equal(out[0], expected[0])

@@ -491,65 +491,91 @@ def _agree(ids_a: torch.Tensor, w_a: torch.Tensor, ids_e: torch.Tensor, w_e: tor
     return None
 
 
+# Rows of random input the check draws in all: a region seen on too few rows
+# can agree with the op by chance (a DeepSeek-V3 router whose group score
+# sums the top-2 *indices* instead of values picked the same groups as the op
+# on its one probe row, T = 1, and was rewritten: errors up to 6.4).
+_PROBE_ROWS = 64
+_MAX_PROBES = 16
+
+
+def _probe(f: Found, seed: int) -> list[Any]:
+    """Random values for the region's inputs (the router's scales), draw ``seed``."""
+    gens: dict[torch.device, torch.Generator] = {}
+    vals: list[Any] = []
+    for b in f.inputs:
+        t = _moe.tensor(b)
+        if t is None:
+            vals.append(_moe.size_value(b))
+            continue
+        shape = _moe.concrete_shape(b)
+        if t.device not in gens:
+            gens[t.device] = torch.Generator(device=t.device).manual_seed(seed)
+        r = torch.randn(shape, generator=gens[t.device], device=t.device)
+        if b is f.x:
+            pass
+        elif b is f.weight or b is f.weight_t:
+            r = r * 2 * max(shape[-1] if b is f.weight else shape[0], 1) ** -0.5
+        elif b is f.bias:
+            r = r * 0.5
+        else:
+            r = r * 0.1
+        vals.append(r.to(device=t.device, dtype=t.dtype))
+    return vals
+
+
 def _verify(f: Found, cands: list[Spec]) -> tuple[int | None, str]:
+    """The first candidate that agrees with the region on every probe (about _PROBE_ROWS random rows)."""
     outputs = [f.tw, f.ids] + ([f.logits] if f.logits_out else [])
     gm = _moe.extract(f.nodes, f.inputs, outputs)
-    gens: dict[torch.device, torch.Generator] = {}
+    rows = max(1, _moe.concrete_shape(f.x)[0]) if _moe.concrete_shape(f.x) else 1
+    probes = min(_MAX_PROBES, -(-_PROBE_ROWS // rows))
     with _moe.concrete():
-        vals: list[Any] = []
-        for b in f.inputs:
-            t = _moe.tensor(b)
-            if t is None:
-                vals.append(_moe.size_value(b))
-                continue
-            shape = _moe.concrete_shape(b)
-            if t.device not in gens:
-                gens[t.device] = torch.Generator(device=t.device).manual_seed(0)
-            r = torch.randn(shape, generator=gens[t.device], device=t.device)
-            if b is f.x:
-                pass
-            elif b is f.weight or b is f.weight_t:
-                r = r * 2 * max(shape[-1] if b is f.weight else shape[0], 1) ** -0.5
-            elif b is f.bias:
-                r = r * 0.5
-            else:
-                r = r * 0.1
-            vals.append(r.to(device=t.device, dtype=t.dtype))
-        x, w = vals[0], vals[1]
-        best = (float("inf"), "")
-        try:
-            expected = gm(*vals)
-        except Exception as exc:  # noqa: BLE001
-            return None, f"the region does not run on random inputs: {type(exc).__name__}: {str(exc)[:160]}"
-        rest = vals[2:]
-        for i, spec in enumerate(cands):
-            args = list(rest)
-            bias = args.pop(0) if spec.has_bias else None
-            cb = args.pop(0) if spec.has_correction else None
+        draws = []
+        for seed in range(probes):
+            vals = _probe(f, seed)
             try:
-                tw, ids, logits = OP(x, w if spec.weight_given else w.t(), bias, cb, spec.kind, spec.top_k,
-                                     spec.renormalize, spec.n_group, spec.topk_group, spec.scaling, spec.logits_dtype,
-                                     spec.weights_dtype)
+                draws.append((vals, gm(*vals)))
             except Exception as exc:  # noqa: BLE001
-                best = min(best, (float("inf"), f"{spec.describe()}: {type(exc).__name__}: {str(exc)[:160]}"))
-                continue
-            if tw.dtype != expected[0].dtype or tw.shape != expected[0].shape:
-                best = min(best, (float("inf"), f"{spec.describe()}: weights {tw.dtype}{tuple(tw.shape)}, the "
-                                                f"region's {expected[0].dtype}{tuple(expected[0].shape)}"))
-                continue
-            if f.logits_out:
-                err = _moe.rel_error(logits, expected[2])
-                if logits.dtype != expected[2].dtype or err > REL_TOL.get(logits.dtype, 1e-5):
-                    best = min(best, (err, f"{spec.describe()}: logits differ (relative error {err:.3g})"))
-                    continue
-            score = logits.float()
-            if spec.kind == "sigmoid":
-                score = torch.sigmoid(score) + (cb.float() if cb is not None else 0.0)
-            why = _agree(ids, tw, expected[1], expected[0], score)
-            if why is None:
+                return None, f"the region does not run on random inputs: {type(exc).__name__}: {str(exc)[:160]}"
+        best = (float("inf"), "")
+        for i, spec in enumerate(cands):
+            for vals, expected in draws:
+                err, why = _disagreement(spec, vals, expected, f.logits_out)
+                if why:
+                    best = min(best, (err, f"{spec.describe()}: {why}"))
+                    break
+            else:
                 return i, ""
-            best = min(best, (_moe.rel_error(tw.sort(-1)[0], expected[0].sort(-1)[0]), f"{spec.describe()}: {why}"))
     return None, best[1]
+
+
+def _disagreement(spec: Spec, vals: list[Any], expected: Any, logits_out: bool) -> tuple[float, str]:
+    """(a distance, why) where the op read as ``spec`` differs from the region's ``expected`` on ``vals``;
+    (0, "") where it agrees."""
+    x, w, args = vals[0], vals[1], list(vals[2:])
+    bias = args.pop(0) if spec.has_bias else None
+    cb = args.pop(0) if spec.has_correction else None
+    try:
+        tw, ids, logits = OP(x, w if spec.weight_given else w.t(), bias, cb, spec.kind, spec.top_k,
+                             spec.renormalize, spec.n_group, spec.topk_group, spec.scaling, spec.logits_dtype,
+                             spec.weights_dtype)
+    except Exception as exc:  # noqa: BLE001
+        return float("inf"), f"{type(exc).__name__}: {str(exc)[:160]}"
+    if tw.dtype != expected[0].dtype or tw.shape != expected[0].shape:
+        return float("inf"), (f"weights {tw.dtype}{tuple(tw.shape)}, the region's "
+                              f"{expected[0].dtype}{tuple(expected[0].shape)}")
+    if logits_out:
+        err = _moe.rel_error(logits, expected[2])
+        if logits.dtype != expected[2].dtype or err > REL_TOL.get(logits.dtype, 1e-5):
+            return err, f"logits differ (relative error {err:.3g})"
+    score = logits.float()
+    if spec.kind == "sigmoid":
+        score = torch.sigmoid(score) + (cb.float() if cb is not None else 0.0)
+    why = _agree(ids, tw, expected[1], expected[0], score)
+    if why is None:
+        return 0.0, ""
+    return _moe.rel_error(tw.sort(-1)[0], expected[0].sort(-1)[0]), why
 
 
 _verdicts = _moe.Verdicts()

@@ -168,6 +168,8 @@ class _Builder:
                 out = _flat(fn(*values))
         except Exception as exc:  # noqa: BLE001 - eager refuses the variant
             raise _Invalid(f"{text}: {type(exc).__name__}: {exc}") from exc
+        if seen.undefined:
+            raise _Invalid(f"{text}: {seen.undefined}")
         if seen.allocated:
             # A step that allocates with torch.empty (HQQ's unpacking) and, once
             # mutated, reads what it never wrote (the allocation itself also used)
@@ -458,7 +460,10 @@ class _Dtypes(TorchDispatchMode):
     wrong weight, scale or group is off by the output's own magnitude.
     """
 
-    _CONTRACTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+    # (and the 1-D forms F.linear and matmul take for a vector: a bf16 product of
+    # 4097 terms through aten.mv was held to floor 0, one ulp of 13888 apart)
+    _CONTRACTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                     aten.mv.default, aten.addmv.default, aten.dot.default)
 
     _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                     aten.new_empty.default, aten.new_empty_strided.default)
@@ -469,6 +474,7 @@ class _Dtypes(TorchDispatchMode):
         self.terms = 0.0  # the largest sum_k |a_k b_k| of any contraction
         self.fill = fill  # what uninitialised allocations hold (see _Builder.step)
         self.allocated = False
+        self.undefined = ""  # why eager's value is not defined (an op reading past its operands' memory)
         self._carried: dict[int, tuple[torch.Tensor, float]] = {}  # id -> (tensor, the terms its error carries)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -489,6 +495,12 @@ class _Dtypes(TorchDispatchMode):
             terms = _bnb_terms(func, args, kwargs or {})
         else:
             terms = self._carry(func, args, kwargs or {})
+        if getattr(func, "namespace", None) == "bitsandbytes" and _bnb_strided(func, args, kwargs or {}):
+            # Its CPU kernels take raw pointers and read a packed weight or absmax as
+            # if contiguous (bitsandbytes 0.50 without the `kernels` package): an
+            # expanded weight (stride 0) read past its memory, a different eager
+            # value each process (1.4 apart on one fp16 block of a long run).
+            self.undefined = f"bitsandbytes' {func.overloadpacket.__name__} given a strided operand"
         if terms is not None:
             self.terms = max(self.terms, terms)
             for t in pytree.tree_leaves(out):
@@ -518,6 +530,17 @@ class _Dtypes(TorchDispatchMode):
 
     def floor(self, precision: torch.dtype) -> float:
         return 4 * _UNIT_ROUNDOFF.get(precision, 2.0**-8) * self.terms
+
+
+def _bnb_strided(func, args, kwargs) -> bool:
+    """A bitsandbytes op given a packed weight or absmax not contiguous, or activations whose rows are
+    not (what its CPU kernels' raw pointers cannot read)."""
+    names = [a.name for a in func._schema.arguments]
+    b = {**dict(zip(names, args)), **kwargs}
+    whole = [b.get(k) for k in ("B", "absmax")]
+    rows = [b.get("A")]
+    return (any(isinstance(t, torch.Tensor) and not t.is_contiguous() for t in whole)
+            or any(isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1 for t in rows))
 
 
 def _bnb_terms(func, args, kwargs) -> float:
