@@ -66,8 +66,9 @@ def _hqq_gemv(M: int, N: int, K: int, n_sm: int) -> Config:
     # thread and pair (16 values of each row: groups of 16 or more; smaller
     # groups give a thread several chunks), eight pairs per program at M = 1,
     # 8 x 16 bytes in flight per thread as int4's eight rows; fewer warps where
-    # K is short or the pairs and whole tiles make too few programs.  Not
-    # measured yet.
+    # K is short or the pairs and whole tiles make too few programs.  Timed
+    # as chosen, not swept (H200, 05d6c3f): 8.0 / 11.1 µs at M = 1 / 4 on
+    # 4096x4096 g64, 0.97-1.22x fusepass int4's time at M = 1.
     bn = 8 if M == 1 else max(1, 8 // _pow2(M))
     warps = 4
     while warps > 1 and (4 * 512 * warps > 5 * K or cdiv(N // 2, bn) * max(1, K // (512 * warps)) < 2 * n_sm):
@@ -81,7 +82,9 @@ def _gptq_gemv(M: int, N: int, K: int, n_sm: int) -> Config:
     # words per thread and word row, eight word rows of a thread in flight per
     # tile at M = 1 (128 bytes, as the int4 GEMV), four at more rows (their
     # sums take the registers); the split brings the grid to about four
-    # programs per SM.  Not measured yet.
+    # programs per SM.  Timed as chosen, not swept (H200, 05d6c3f): 9.9 /
+    # 14.7 µs at M = 1 / 4 on 4096x4096 g128, 1.3-1.5x fusepass int4's time
+    # at M = 1 (act-order: 18.3 / 22.6).
     bk = max(32, min(256 if M == 1 else 128, _pow2(K)))
     return Config("gemv", BN=128, BK=bk, warps=4, split=_auto_split(cdiv(N, 128), K, bk, n_sm))
 
@@ -90,9 +93,9 @@ def heuristic(p: Problem) -> Config:
     """The plan when there is no measured one (no entry for this GPU, the interpreter)."""
     M, N, K, fmt, G, dtype, n_sm = p.M, p.N, p.K, p.fmt, p.group, p.dtype, p.sms
     if fmt in LIBRARY_FORMATS:
-        # Not measured yet (the GPU run): the GEMV for a few rows (HQQ's and
-        # GPTQ's with loops of their own), the tensor-core kernel to 256 rows in
-        # 16-bit, dequantise + cuBLAS beyond.
+        # The GEMV for a few rows (HQQ's and GPTQ's with loops of their own),
+        # the tensor-core kernel to 256 rows in 16-bit, dequantise + cuBLAS
+        # beyond; only the first two timed (BENCHMARKS.md), none swept.
         if M <= GEMV_MAX_M and fmt == "hqq4" and N % 2 == 0:
             return _hqq_gemv(M, N, K, n_sm)
         if M <= GEMV_MAX_M and fmt.startswith("gptq4"):
