@@ -194,18 +194,17 @@ def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
     finite value: the step is then held to its own computation in fp64, and
     the values that depend on it are not compared end to end with eager.
 
-    End to end in fp32 and fp64, a value may also differ from eager by what
-    its upstream values' allowed differences become through it: an fp32
-    quantized linear's output within its summation floor (3.6e-5 relative,
-    K-term sums in another order), used as another linear's scale, moves that
-    linear's output by the same relative amount, 4e-5 against the table's
-    1e-5 (four programs of a 415-program run).  There each element may differ
-    by the table plus how far eager's own step moves when fed the compiled
-    upstream values (the replay); the step check holds the step itself to the
-    table.  Half precision keeps the magnitude allowance above instead: its
-    end-to-end check is what sees roundings biased the same way step after
-    step (the interpreter's truncating bf16 conversion, 2-3 ulps over three
-    roundings, each step within one).
+    A value may also differ from eager by what its upstream values' allowed
+    differences become through it: an fp32 quantized linear's output within
+    its summation floor (3.6e-5 relative, K-term sums in another order), used
+    as another linear's scale, moves that linear's output by the same relative
+    amount, 4e-5 against the table's 1e-5 (four programs of a 415-program
+    run); one bf16 ulp upstream of rsqrt(mean(x**3)) near zero moved it by 0.7
+    (one program of 435).  Where the table fails, an element of a value whose
+    step passed may differ by the table plus how far eager's own step moves
+    when fed the compiled upstream values (the replay).  So end to end adds
+    the drift of values no step checks; the step check holds every rewrite
+    to the table on its own inputs.
     """
     found = []
     got = dict(zip(program.returned, out))
@@ -251,7 +250,7 @@ def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
         half = program.precision[j] in (torch.float16, torch.bfloat16)
         err = _compare(got[j], program.eager[j], program.precision[j], program.scale[j] if half else 1.0,
                        program.floor[j], nonfinite_in=j in nonfinite, end_to_end=True)
-        if err and not half and j in replay:
+        if err and j in replay:
             err = _compare(got[j], program.eager[j], program.precision[j], 1.0, program.floor[j],
                            nonfinite_in=j in nonfinite, end_to_end=True, slack=replay[j])
         if err:
@@ -358,7 +357,10 @@ def _report_problems(program: Program, report: RewriteReport) -> list[str]:
     for b in selected:
         nm_reason = _near_miss_reason(b.spec)
         plain = not b.spec.mutation and all(o == Operand() for o in b.spec.operands)
-        if nm_reason and plain:
+        # (a near-miss drawn in a dtype its rule has no kernel for may be refused
+        # for the dtype first: int4's group of 16 in fp64, three programs of a run)
+        served = b.spec.dtype in next(r for r in rules() if r.name == b.spec.rule).dtypes
+        if nm_reason and plain and served:
             if not any(nm_reason in r for r in report.reasons()):
                 problems.append(f"{b.spec.label}: no refusal with {nm_reason!r}; got {sorted(set(report.reasons()))}")
     return problems
