@@ -528,7 +528,7 @@ def _verify(f: Found, cands: list[Spec]) -> tuple[int | None, str]:
     """The first candidate that agrees with the region on every probe (about _PROBE_ROWS random rows)."""
     outputs = [f.tw, f.ids] + ([f.logits] if f.logits_out else [])
     gm = _moe.extract(f.nodes, f.inputs, outputs)
-    rows = max(1, _moe.concrete_shape(f.x)[0]) if _moe.concrete_shape(f.x) else 1
+    rows = max(1, (_moe.concrete_shape(f.x) or [1])[0])
     probes = min(_MAX_PROBES, -(-_PROBE_ROWS // rows))
     with _moe.concrete():
         draws = []
