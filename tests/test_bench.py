@@ -223,6 +223,34 @@ def test_bench_e2e_quick(tmp_path, capsys):
     assert "wrote" in out.out
 
 
+def test_e2e_bitsandbytes_quantization():
+    """--quantize bnb-nf4: every linear but lm_head becomes bitsandbytes' Linear4bit (NF4, blocks of 64,
+    no double quantization), the model still answers close to its bf16 self, and the weight-read floor
+    counts the codes and absmax (each Params4bit's quant_state) rather than the bf16 weights."""
+    pytest.importorskip("transformers")
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+
+    from fusepass.bench.e2e.models import build, quantize, weight_bytes
+
+    model = build("tiny-llama", 2, torch.float32, "cpu")
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        expected = model(ids).logits
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not model.lm_head]
+    before = weight_bytes(model)
+    quantize(model, "bnb-nf4", 128)
+    q = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(q) == len(linears) == 14 and type(model.lm_head) is torch.nn.Linear
+    assert {m.weight.quant_state.quant_type for m in q} == {"nf4"} and {m.weight.quant_state.blocksize for m in q} == {64}
+    assert not any(m.weight.quant_state.nested for m in q)
+    codes = sum(m.weight.numel() for m in q) + sum(m.weight.quant_state.absmax.numel() * 4 for m in q)
+    assert weight_bytes(model) == before - sum(m.weight.numel() * 4 for m in linears) + codes
+    with torch.no_grad():
+        got = model(ids).logits
+    assert (got - expected).abs().max() < 0.25 * expected.abs().max()  # 4-bit weights: close, not equal
+
+
 def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
     """The startup phase's verdicts, from children's results (the real children
     run in tests/test_backend.py's warm-start test and on the GPU)."""

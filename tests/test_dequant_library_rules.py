@@ -96,7 +96,7 @@ class GptqTorchLinear(torch.nn.Module):
         super().__init__()
         for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
             self.register_buffer(name, t)
-        self.register_buffer("wf", torch.arange(0, 32, 4, dtype=torch.int32).unsqueeze(0))
+        self.register_buffer("wf", torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device).unsqueeze(0))
         self.bias, self.v1 = bias, v1
 
     def forward(self, x):
@@ -128,10 +128,10 @@ def test_gptq_torch_form(v1, act_order):
 
 
 def test_library_layouts_on_cuda(monkeypatch):
-    """On CUDA the code books (nf4, fp4) stay with bitsandbytes' kernel, and HQQ / GPTQ, where
-    enabled (dm._LIBRARY_GEMV), go to fusepass only at the GEMV's row counts (their own loops,
-    measured faster than Inductor on the GPU; HQQ at even N), refused elsewhere with the reason;
-    not enabled, they are refused on CUDA with theirs.  The CPU path always fuses."""
+    """On CUDA the library layouts go to fusepass only at the row counts their own loops were
+    measured faster at (HQQ and GPTQ to 8 rows against Inductor; NF4 / FP4 to 4 against
+    bitsandbytes' kernel, without double quantization; HQQ at even N), refused elsewhere with the
+    reason.  The CPU path always fuses."""
     import types
 
     from fusepass.patterns import dequant_matmul as dm
@@ -140,23 +140,23 @@ def test_library_layouts_on_cuda(monkeypatch):
     def cuda(*shape):
         return types.SimpleNamespace(device=torch.device("cuda"), shape=shape)
 
-    for fmt in ("nf4", "fp4"):
-        assert "bitsandbytes' own kernel is faster" in dm.check_library_device(cuda(1, 64), fmt), fmt
-    for fmt in ("hqq4", "gptq4"):
-        if fmt not in dm._LIBRARY_GEMV:
-            assert "not yet verified on a GPU" in dm.check_library_device(cuda(1, 64), fmt, 24)
-    monkeypatch.setattr(dm, "_LIBRARY_GEMV", ("hqq4", "gptq4"))
-    for fmt in ("hqq4", "gptq4"):
-        assert dm.check_library_device(cuda(2, 4, 64), fmt, 24) is None, fmt  # 8 rows
-        assert "9 rows" in dm.check_library_device(cuda(9, 64), fmt, 24), fmt
+    for fmt, most in (("hqq4", 8), ("gptq4", 8), ("nf4", 4), ("fp4", 4)):
+        assert dm.check_library_device(cuda(most // 2, 2, 64), fmt, 24) is None, fmt
+        reason = dm.check_library_device(cuda(most + 1, 64), fmt, 24)
+        assert f"{most + 1} rows" in reason, fmt
+        assert ("bitsandbytes' kernel" if fmt in ("nf4", "fp4") else "Inductor's path") in reason, fmt
         assert "dynamic" in dm.check_library_device(cuda(_Sym(), 64), fmt, 24)
+    for fmt in ("nf4", "fp4"):
+        assert "double quantization" in dm.check_library_device(cuda(1, 64), fmt, nested=True)
     assert "odd" in dm.check_library_device(cuda(1, 64), "hqq4", 25)
     assert dm.check_library_device(cuda(1, 64), "gptq4", 25) is None
     for fmt in ("nf4", "fp4", "hqq4", "gptq4"):
         assert dm.check_library_device(torch.empty(16, 1), fmt, 25) is None
+        assert dm.check_library_device(torch.empty(16, 1), fmt, 25, nested=True) is None
     # the rule asks for every matched linear: a CUDA activation of 16 rows is refused with that reason
     real = dm.check_library_device
-    monkeypatch.setattr(dm, "check_library_device", lambda x, fmt, n=None: real(cuda(*x.shape), fmt, n))
+    monkeypatch.setattr(dm, "check_library_device",
+                        lambda x, fmt, n=None, nested=False: real(cuda(*x.shape), fmt, n, nested))
     gen = torch.Generator().manual_seed(3)
     model = GptqTorchLinear(*gptq_weights(40, 256, 64, torch.float16, act_order=False, gen=gen)[:4])
     for rows, fused in ((16, False), (1, True)):
@@ -171,17 +171,11 @@ def test_library_layouts_on_cuda(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.xfail(reason="failed its one run (H200, 3ea2db9), cause not seen; the layouts stay off CUDA "
-                          "(patterns.dequant_matmul._LIBRARY_GEMV) until it passes", strict=False)
-def test_gpu_hqq_and_gptq_fuse_at_decode_sizes(monkeypatch):
-    """On the GPU, HQQ's library layer and GPTQ's torch form, enabled, are fused at one token (their
-    GEMV loops) and left to Inductor at sixteen, with the reason; both within the table of eager.
-    (Failed its one run on an H200, cause not seen: the layouts stay off on CUDA until it passes.)"""
+def test_gpu_hqq_and_gptq_fuse_at_decode_sizes():
+    """On the GPU, HQQ's library layer and GPTQ's torch form are fused at one token (their GEMV
+    loops) and left to Inductor at sixteen, with the reason; both within the table of eager."""
     hqq = pytest.importorskip("hqq.core.quantize")
-    from fusepass.patterns import dequant_matmul as dm
     from fusepass.patterns.dequant_matmul_gptq import gptq_weights
-
-    monkeypatch.setattr(dm, "_LIBRARY_GEMV", ("hqq4", "gptq4"))
 
     hqq.HQQLinear.set_backend(hqq.HQQBackend.PYTORCH)
     torch.manual_seed(0)
@@ -201,6 +195,32 @@ def test_gpu_hqq_and_gptq_fuse_at_decode_sizes(monkeypatch):
             if not fused:
                 assert any("16 rows" in r.reason for r in report.refusals), str(report)
             assert_close(out, expected, f"{rule} on CUDA, {rows} rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bnb_4bit_fuses_at_decode_sizes():
+    """On the GPU bitsandbytes' Linear4bit (NF4, FP4; with a bias) is fused at one and four tokens
+    (the code books' GEMV loop) and left to bitsandbytes' kernel at eight and with double
+    quantization, with the reasons; all within the table of eager."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    for quant, nested in (("nf4", False), ("fp4", False), ("nf4", True)):
+        lin = bnb.nn.Linear4bit(1024, 768, bias=True, compute_dtype=torch.bfloat16, quant_type=quant,
+                                compress_statistics=nested)
+        lin.weight = bnb.nn.Params4bit(torch.randn(768, 1024) / 32, requires_grad=False, quant_type=quant,
+                                       compress_statistics=nested)
+        lin = lin.cuda().eval()
+        for rows, fused in ((1, not nested), (4, not nested), (8, False)):
+            x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
+            torch._dynamo.reset()
+            with torch.no_grad():
+                expected = lin(x)
+                out, report = compile_and_run(lin, [x], rules=LIB_RULES)
+            assert report.count("dequant_matmul_bnb") == int(fused), (quant, nested, rows, str(report))
+            if not fused:
+                assert any("bitsandbytes' kernel" in r.reason for r in report.refusals), str(report)
+            assert_close(out, expected, f"bitsandbytes {quant}{' nested' if nested else ''} on CUDA, {rows} rows")
 
 
 class _Sym:

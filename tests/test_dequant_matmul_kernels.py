@@ -49,7 +49,7 @@ PATHS = {
 
 
 def _problem(M, N, K, fmt, group, dtype, gpu="test", sms=132):
-    return Problem(m_bucket(max(1, M)), N, K, fmt, group if fmt == "int4" else 0, dtype, gpu, sms)
+    return Problem(m_bucket(max(1, M)), N, K, fmt, group if fmt in ("int4", "nf4", "fp4") else 0, dtype, gpu, sms)
 
 
 def _valid(cfg, M, K, fmt, group, dtype):
@@ -714,6 +714,17 @@ LIB_GEMV_CASES = {
     "gptq4_v1-g32-M2-bf16": ("gptq4_v1", 20, 96, 32, False, None, dm.Config("gemv", BN=16, BK=32, split=2), 2,
                              torch.bfloat16),
     "gptq4_v1-act-M3-fp32": ("gptq4_v1", 20, 64, 32, True, None, dm.Config("gemv", BN=8, BK=32), 3, torch.float32),
+    # The code books' loop (bitsandbytes' NF4 / FP4): N = 13, not whole blocks of BN; a 16-byte chunk per
+    # block of 32 or more, half a smaller block; K = 192 with BK = 128: the last tile half past K (masked).
+    "nf4-g64-M1-bf16": ("nf4", 13, 256, 64, False, None, dm.Config("gemv", BN=8, BK=64), 1, torch.bfloat16),
+    "nf4-g64-M3-fp16-splitk": ("nf4", 13, 256, 64, False, None, dm.Config("gemv", BN=4, BK=64, split=2), 3,
+                               torch.float16),
+    "nf4-g32-M2-fp32-masked": ("nf4", 13, 192, 32, False, None, dm.Config("gemv", BN=4, BK=128), 2, torch.float32),
+    "fp4-g128-M5-bf16-splitk": ("fp4", 13, 512, 128, False, None, dm.Config("gemv", BN=2, BK=128, split=3), 5,
+                                torch.bfloat16),
+    "fp4-g16-M1-fp32": ("fp4", 13, 96, 16, False, None, dm.Config("gemv", BN=8, BK=32), 1, torch.float32),
+    "nf4-g48-M2-bf16": ("nf4", 13, 192, 48, False, None, dm.Config("gemv", BN=8, BK=64), 2,  # value by value
+                        torch.bfloat16),
 }
 
 
@@ -725,7 +736,8 @@ def _lib_gemv(case, seed=0, inf=False):
         x[M - 1, K - 3] = float("-inf")
     b = torch.randn(N).to(dtype) if M % 2 else None
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    launch._launch(x, w, s, z, b, out, fmt, group if fmt == "hqq4" else 0, cfg, g_idx=g, shifts=shifts)
+    launch._launch(x, w, s, z, b, out, fmt, group if fmt in ("hqq4", "nf4", "fp4") else 0, cfg, g_idx=g,
+                   shifts=shifts)
     ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group, g_idx=g, shifts=shifts)
     return out, ref
 
@@ -741,7 +753,8 @@ def test_library_gemv_loops_match_reference(case):
     torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol)
 
 
-@pytest.mark.parametrize("case", ["hqq4-g32-M3-fp16-splitk", "gptq4-g32-M3-fp16", "gptq4_v1-act-M3-fp32"])
+@pytest.mark.parametrize("case", ["hqq4-g32-M3-fp16-splitk", "gptq4-g32-M3-fp16", "gptq4_v1-act-M3-fp32",
+                                  "nf4-g64-M3-fp16-splitk"])
 def test_library_gemv_non_finite_activation_like_the_dequantised_matmul(case):
     # The zero point is subtracted from each code, not folded out of the sum (inf - inf = NaN).
     out, ref = _lib_gemv(case, inf=True)
@@ -785,6 +798,23 @@ def test_gptq_gemv_checks_every_word_of_its_slice(monkeypatch):
     assert not calls or not interpreting()
 
 
+@pytest.mark.skipif(not interpreting(), reason="counts helper calls of the interpreted kernel")
+def test_codebook_gemv_takes_its_loop_on_whole_chunks(monkeypatch):
+    """The code books' loop (one lookup per value, tiles._codebook_pair) runs where a
+    block is whole 16-byte chunks (or half a block under 32) and the tile whole
+    chunks; a block of 48 reads value by value."""
+    from fusepass.kernels.dequant_matmul import gemv
+
+    calls = []
+    real = gemv._codebook_pair
+    monkeypatch.setattr(gemv, "_codebook_pair", lambda *a: calls.append(1) or real(*a))
+    for case, loop in (("nf4-g64-M1-bf16", True), ("fp4-g16-M1-fp32", True), ("nf4-g48-M2-bf16", False)):
+        calls.clear()
+        _lib_gemv(case)
+        assert bool(calls) == loop, case
+    assert not launch.own_loop("nf4", 64, 64, dm.Config("gemv", BN=8, BK=48))  # a tile of 1.5 chunks
+
+
 def test_library_gemv_plans():
     """The GEMV range of HQQ (even N) and GPTQ plans their own loops: HQQ a
     16-byte chunk per thread and pair, GPTQ 128 columns; odd N, nf4 and more rows
@@ -803,17 +833,29 @@ def test_library_gemv_plans():
     assert plans.heuristic(p).BK == 256 and not launch.hqq_pairs("hqq4", 4097)
     assert not launch.gemv_asm("hqq4", 64, 4096, dm.Config("gemv", BN=8, BK=256))  # a thread's chunk is not whole
     assert plans.heuristic(_problem(9, 4096, 4096, "gptq4", 0, torch.bfloat16)).kind == "mm"
+    # The code books: the int4 GEMV's tiles where blocks are whole chunks, each thread a whole chunk (the
+    # shuffles convert four bytes at a time); blocks of 48 value by value.
+    for M in (1, 4, 8):
+        for N, K in ((4096, 4096), (14336, 4096), (4096, 14336)):
+            for fmt, G in (("nf4", 64), ("fp4", 64), ("nf4", 128), ("nf4", 32)):
+                p = _problem(M, N, K, fmt, G, torch.bfloat16)
+                cfg = plans.heuristic(p)
+                assert cfg.kind == "gemv" and launch.own_loop(fmt, N, G, cfg) and launch.gemv_asm(fmt, G, N, cfg), \
+                    (M, N, K, fmt, G, cfg)
+    p = _problem(1, 4096, 4032, "nf4", 48, torch.bfloat16)
+    assert not launch.own_loop("nf4", 4096, 48, plans.heuristic(p))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,group,act_order", [("hqq4", 64, False), ("hqq4", 32, False), ("gptq4", 128, False),
+@pytest.mark.parametrize("fmt,group,act_order", [("nf4", 64, False), ("fp4", 64, False), ("nf4", 128, False),
+                                                 ("hqq4", 64, False), ("hqq4", 32, False), ("gptq4", 128, False),
                                                  ("gptq4", 128, True), ("gptq4_v1", 32, False)])
 def test_gpu_library_gemv_loops(fmt, group, act_order):
-    """HQQ's and GPTQ's GEMV loops on the GPU, with the inline-PTX conversions the
-    interpreter never runs: the op's plan at M = 1-8 against the reference, with
-    infinite activations, and the op at M = 1 in a CUDA graph."""
+    """The code books', HQQ's and GPTQ's GEMV loops on the GPU, with the inline-PTX
+    conversions and shuffles the interpreter never runs: the op's plan at M = 1-8
+    against the reference, with infinite activations, and the op at M = 1 in a CUDA graph."""
     N, K = 4096, 4096
-    G = group if fmt == "hqq4" else 0
+    G = group if fmt in ("hqq4", "nf4", "fp4") else 0
     for M, dtype in ((1, torch.bfloat16), (2, torch.float16), (5, torch.bfloat16), (8, torch.float32)):
         x, w, s, z, g, _ = (t.cuda() if isinstance(t, torch.Tensor) else t
                             for t in library_inputs(fmt, M, N, K, dtype, seed=M, group=group, act_order=act_order))

@@ -240,48 +240,45 @@ def check_activation(x: torch.Tensor) -> str | None:
     return None
 
 
-# On CUDA a library layout goes to fusepass only where it has a loop of its
-# own.  H200, CUDA-graph time, cold weights, 4096x4096 (python -m
-# fusepass.bench.registry.dequant_library --gpu-run --ms 1,4,16, 05d6c3f):
-# HQQ g64 8.0 / 11.1 µs at M = 1 / 4 (Inductor on HQQ's torch form, M = 1:
-# 25.0; fusepass's own int4 g64: 6.5 / 16.0), GPTQ g128 9.9 / 14.7 and
-# act-order 18.3 / 22.6 (Inductor 28.5); at 14336x4096 and 4096x14336 HQQ is
-# 0.97-1.00x int4's time at M = 1, 0.69-0.70x at M = 4.  Beyond the GEMV's 8
-# rows these layouts are read value by value (kernels.dequant_matmul.tiles.
-# _library_tile): 52.6 (HQQ) and 143.7 µs (GPTQ) at M = 16 against bf16
-# cuBLAS's 13.5.  NF4 / FP4 always are: 43.2 / 130.2 µs at M = 1 / 16
-# against bitsandbytes' own kernel's 10.4 / 30.2.
-# The GEMV loops passed their own GPU tests (H200), but the rules' compiled
-# path on CUDA (tests/test_dequant_library_rules.py's GPU test, HQQ's layer
-# and GPTQ's torch form at 1 and 16 rows) failed its one run there, cause not
-# yet seen: until it passes, no library layout goes to fusepass on CUDA
-# (_LIBRARY_GEMV lists those that do).
-_LIBRARY_GEMV: tuple[str, ...] = ()
-_LIBRARY_ON_CUDA = {
-    "nf4": "bitsandbytes' own kernel is faster (H200, 4096x4096: 10.4 against fusepass's 43.2 µs at M = 1)",
-    "fp4": "bitsandbytes' own kernel is faster (H200, 4096x4096: 10.5 against fusepass's 43.7 µs at M = 1)",
-    "hqq4": "fusepass's HQQ loop is faster at up to 8 rows (H200, 4096x4096, M = 1: 8.0 against Inductor's 25.0 "
-            "µs) but its compiled path is not yet verified on a GPU",
-    "gptq4": "fusepass's GPTQ loop is faster at up to 8 rows (H200, 4096x4096, M = 1: 9.9 against Inductor's "
-             "28.5 µs) but its compiled path is not yet verified on a GPU; fusepass.load_quantized takes a GPTQ "
-             "checkpoint to the int4 kernels",
-}
+# On CUDA a library layout goes to fusepass only where its loop of its own is
+# faster than the library's or Inductor's path.  H200, CUDA-graph time, cold
+# weights (python -m fusepass.bench.registry.dequant_library --gpu-run --ms
+# 1,4,8,16, 833cfc7 + the code-book loop):
+# - HQQ g64 and GPTQ g128 (05d6c3f): 8.0 / 11.1 and 9.9 / 14.7 µs at M = 1 / 4 on
+#   4096x4096 against Inductor on their torch forms' 25.0 and 28.5 at M = 1;
+#   beyond the GEMV's 8 rows they are read value by value (tiles._library_tile):
+#   52.6 (HQQ) and 143.7 µs (GPTQ) at M = 16 against bf16 cuBLAS's 13.5.
+# - NF4 / FP4, blocks of 64: at M = 1 7.1-7.4 / 17.1-17.2 / 18.1-18.2 µs on
+#   4096x4096 / 4096x14336 / 14336x4096 against bitsandbytes' own kernel's
+#   10.6 / 29.5 / 28.9 (1.42-1.73x), at M = 4 1.53-1.78x; at M = 8 14336x4096
+#   takes 86.8 against its 67.6, and at M = 16 (value by value) 131-453 against
+#   30-110.  Double quantization's absmax, expanded before the loop each call,
+#   costs more than the loop saves at M = 1 (14336x4096: 38.8 against 29.2).
+_LIBRARY_GEMV = {"hqq4": GEMV_MAX_M, "gptq4": GEMV_MAX_M, "nf4": 4, "fp4": 4}  # format -> most rows on CUDA
+_BNB_KERNEL = "left to bitsandbytes' kernel on CUDA: "
+_INDUCTOR_PATH = "left to Inductor's path on CUDA: "
 
 
-def check_library_device(x: torch.Tensor, fmt: str, n=None) -> str | None:
+def check_library_device(x: torch.Tensor, fmt: str, n=None, nested: bool = False) -> str | None:
     """A refusal on CUDA for a library layout (``fmt`` nf4, fp4, hqq4, gptq4) where fusepass's kernel is
-    slower than the library's or Inductor's path: the code books always, HQQ and GPTQ beyond the GEMV's rows
-    (and HQQ at an odd N, ``n``, whose rows do not pair)."""
+    slower than the library's or Inductor's path: beyond the rows its GEMV loop wins at (``_LIBRARY_GEMV``),
+    HQQ at an odd N (``n``, rows that do not pair) and bitsandbytes' double quantization (``nested``)."""
     if x.device.type != "cuda":
         return None
-    if fmt not in _LIBRARY_GEMV:
-        return "left to the library's path on CUDA: " + _LIBRARY_ON_CUDA[fmt]
+    bnb = fmt in ("nf4", "fp4")
+    where = _BNB_KERNEL if bnb else _INDUCTOR_PATH
+    most = _LIBRARY_GEMV.get(fmt, 0)
+    if bnb and nested:
+        return where + ("double quantization: fusepass expands the absmax before its loop each call, slower than "
+                        "bitsandbytes' kernel (H200, 14336x4096, M = 1: 38.8 against 29.2 µs)")
     rows = math.prod(x.shape[:-1])
-    where = "left to Inductor's path on CUDA: "
     if not isinstance(rows, int):
-        return where + f"the row count is dynamic ({rows}); fusepass's {fmt} loop covers at most {GEMV_MAX_M} rows"
-    if rows > GEMV_MAX_M:
-        return (where + f"{rows} rows; beyond {GEMV_MAX_M} fusepass reads {fmt} value by value (H200, 4096x4096, "
+        return where + f"the row count is dynamic ({rows}); fusepass's {fmt} loop covers at most {most} rows"
+    if rows > most:
+        if bnb:
+            return where + (f"{rows} rows; fusepass's {fmt} loop is faster to {most} (H200, 14336x4096, M = 8: "
+                            "86.8 against bitsandbytes' 67.6 µs)")
+        return (where + f"{rows} rows; beyond {most} fusepass reads {fmt} value by value (H200, 4096x4096, "
                 f"M = 16: {'52.6' if fmt == 'hqq4' else '143.7'} µs against bf16 cuBLAS's 13.5)")
     if fmt == "hqq4" and isinstance(n, int) and n % 2:
         return where + f"N = {n} is odd: HQQ's rows n and n + N / 2 do not pair (fusepass would read it value by value)"

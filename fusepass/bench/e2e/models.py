@@ -152,6 +152,8 @@ def build(name: str, layers: str | int, dtype: torch.dtype, device: str, seed: i
 def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.nn.Module:
     if not fmt:
         return model
+    if fmt.startswith("bnb-"):
+        return _bitsandbytes_4bit(model, fmt[4:])
     if fmt == "torchao-int8":  # torchao's int8 weight-only tensor subclass, lm_head kept in bf16 as below
         try:
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -168,10 +170,38 @@ def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.
     return model
 
 
+def _bitsandbytes_4bit(model: torch.nn.Module, quant_type: str) -> torch.nn.Module:
+    """Every linear but lm_head as bitsandbytes' Linear4bit (``quant_type`` nf4 or fp4, blocks of 64,
+    no double quantization: BitsAndBytesConfig's defaults), quantized by bitsandbytes on the model's device."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        raise SystemExit("fusepass bench e2e: --quantize bnb-* needs bitsandbytes (pip install bitsandbytes)") from exc
+    for name, parent in list(model.named_modules()):
+        for child_name, lin in list(parent.named_children()):
+            if type(lin) is not torch.nn.Linear or f"{name}.{child_name}".endswith("lm_head"):
+                continue
+            w = lin.weight
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=w.dtype,
+                                  compress_statistics=False, quant_type=quant_type, device="meta")
+            q.weight = bnb.nn.Params4bit(w.data, requires_grad=False, compress_statistics=False,
+                                         quant_type=quant_type)
+            if lin.bias is not None:
+                q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
+            setattr(parent, child_name, q.to(w.device).eval())
+    return model
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """What one decode step reads: every parameter and buffer once, the input embedding excluded
     (B rows of it are read) unless the output layer shares it."""
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    # bitsandbytes keeps a 4-bit weight's absmax (and nested absmax) on the weight's quant_state
+    states = [getattr(t, "quant_state", None) for t in tensors.values()]
+    for st in filter(None, states):
+        for part in (st, getattr(st, "state2", None)):
+            if part is not None and isinstance(getattr(part, "absmax", None), torch.Tensor):
+                tensors[id(part.absmax)] = part.absmax
     total = sum(_nbytes(t) for t in tensors.values())
     embed = model.get_input_embeddings().weight
     out = model.get_output_embeddings()

@@ -39,8 +39,8 @@ dtype = getattr(torch, spec["dtype"])
 with torch.device(spec["device"]):
     model = cls._from_config(config, dtype=dtype).eval()
 if spec["quantize"]:
-    import fusepass
-    fusepass.quantize(model, fmt=spec["quantize"], group_size=spec["group_size"])  # in place
+    from fusepass.bench.e2e.models import quantize
+    quantize(model, spec["quantize"], spec["group_size"])  # in place
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(0, config.vocab_size, (1, spec["prompt"]), generator=g).to(spec["device"])
 sync = torch.cuda.synchronize if spec["device"] == "cuda" else (lambda: None)

@@ -41,6 +41,9 @@ CUBLAS = Config("cublas")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 GEMV_MAX_M = 8  # the GEMV's per-row FMA loop is unrolled M times
 _GROUP_M = 8
+# Formats whose plan depends on the group (block) size: int4's tiles lie inside
+# a group; the code books' GEMV loop runs on whole blocks (codebook_chunk).
+_BLOCKED = ("int4", "nf4", "fp4")
 
 
 def _pow2(n: int) -> int:
@@ -59,6 +62,15 @@ def _k_split(K: int, BK: int, split: int) -> tuple[int, int, bool]:
     k_split = cdiv(cdiv(K, max(1, split)), BK) * BK
     n = cdiv(K, k_split)
     return k_split, n, k_split * n == K
+
+
+def codebook_chunk(G: int) -> int:
+    """Bytes of a thread's chunk in the code-book GEMV (gemv._codebook_gemv): 16 (32
+    values) inside a block of G >= 32, half a smaller block; 0 where G is odd or a
+    block of 32 or more is not whole chunks (those go value by value)."""
+    if G % 2 or (G >= 32 and G % 32):
+        return 0
+    return 16 if G >= 32 else G // 2
 
 
 @functools.cache
@@ -90,13 +102,13 @@ class Problem:
     def of(cls, M: int, N: int, K: int, fmt: str, group_size: int, dtype: torch.dtype,
            device: torch.device | str) -> Problem:
         device = torch.device(device)
-        return cls(m_bucket(max(1, M)), N, K, fmt, group_size if fmt == "int4" else 0, dtype, gpu_name(device),
+        return cls(m_bucket(max(1, M)), N, K, fmt, group_size if fmt in _BLOCKED else 0, dtype, gpu_name(device),
                    sm_count(device))
 
     @property
     def key(self) -> str:
         prec = "fp32" if self.dtype == torch.float32 else "16bit"
-        g = f"g{self.group}" if self.fmt == "int4" else "gc"
+        g = f"g{self.group}" if self.fmt in _BLOCKED else "gc"
         return f"{self.gpu}|{self.fmt}-{g}|{prec}|M{self.M}|N{self.N}|K{self.K}"
 
 

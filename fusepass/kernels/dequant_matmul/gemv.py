@@ -1,11 +1,12 @@
 """The GEMV kernel: one to a few rows of x against a weight stream.
 
-fusepass's own layouts (int4, int8, fp8) and two of the libraries' have a loop
+fusepass's own layouts (int4, int8, fp8) and three of the libraries' have a loop
 of their own, reading each stored byte once with wide loads: HQQ's 4-bit
 (``_hqq_gemv``: the two nibbles of a byte are two output rows) and GPTQ's
-(``_gptq_gemv``: words of eight codes along K, read across N).  The
-code-book layouts (nf4, fp4) and an HQQ weight of odd N go value by value
-(``tiles._library_tile``)."""
+(``_gptq_gemv``: words of eight codes along K, read across N), and the
+code books' (``_codebook_gemv``: NF4 / FP4, each code a shuffle from the lane
+holding its value).  An HQQ weight of odd N and a code book's odd block go
+value by value (``tiles._library_tile``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import triton
 import triton.language as tl
 
 from fusepass.kernels.dequant_matmul.tiles import (
+    _codebook_pair,
     _finish,
     _int8_to_f32,
+    _lane_table,
     _library_tile,
     _nibbles_128,
     _pair_to_f32,
@@ -94,6 +97,68 @@ def _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_
     o_p = i_n * BN + o_r % BN  # the pair of each column of acc
     o_n = o_p + (o_r // BN) * H
     m_n = o_p < H
+    m_o = (o_m[:, None] < M) & m_n[None, :]
+    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
+            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+
+
+@triton.jit
+def _codebook_gemv(x2, w, scale, code, bias, out, part, ctr, M, N, K, K_SPLIT, stride_x2m, stride_wn, stride_sn,
+                   DT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                   SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr):
+    # bitsandbytes' NF4 / FP4: bytes [N, K / 2], the high nibble the even k, an
+    # fp32 absmax per G values of a row.  The int4 loop's structure: a thread
+    # owns a chunk of VB bytes (16: one vector load, 32 codes inside one block)
+    # of each of the BN rows and the VB matching pairs of x; the rows a static
+    # loop, one sum per row and chunk, scaled once by its absmax.  A code's
+    # value is a shuffle from the lane holding that entry of the code book
+    # (tiles._codebook_pair), then one FMA.
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    VB: tl.constexpr = 16 if G >= 32 else G // 2
+    NCH: tl.constexpr = BK // (2 * VB)
+    o_c = tl.arange(0, NCH)
+    o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
+    o_m = tl.arange(0, BM)
+    o_r = tl.arange(0, BN)
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    tab = _lane_table(code, tl.zeros([NCH, VB], dtype=tl.int32), ASM)
+    acc3 = tl.zeros([BM, BN, NCH], dtype=tl.float32)  # chunks last: spread over the threads
+    for k0 in range(k_lo, k_hi, BK):
+        kp0 = tl.multiple_of(k0 // 2, BK // 2)  # k_lo and the step are whole tiles
+        m_c = 2 * kp0 + o_c * (2 * VB) < k_hi  # [NCH]: chunks inside the slice (a block never straddles it)
+        o_g = (2 * kp0 + o_c * (2 * VB)) // G
+        if BM == 1:
+            if EVEN_K:
+                b_x = tl.load(x2 + kp0 + o_b)
+            else:
+                b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
+            b_xe, b_xo = _pair_to_f32(b_x, DT)
+        for r in tl.static_range(BN):
+            n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
+            p_wr = w + n.to(tl.int64) * stride_wn + kp0
+            if EVEN_K:
+                b_q = tl.load(p_wr + o_b)
+            else:
+                b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
+            b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0)  # [NCH] fp32 absmax
+            b_ve, b_vo = _codebook_pair(b_q, tab, code, ASM)
+            for m in tl.static_range(BM):
+                if BM > 1:
+                    # Rows past M read row M - 1 (their sums are never stored): no row mask.
+                    p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_b
+                    if EVEN_K:
+                        b_x = tl.load(p_x)
+                    else:
+                        b_x = tl.load(p_x, mask=m_c[:, None], other=0)
+                    b_xe, b_xo = _pair_to_f32(b_x, DT)
+                b_d = tl.sum(b_ve * b_xe + b_vo * b_xo, axis=1) * b_s  # [NCH]
+                # (the where folds away: each register's row and column are constants)
+                acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
+    acc = tl.sum(acc3, axis=2)
+    o_n = i_n * BN + o_r
+    m_n = o_n < N
     m_o = (o_m[:, None] < M) & m_n[None, :]
     _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
             i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
@@ -330,16 +395,20 @@ def _dequant_gemv_kernel(
     stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr,
-    PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT)
     # (HQQ: BN pairs of rows; GPTQ: BN columns of its [K, N] words).
     # EVEN_K: the slices cover K exactly and BK divides K_SPLIT, so no load along K
-    # is masked and the loads stay 16-byte vectors.  PAIRS: an HQQ weight of even N
-    # (_hqq_gemv); HQQ of odd N has no such pairs of rows and goes value by value.
-    if FMT == "hqq4" and PAIRS:
+    # is masked and the loads stay 16-byte vectors.  LOOP: a library layout's loop of
+    # its own, an HQQ weight of even N (_hqq_gemv) or a code book's whole blocks
+    # (_codebook_gemv); HQQ of odd N has no pairs of rows and goes value by value.
+    if FMT == "hqq4" and LOOP:
         _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm, stride_sn, G, HAS_BIAS,
                   PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)
+    elif (FMT == "nf4" or FMT == "fp4") and LOOP:
+        _codebook_gemv(x2, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_x2m, stride_wn, stride_sn,
+                       x.dtype.element_ty, G, HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)
     elif FMT == "gptq4" or FMT == "gptq4_v1":
         _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm,
                    stride_x2m, stride_wn, stride_sn, FMT == "gptq4_v1", HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM,

@@ -17,7 +17,7 @@ import functools
 
 from fusepass.formats import CODEBOOKS, LIBRARY_FORMATS, codebook, out_features
 from fusepass.kernels._common import Launch, cdiv, interpreting
-from fusepass.kernels.dequant_matmul.config import _GROUP_M, Config, _k_split, _pow2
+from fusepass.kernels.dequant_matmul.config import _GROUP_M, Config, _k_split, _pow2, codebook_chunk
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.dequant_matmul.dequant import _dequant_kernel
 from fusepass.kernels.dequant_matmul.gemv import _dequant_gemv_kernel
@@ -79,17 +79,29 @@ def hqq_pairs(fmt: str, N: int) -> bool:
     return fmt == "hqq4" and N % 2 == 0
 
 
+def own_loop(fmt: str, N: int, G: int, cfg: Config) -> bool:
+    """Whether a library layout's GEMV runs its own loop (gemv._hqq_gemv,
+    _codebook_gemv; GPTQ's always does) rather than value by value."""
+    if fmt in CODEBOOKS:
+        vb = codebook_chunk(G)
+        return vb > 0 and cfg.BK % (2 * vb) == 0
+    return hqq_pairs(fmt, N)
+
+
 def gemv_asm(fmt: str, G: int, N: int, cfg: Config) -> bool:
     """Whether a GEMV on the GPU converts codes with inline PTX (tiles._nibbles_128,
-    _word_128).  _nibbles_128 converts the bytes of a thread four at a time: int4
-    needs 4-byte chunks within a group (G >= 8); HQQ's pairs, chunks of 16 bytes
-    (G a multiple of 16) and a tile deep enough that each thread holds a whole
-    chunk (BK >= 16 bytes x 32 x warps: fewer, and Triton gives a thread single
-    bytes).  GPTQ's words convert one at a time."""
+    _word_128, _codebook_pair).  _nibbles_128 converts the bytes of a thread four at a time: int4
+    needs 4-byte chunks within a group (G >= 8); HQQ's pairs and the code books,
+    whole chunks of a multiple of 4 bytes and a tile deep enough that each thread
+    holds a whole chunk (fewer, and Triton gives a thread single bytes).  GPTQ's
+    words convert one at a time."""
     if fmt == "int4":
         return G >= 8
     if hqq_pairs(fmt, N):
         return G % 16 == 0 and cfg.BK >= 512 * cfg.warps
+    if fmt in CODEBOOKS:
+        vb = codebook_chunk(G)
+        return own_loop(fmt, N, G, cfg) and vb % 4 == 0 and cfg.BK >= 2 * vb * 32 * cfg.warps
     return fmt.startswith("gptq4")
 
 
@@ -133,17 +145,18 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
     outputs = ("out",) + (("part",) if split > 1 else ()) + (("ctr",) if ctr is not None else ())
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda
     if cfg.kind == "gemv":
-        # int4 and GPTQ read x as value pairs.  HQQ's pairs of rows read the bytes
-        # flat, n K + k (a strided W_q, which the rule refuses, is copied).
-        pairs = hqq_pairs(fmt, N)
-        if pairs and not w.is_contiguous():
+        # int4, GPTQ and the code books' loop read x as value pairs.  HQQ's pairs
+        # of rows read the bytes flat, n K + k (a strided W_q, which the rule
+        # refuses, is copied).
+        loop = own_loop(fmt, N, G, cfg)
+        if loop and fmt == "hqq4" and not w.is_contiguous():
             w = w.contiguous()
             args.update(w=w, stride_wn=w.stride(0))
-        xp = _pairs(x) if fmt == "int4" or fmt.startswith("gptq4") else x
+        xp = _pairs(x) if fmt == "int4" or fmt.startswith("gptq4") or fmt in CODEBOOKS else x
         asm = x.is_cuda and not interpreting() and gemv_asm(fmt, G, N, cfg)
-        return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if pairs else N, cfg.BN), split),
+        return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if fmt == "hqq4" and loop else N, cfg.BN), split),
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "BM": _pow2(M), "ASM": asm,
-                       "PAIRS": pairs}, outputs, cfg.warps, cfg.stages)
+                       "LOOP": loop}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mmt":
         # int4 always, int8 in whole tiles: the weight read as int32 words (see the kernel)
         words = fmt == "int4" or (fmt == "int8" and even and K % 4 == 0)

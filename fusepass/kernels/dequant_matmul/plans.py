@@ -24,7 +24,7 @@ import torch
 
 from fusepass.formats import KERNEL_DTYPES, LIBRARY_FORMATS
 from fusepass.kernels._common import cdiv
-from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, valid
+from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, codebook_chunk, valid
 
 log = logging.getLogger("fusepass")
 
@@ -93,13 +93,17 @@ def heuristic(p: Problem) -> Config:
     """The plan when there is no measured one (no entry for this GPU, the interpreter)."""
     M, N, K, fmt, G, dtype, n_sm = p.M, p.N, p.K, p.fmt, p.group, p.dtype, p.sms
     if fmt in LIBRARY_FORMATS:
-        # The GEMV for a few rows (HQQ's and GPTQ's with loops of their own),
+        # The GEMV for a few rows (HQQ's, GPTQ's and the code books' with loops of their own),
         # the tensor-core kernel to 256 rows in 16-bit, dequantise + cuBLAS
         # beyond; only the first two timed (BENCHMARKS.md), none swept.
         if M <= GEMV_MAX_M and fmt == "hqq4" and N % 2 == 0:
             return _hqq_gemv(M, N, K, n_sm)
         if M <= GEMV_MAX_M and fmt.startswith("gptq4"):
             return _gptq_gemv(M, N, K, n_sm)
+        if M <= GEMV_MAX_M and fmt in ("nf4", "fp4") and codebook_chunk(G):
+            # The code books' loop (gemv._codebook_gemv) is the int4 loop with a
+            # shuffle per value for the conversion: the int4 GEMV's tiles.
+            return _int4_gemv(M, N, K, G, n_sm)
         if M <= GEMV_MAX_M:
             bn = 8 if M == 1 else max(1, 8 // _pow2(M))
             return Config("gemv", BN=bn, BK=256, split=_auto_split(cdiv(N, bn), K, 256, n_sm), warps=4)

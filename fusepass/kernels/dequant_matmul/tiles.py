@@ -104,6 +104,53 @@ def _word_128(b_w, ASM: tl.constexpr):
 
 
 @triton.jit
+def _lane_table(code, like, ASM: tl.constexpr):
+    """For _codebook_pair's shuffles: tensor ``like``'s shape, each element the code
+    book's entry (lane id mod 16) of the thread holding it, as int32 bits (the 16
+    values twice across a warp).  Without ASM, nothing is read (0s)."""
+    if ASM:
+        lane = tl.inline_asm_elementwise(asm="mov.u32 $0, %laneid;", constraints="=r,r", args=[like.to(tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+        return tl.load(code + (lane & 15)).to(tl.int32, bitcast=True)
+    return like.to(tl.int32) * 0
+
+
+@triton.jit
+def _codebook_pair(b_q, tab, code, ASM: tl.constexpr):
+    """uint8 bytes of a code-book format (bitsandbytes': the high nibble the even
+    value) -> (CODE[high nibble], CODE[low nibble]) as fp32.  ASM: on the GPU each
+    value is one SHFL from the lane whose ``tab`` (_lane_table) holds it: shfl.idx
+    reads the low five bits of the lane index, so the byte shifted to its nibble
+    needs no mask (the table is in both halves of the warp); a shift and a shuffle
+    per value, no address.  Elsewhere (the interpreter) a lookup in the 16 values
+    at ``code`` (64 bytes, L1-resident on a GPU)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            shr.b32 t, $8, 4;
+            shfl.sync.idx.b32 $0, $9, t, 0x1f, 0xffffffff;
+            shfl.sync.idx.b32 $4, $9, $8, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 12;
+            shfl.sync.idx.b32 $1, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 8;
+            shfl.sync.idx.b32 $5, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 20;
+            shfl.sync.idx.b32 $2, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 16;
+            shfl.sync.idx.b32 $6, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 28;
+            shfl.sync.idx.b32 $3, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 24;
+            shfl.sync.idx.b32 $7, $9, t, 0x1f, 0xffffffff;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
+            args=[b_q, tab], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    b_i = b_q.to(tl.int32)
+    return tl.load(code + (b_i >> 4)), tl.load(code + (b_i & 0xF))
+
+
+@triton.jit
 def _int8_word(b_w, ASM: tl.constexpr):
     """int32 words of four int8 values -> four fp32 tensors, byte order: each
     byte + 128 (the sign bit flipped, once per word) placed in 2**23's low
