@@ -253,7 +253,9 @@ def check_activation(x: torch.Tensor) -> str | None:
 #   10.6 / 29.5 / 28.9 (1.42-1.73x), at M = 4 1.53-1.78x; at M = 8 14336x4096
 #   takes 86.8 against its 67.6, and at M = 16 (value by value) 131-453 against
 #   30-110.  Double quantization's absmax, expanded before the loop each call,
-#   costs more than the loop saves at M = 1 (14336x4096: 38.8 against 29.2).
+#   cost more than the loop saves at M = 1 (14336x4096: 38.8 against 29.2, the
+#   expansion run eagerly: 19.3 of it; in a compiled graph it is one Inductor
+#   kernel, not yet timed alone): left to bitsandbytes until it is.
 _LIBRARY_GEMV = {"hqq4": GEMV_MAX_M, "gptq4": GEMV_MAX_M, "nf4": 4, "fp4": 4}  # format -> most rows on CUDA
 _BNB_KERNEL = "left to bitsandbytes' kernel on CUDA: "
 _INDUCTOR_PATH = "left to Inductor's path on CUDA: "
