@@ -746,7 +746,8 @@ def test_a_launch_names_exactly_the_kernels_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model,quant", [("qwen3_5", "int8"), ("qwen3_5", "int4"), ("llama", "int4")])
+@pytest.mark.parametrize("model,quant", [("qwen3_5", "int8"), ("qwen3_5", "int4"), ("llama", "int4"),
+                                         ("qwen3_moe", "int8")])
 def test_gpu_demo_models_run_every_op_from_inductors_code(model, quant):
     """On the GPU with the defaults, a demo model compiles with no fusepass op
     left to the dispatcher (quantized linears, GDN from the pre-trace path,
@@ -770,6 +771,8 @@ def test_gpu_demo_models_run_every_op_from_inductors_code(model, quant):
         code = "\n".join(codes)
         report = fusepass.last_report()
         assert report.count("dequant_matmul" if quant == "int8" else "dequant_matmul_int4") > 0, str(report)
+        if model.endswith("_moe"):  # the router and the quantized experts, inlined like the rest
+            assert report.count("moe_router") > 0 and report.count("moe_experts") > 0, str(report)
         assert "torch.ops.fusepass" not in code, [line for line in code.splitlines() if "torch.ops.fusepass" in line]
         assert not [n for g in report.graphs for n in g.notes if "inline" in n or "dispatcher" in n], str(report)
         err = (out.logits.float() - expected).abs().max().item()
