@@ -25,9 +25,11 @@ from .run import Run, _hit_totals
 # times compile + first forward.  It imports neither fusepass nor this module:
 # for backend="fusepass" the entry point imports fusepass, as for a user.
 _CHILD = r"""
-import json, sys, time
+import faulthandler, json, sys, time
 t_process = time.perf_counter()
 spec = json.loads(sys.argv[1])
+if spec.get("watchdog"):  # a hung child prints every thread's stack and exits, before the parent kills it
+    faulthandler.dump_traceback_later(spec["watchdog"], exit=True)
 for name in spec.get("hide", ()):
     sys.modules[name] = None  # as the parent: transformers falls back to its own code
 import torch, transformers as tf
@@ -68,12 +70,15 @@ print("FUSEPASS_STARTUP " + json.dumps(result))
 def startup_child(spec: dict[str, Any], cache_dir: Path, timeout: float) -> dict[str, Any]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
     t0 = time.perf_counter()
+    spec = {**spec, "watchdog": max(1.0, 0.9 * timeout - 5)}
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True,
                           timeout=timeout, env=env)
     wall = time.perf_counter() - t0
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("FUSEPASS_STARTUP ")), None)
     if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"child exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}")
+        # the stack a hang's watchdog printed, or the error's last lines
+        tail = "\n".join(proc.stderr.strip().splitlines()[-40:])
+        raise RuntimeError(f"child exited {proc.returncode} after {wall:.1f} s:\n{tail}")
     return {**json.loads(line.split(" ", 1)[1]), "process_s": wall}
 
 
