@@ -130,8 +130,8 @@ def test_gptq_torch_form(v1, act_order):
 def test_library_layouts_on_cuda(monkeypatch):
     """On CUDA the library layouts go to fusepass only at the row counts their own loops were
     measured faster at (HQQ and GPTQ to 8 rows against Inductor; NF4 / FP4 to 4 against
-    bitsandbytes' kernel, without double quantization; HQQ at even N), refused elsewhere with the
-    reason.  The CPU path always fuses."""
+    bitsandbytes' kernel; HQQ at even N), refused elsewhere with the reason.  The CPU path always
+    fuses."""
     import types
 
     from fusepass.patterns import dequant_matmul as dm
@@ -146,17 +146,13 @@ def test_library_layouts_on_cuda(monkeypatch):
         assert f"{most + 1} rows" in reason, fmt
         assert ("bitsandbytes' kernel" if fmt in ("nf4", "fp4") else "Inductor's path") in reason, fmt
         assert "dynamic" in dm.check_library_device(cuda(_Sym(), 64), fmt, 24)
-    for fmt in ("nf4", "fp4"):
-        assert "double quantization" in dm.check_library_device(cuda(1, 64), fmt, nested=True)
     assert "odd" in dm.check_library_device(cuda(1, 64), "hqq4", 25)
     assert dm.check_library_device(cuda(1, 64), "gptq4", 25) is None
     for fmt in ("nf4", "fp4", "hqq4", "gptq4"):
         assert dm.check_library_device(torch.empty(16, 1), fmt, 25) is None
-        assert dm.check_library_device(torch.empty(16, 1), fmt, 25, nested=True) is None
     # the rule asks for every matched linear: a CUDA activation of 16 rows is refused with that reason
     real = dm.check_library_device
-    monkeypatch.setattr(dm, "check_library_device",
-                        lambda x, fmt, n=None, nested=False: real(cuda(*x.shape), fmt, n, nested))
+    monkeypatch.setattr(dm, "check_library_device", lambda x, fmt, n=None: real(cuda(*x.shape), fmt, n))
     gen = torch.Generator().manual_seed(3)
     model = GptqTorchLinear(*gptq_weights(40, 256, 64, torch.float16, act_order=False, gen=gen)[:4])
     for rows, fused in ((16, False), (1, True)):
@@ -200,9 +196,9 @@ def test_gpu_hqq_and_gptq_fuse_at_decode_sizes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bnb_4bit_fuses_at_decode_sizes():
-    """On the GPU bitsandbytes' Linear4bit (NF4, FP4; with a bias) is fused at one and four tokens
-    (the code books' GEMV loop) and left to bitsandbytes' kernel at eight and with double
-    quantization, with the reasons; all within the table of eager."""
+    """On the GPU bitsandbytes' Linear4bit (NF4, FP4, NF4 with double quantization; with a bias) is
+    fused at one and four tokens (the code books' GEMV loop) and left to bitsandbytes' kernel at
+    eight, with the reason; all within the table of eager."""
     bnb = pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     for quant, nested in (("nf4", False), ("fp4", False), ("nf4", True)):
@@ -211,7 +207,7 @@ def test_gpu_bnb_4bit_fuses_at_decode_sizes():
         lin.weight = bnb.nn.Params4bit(torch.randn(768, 1024) / 32, requires_grad=False, quant_type=quant,
                                        compress_statistics=nested)
         lin = lin.cuda().eval()
-        for rows, fused in ((1, not nested), (4, not nested), (8, False)):
+        for rows, fused in ((1, True), (4, True), (8, False)):
             x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
             torch._dynamo.reset()
             with torch.no_grad():

@@ -252,27 +252,24 @@ def check_activation(x: torch.Tensor) -> str | None:
 #   4096x4096 / 4096x14336 / 14336x4096 against bitsandbytes' own kernel's
 #   10.6 / 29.5 / 28.9 (1.42-1.73x), at M = 4 1.53-1.78x; at M = 8 14336x4096
 #   takes 86.8 against its 67.6, and at M = 16 (value by value) 131-453 against
-#   30-110.  Double quantization's absmax, expanded before the loop each call,
-#   cost more than the loop saves at M = 1 (14336x4096: 38.8 against 29.2, the
-#   expansion run eagerly: 19.3 of it; in a compiled graph it is one Inductor
-#   kernel, not yet timed alone): left to bitsandbytes until it is.
+#   30-110.  Double quantization's absmax is expanded in the graph first (one
+#   Inductor kernel): compiled, six layers in turn at M = 1, 20.4 / 19.9 µs
+#   per layer on 14336x4096 / 4096x14336 against bitsandbytes' 29.1 / 29.8
+#   (plain NF4 in the same run: 18.1 / 16.8; benchmarks/bnb_compiled.py).
 _LIBRARY_GEMV = {"hqq4": GEMV_MAX_M, "gptq4": GEMV_MAX_M, "nf4": 4, "fp4": 4}  # format -> most rows on CUDA
 _BNB_KERNEL = "left to bitsandbytes' kernel on CUDA: "
 _INDUCTOR_PATH = "left to Inductor's path on CUDA: "
 
 
-def check_library_device(x: torch.Tensor, fmt: str, n=None, nested: bool = False) -> str | None:
+def check_library_device(x: torch.Tensor, fmt: str, n=None) -> str | None:
     """A refusal on CUDA for a library layout (``fmt`` nf4, fp4, hqq4, gptq4) where fusepass's kernel is
     slower than the library's or Inductor's path: beyond the rows its GEMV loop wins at (``_LIBRARY_GEMV``),
-    HQQ at an odd N (``n``, rows that do not pair) and bitsandbytes' double quantization (``nested``)."""
+    and HQQ at an odd N (``n``, rows that do not pair)."""
     if x.device.type != "cuda":
         return None
     bnb = fmt in ("nf4", "fp4")
     where = _BNB_KERNEL if bnb else _INDUCTOR_PATH
     most = _LIBRARY_GEMV.get(fmt, 0)
-    if bnb and nested:
-        return where + ("double quantization: fusepass expands the absmax before its loop each call, slower than "
-                        "bitsandbytes' kernel (H200, 14336x4096, M = 1: 38.8 against 29.2 µs)")
     rows = math.prod(x.shape[:-1])
     if not isinstance(rows, int):
         return where + f"the row count is dynamic ({rows}); fusepass's {fmt} loop covers at most {most} rows"

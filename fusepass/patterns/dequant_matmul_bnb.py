@@ -209,8 +209,7 @@ def find(gm: torch.fx.GraphModule):
                 name, "a bitsandbytes op fusepass has no form for"))
             continue
         a = _args(node)
-        reason = _refusal(a, node) or dm.check_library_device(_val(a["A"]), a["quant_type"],
-                                                               nested=a["absmax_8bit"] is not None)
+        reason = _refusal(a, node) or dm.check_library_device(_val(a["A"]), a["quant_type"])
         form = a["quant_type"] if isinstance(a["quant_type"], str) else "gemm_4bit"
         if reason:
             yield Region(form, node, reason=reason)
