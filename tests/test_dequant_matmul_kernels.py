@@ -800,9 +800,9 @@ def test_gptq_gemv_checks_every_word_of_its_slice(monkeypatch):
 
 @pytest.mark.skipif(not interpreting(), reason="counts helper calls of the interpreted kernel")
 def test_codebook_gemv_takes_its_loop_on_whole_chunks(monkeypatch):
-    """The code books' loop (one lookup per value, tiles._codebook_pair) runs where a
-    block is whole 16-byte chunks (or half a block under 32) and the tile whole
-    chunks; a block of 48 reads value by value."""
+    """The code books run the int4 loop (one lookup per value, tiles._codebook_pair)
+    where a block is whole 16-byte chunks (or half a block under 32) and the tile
+    whole chunks; a block of 48 reads value by value."""
     from fusepass.kernels.dequant_matmul import gemv
 
     calls = []

@@ -65,9 +65,10 @@ def _k_split(K: int, BK: int, split: int) -> tuple[int, int, bool]:
 
 
 def codebook_chunk(G: int) -> int:
-    """Bytes of a thread's chunk in the code-book GEMV (gemv._codebook_gemv): 16 (32
-    values) inside a block of G >= 32, half a smaller block; 0 where G is odd or a
-    block of 32 or more is not whole chunks (those go value by value)."""
+    """Bytes of a thread's chunk where the code books run the int4 GEMV loop
+    (gemv._dequant_gemv_kernel): 16 (32 values) inside a block of G >= 32, half a
+    smaller block; 0 where G is odd or a block of 32 or more is not whole chunks
+    (those go value by value)."""
     if G % 2 or (G >= 32 and G % 32):
         return 0
     return 16 if G >= 32 else G // 2

@@ -3,10 +3,10 @@
 fusepass's own layouts (int4, int8, fp8) and three of the libraries' have a loop
 of their own, reading each stored byte once with wide loads: HQQ's 4-bit
 (``_hqq_gemv``: the two nibbles of a byte are two output rows) and GPTQ's
-(``_gptq_gemv``: words of eight codes along K, read across N), and the
-code books' (``_codebook_gemv``: NF4 / FP4, each code a shuffle from the lane
-holding its value).  An HQQ weight of odd N and a code book's odd block go
-value by value (``tiles._library_tile``)."""
+(``_gptq_gemv``: words of eight codes along K, read across N); the code
+books' (NF4 / FP4) go through the int4 loop, each code a shuffle from the lane
+holding its value.  An HQQ weight of odd N and a code book's block that is
+not whole chunks go value by value (``tiles._library_tile``)."""
 
 from __future__ import annotations
 
@@ -97,68 +97,6 @@ def _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_
     o_p = i_n * BN + o_r % BN  # the pair of each column of acc
     o_n = o_p + (o_r // BN) * H
     m_n = o_p < H
-    m_o = (o_m[:, None] < M) & m_n[None, :]
-    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
-            i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
-
-
-@triton.jit
-def _codebook_gemv(x2, w, scale, code, bias, out, part, ctr, M, N, K, K_SPLIT, stride_x2m, stride_wn, stride_sn,
-                   DT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                   SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr):
-    # bitsandbytes' NF4 / FP4: bytes [N, K / 2], the high nibble the even k, an
-    # fp32 absmax per G values of a row.  The int4 loop's structure: a thread
-    # owns a chunk of VB bytes (16: one vector load, 32 codes inside one block)
-    # of each of the BN rows and the VB matching pairs of x; the rows a static
-    # loop, one sum per row and chunk, scaled once by its absmax.  A code's
-    # value is a shuffle from the lane holding that entry of the code book
-    # (tiles._codebook_pair), then one FMA.
-    i_n, i_s = tl.program_id(0), tl.program_id(1)
-    VB: tl.constexpr = 16 if G >= 32 else G // 2
-    NCH: tl.constexpr = BK // (2 * VB)
-    o_c = tl.arange(0, NCH)
-    o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
-    o_m = tl.arange(0, BM)
-    o_r = tl.arange(0, BN)
-    k_lo = i_s * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    tab = _lane_table(code, tl.zeros([NCH, VB], dtype=tl.int32), ASM)
-    acc3 = tl.zeros([BM, BN, NCH], dtype=tl.float32)  # chunks last: spread over the threads
-    for k0 in range(k_lo, k_hi, BK):
-        kp0 = tl.multiple_of(k0 // 2, BK // 2)  # k_lo and the step are whole tiles
-        m_c = 2 * kp0 + o_c * (2 * VB) < k_hi  # [NCH]: chunks inside the slice (a block never straddles it)
-        o_g = (2 * kp0 + o_c * (2 * VB)) // G
-        if BM == 1:
-            if EVEN_K:
-                b_x = tl.load(x2 + kp0 + o_b)
-            else:
-                b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
-            b_xe, b_xo = _pair_to_f32(b_x, DT)
-        for r in tl.static_range(BN):
-            n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
-            p_wr = w + n.to(tl.int64) * stride_wn + kp0
-            if EVEN_K:
-                b_q = tl.load(p_wr + o_b)
-            else:
-                b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
-            b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0)  # [NCH] fp32 absmax
-            b_ve, b_vo = _codebook_pair(b_q, tab, code, ASM)
-            for m in tl.static_range(BM):
-                if BM > 1:
-                    # Rows past M read row M - 1 (their sums are never stored): no row mask.
-                    p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_b
-                    if EVEN_K:
-                        b_x = tl.load(p_x)
-                    else:
-                        b_x = tl.load(p_x, mask=m_c[:, None], other=0)
-                    b_xe, b_xo = _pair_to_f32(b_x, DT)
-                b_d = tl.sum(b_ve * b_xe + b_vo * b_xo, axis=1) * b_s  # [NCH]
-                # (the where folds away: each register's row and column are constants)
-                acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
-    acc = tl.sum(acc3, axis=2)
-    o_n = i_n * BN + o_r
-    m_n = o_n < N
     m_o = (o_m[:, None] < M) & m_n[None, :]
     _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
             i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
@@ -402,13 +340,10 @@ def _dequant_gemv_kernel(
     # EVEN_K: the slices cover K exactly and BK divides K_SPLIT, so no load along K
     # is masked and the loads stay 16-byte vectors.  LOOP: a library layout's loop of
     # its own, an HQQ weight of even N (_hqq_gemv) or a code book's whole blocks
-    # (_codebook_gemv); HQQ of odd N has no pairs of rows and goes value by value.
+    # (the int4 loop); HQQ of odd N has no pairs of rows and goes value by value.
     if FMT == "hqq4" and LOOP:
         _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm, stride_sn, G, HAS_BIAS,
                   PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)
-    elif (FMT == "nf4" or FMT == "fp4") and LOOP:
-        _codebook_gemv(x2, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_x2m, stride_wn, stride_sn,
-                       x.dtype.element_ty, G, HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)
     elif FMT == "gptq4" or FMT == "gptq4_v1":
         _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm,
                    stride_x2m, stride_wn, stride_sn, FMT == "gptq4_v1", HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM,
@@ -423,25 +358,28 @@ def _dequant_gemv_kernel(
         p_wn = w + o_n.to(tl.int64) * stride_wn
         acc = tl.zeros([BM, BN], dtype=tl.float32)
 
-        if FMT == "int4":
+        if FMT == "int4" or LOOP:
+            # int4, and the code books' whole blocks (nf4 / fp4 with LOOP: the same
+            # bytes per value, the high nibble the even k, an fp32 absmax per block).
             # A thread owns a chunk of VB packed bytes (16: one vector load, 32 codes
             # inside one group) of each of the BN rows, and the VB matching pairs of
             # x's values (x2: x viewed as int32 pairs, or int64 for fp32 x).  Each
             # row's bytes are a tensor of the same shape as x's pairs, so Triton gives
             # both one layout (the same threads hold a byte and its pair of x: no
             # shuffles); the rows are a static loop with one sum per row and chunk.
-            # Each code becomes (128 + q) - (128 + z) = q - z in one FADD
-            # (_nibbles_128: one PRMT per value), then one FMA; a chunk's sum is
-            # scaled once.  The zero point is subtracted from each value, not
-            # folded out as s (sum q x - z sum x): with an infinite activation the
-            # folded form gives inf - inf = NaN where the dequantised matmul gives
-            # +-inf.
+            # Each int4 code becomes (128 + q) - (128 + z) = q - z in one FADD
+            # (_nibbles_128: one PRMT per value), a code book's its value in one
+            # shuffle (_codebook_pair); then one FMA; a chunk's sum is scaled once.
+            # The zero point is subtracted from each value, not folded out as
+            # s (sum q x - z sum x): with an infinite activation the folded form
+            # gives inf - inf = NaN where the dequantised matmul gives +-inf.
             VB: tl.constexpr = 16 if G >= 32 else G // 2  # (the plans' G are powers of two)
             NCH: tl.constexpr = BK // (2 * VB)
             o_c = tl.arange(0, NCH)
             o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
             o_r = tl.arange(0, BN)
             ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
+            tab = _lane_table(zero, tl.zeros([NCH, VB], dtype=tl.int32), ASM and FMT != "int4")  # (the code book)
             # [BM, BN, NCH]: chunks last, so that Triton spreads them over the threads
             # and keeps a thread's rows in its registers.
             acc3 = tl.zeros([BM, BN, NCH], dtype=tl.float32)
@@ -463,21 +401,24 @@ def _dequant_gemv_kernel(
                     else:
                         b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
                     b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
-                    b_lo, b_hi = _nibbles_128(b_q, ASM)
-                    if ZERO_F32:
+                    if FMT != "int4":
+                        b_e, b_o = _codebook_pair(b_q, tab, zero, ASM)  # (zero: the code book)
+                    elif ZERO_F32:
                         # An fp32 zero point need not be a multiple of 2**-16: q, then q - z
                         # rounded once, as the reference does.
+                        b_e, b_o = _nibbles_128(b_q, ASM)
                         b_z = tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0)[:, None]
-                        b_lo = (b_lo - 128.0) - b_z
-                        b_hi = (b_hi - 128.0) - b_z
+                        b_e = (b_e - 128.0) - b_z
+                        b_o = (b_o - 128.0) - b_z
                     else:
                         # bf16 / fp16: 128 + z is exact for z = 0 and every z >= 2**-9 (bf16), 2**-6 (fp16)
+                        b_e, b_o = _nibbles_128(b_q, ASM)  # (the low nibble the even k)
                         if HAS_ZERO:
                             b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)[:, None]
                         else:
                             b_c = 136.0
-                        b_lo = b_lo - b_c  # q - z in one FADD
-                        b_hi = b_hi - b_c
+                        b_e = b_e - b_c  # q - z in one FADD
+                        b_o = b_o - b_c
                     for m in tl.static_range(BM):
                         if BM > 1:
                             # Rows past M read row M - 1 (their sums are never stored): no row mask.
@@ -487,7 +428,7 @@ def _dequant_gemv_kernel(
                             else:
                                 b_x = tl.load(p_x, mask=m_c[:, None], other=0)
                             b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
-                        b_d = tl.sum(b_lo * b_xe + b_hi * b_xo, axis=1) * b_s  # [NCH]
+                        b_d = tl.sum(b_e * b_xe + b_o * b_xo, axis=1) * b_s  # [NCH]
                         # (the where folds away: each register's row and column are constants)
                         acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
             acc += tl.sum(acc3, axis=2)

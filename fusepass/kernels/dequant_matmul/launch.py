@@ -81,7 +81,7 @@ def hqq_pairs(fmt: str, N: int) -> bool:
 
 def own_loop(fmt: str, N: int, G: int, cfg: Config) -> bool:
     """Whether a library layout's GEMV runs its own loop (gemv._hqq_gemv,
-    _codebook_gemv; GPTQ's always does) rather than value by value."""
+    the int4 loop for the code books; GPTQ's always does) rather than value by value."""
     if fmt in CODEBOOKS:
         vb = codebook_chunk(G)
         return vb > 0 and cfg.BK % (2 * vb) == 0

@@ -101,8 +101,8 @@ def heuristic(p: Problem) -> Config:
         if M <= GEMV_MAX_M and fmt.startswith("gptq4"):
             return _gptq_gemv(M, N, K, n_sm)
         if M <= GEMV_MAX_M and fmt in ("nf4", "fp4") and codebook_chunk(G):
-            # The code books' loop (gemv._codebook_gemv) is the int4 loop with a
-            # shuffle per value for the conversion: the int4 GEMV's tiles.
+            # The code books run the int4 GEMV loop, a shuffle per value for
+            # the conversion: the int4 GEMV's tiles.
             return _int4_gemv(M, N, K, G, n_sm)
         if M <= GEMV_MAX_M:
             bn = 8 if M == 1 else max(1, 8 // _pow2(M))

@@ -47,7 +47,7 @@ def candidates(p: Problem) -> list[Config]:
         if fmt == "int4" or (fmt in ("nf4", "fp4") and codebook_chunk(G)):
             # A 16-byte chunk of each row per thread (one or two chunks per thread
             # and row, 2-8 warps): the tile depth follows (int4_gemv_bk).  The
-            # code books' loop has int4's structure (gemv._codebook_gemv).
+            # code books run the int4 loop (gemv._dequant_gemv_kernel).
             shapes = ()
             if fmt != "int4" or G % 32 == 0 or G in (2, 4, 8, 16):
                 for bn, warps, chunks in ((8, 4, 1), (4, 4, 1), (16, 4, 1), (8, 2, 1), (4, 2, 1), (8, 8, 1),
