@@ -763,6 +763,25 @@ def test_library_gemv_non_finite_activation_like_the_dequantised_matmul(case):
     torch.testing.assert_close(out, ref, equal_nan=True, atol=tol.atol, rtol=tol.rtol)
 
 
+@pytest.mark.parametrize("path", ["gemv-words", "gemv-codes", "mm", "cublas"])
+def test_gptq_negative_g_idx_counts_from_the_end(path):
+    """GPTQ's forms index the scales and zero points with g_idx as torch does, a negative index
+    counted from the end: every path reads the same rows (it read before the tensors: 1e4 off)."""
+    fmt, N, K = "gptq4", 20, 96
+    dtype = torch.float32 if path.startswith("gemv") else torch.bfloat16
+    x, w, s, z, g, group = library_inputs(fmt, 3, N, K, dtype, seed=5, act_order=path == "gemv-codes")
+    groups = s.shape[0]
+    g = torch.where(torch.arange(K) % 3 == 0, g - groups, g).to(torch.int32)  # a third of them negative
+    cfg = {"gemv-words": dm.Config("gemv", BN=16, BK=32), "gemv-codes": dm.Config("gemv", BN=16, BK=32),
+           "mm": dm.Config("mm", BM=16, BN=16, BK=32), "cublas": dm.CUBLAS}[path]
+    out = torch.full((3, N), float("nan"), dtype=dtype)
+    launch._launch(x, w, s, z, None, out, fmt, 0, cfg, g_idx=g)
+    ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
+    assert (g < 0).any() and torch.isfinite(out).all()
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol)
+
+
 @pytest.mark.skipif(not interpreting(), reason="counts helper calls of the interpreted kernel")
 def test_gptq_gemv_takes_the_word_loop_where_each_word_has_one_group(monkeypatch):
     """The word loop (one scale row per word row, codes by _word_128) runs where

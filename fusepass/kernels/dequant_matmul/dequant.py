@@ -9,7 +9,7 @@ from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _library_tile, _
 
 
 @triton.jit
-def _dequant_kernel(w, scale, zero, g_idx, shifts, out, N, K, stride_wn, stride_sn,
+def _dequant_kernel(w, scale, zero, g_idx, shifts, out, N, K, NG, stride_wn, stride_sn,
                     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, LIB: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr):
     # [N, K] weight in out's dtype, for the cuBLAS path.  int4: BK divides G.
@@ -21,7 +21,8 @@ def _dequant_kernel(w, scale, zero, g_idx, shifts, out, N, K, stride_wn, stride_
     if LIB:
         o_k = k0 + tl.arange(0, BK)
         m = m_n[:, None] & (o_k < K)[None, :]
-        b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], o_k[None, :], m, N, K, stride_wn, stride_sn, FMT, G)
+        b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], o_k[None, :], m, N, K, NG, stride_wn, stride_sn,
+                            FMT, G)
         tl.store(p_o + o_k[None, :], b_w.to(out.dtype.element_ty), mask=m)
     elif FMT == "int4":
         BKP: tl.constexpr = BK // 2

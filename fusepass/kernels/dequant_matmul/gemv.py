@@ -16,6 +16,7 @@ import triton.language as tl
 from fusepass.kernels.dequant_matmul.tiles import (
     _codebook_pair,
     _finish,
+    _group,
     _int8_to_f32,
     _lane_table,
     _library_tile,
@@ -170,13 +171,13 @@ def _gptq_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, b_0, b_1, b_2, b_
 
 
 @triton.jit
-def _gptq_code(b_wd, j: tl.constexpr, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
+def _gptq_code(b_wd, j: tl.constexpr, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW, NG,
                stride_sn, V1: tl.constexpr, EVEN_K: tl.constexpr):
     """(q - z) s of code j of the words b_wd [SUB, BNW, 8], each k's own group (g_idx)."""
     if EVEN_K:
-        b_g = tl.load(g_idx + 8 * o_kw + j)
+        b_g = _group(tl.load(g_idx + 8 * o_kw + j), NG)
     else:
-        b_g = tl.load(g_idx + 8 * o_kw + j, mask=m_k, other=0)
+        b_g = _group(tl.load(g_idx + 8 * o_kw + j, mask=m_k, other=0), NG)
     b_s = tl.load(scale + b_g[:, None, None] * stride_sn + o_n[None, :, :], mask=m_n[None, :, :], other=0)
     b_zw = tl.load(zero + b_g[:, None] * NZW + o_w[None, :], mask=m_w[None, :], other=0)  # [SUB, BNW]
     b_z = (b_zw[:, :, None] >> b_sh[None, None, :]) & 0xF
@@ -189,7 +190,7 @@ def _gptq_code(b_wd, j: tl.constexpr, g_idx, shifts, scale, zero, b_sh, o_kw, m_
 
 
 @triton.jit
-def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT,
+def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT, NG,
                stride_xm, stride_x2m, stride_wn, stride_sn, V1: tl.constexpr, HAS_BIAS: tl.constexpr,
                PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -235,8 +236,8 @@ def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N,
     b_bad = tl.zeros([CB], dtype=tl.int32)
     for k0 in range(k_lo, k_hi, CB):
         m_kk = k0 + o_kk < k_hi
-        b_g = tl.load(g_idx + k0 + o_kk, mask=m_kk, other=0)
-        b_g0 = tl.load(g_idx + k0 + (o_kk // 8) * 8, mask=m_kk, other=0)
+        b_g = _group(tl.load(g_idx + k0 + o_kk, mask=m_kk, other=0), NG)
+        b_g0 = _group(tl.load(g_idx + k0 + (o_kk // 8) * 8, mask=m_kk, other=0), NG)
         b_bad |= (b_g != b_g0).to(tl.int32)
     b_sh = tl.load(shifts + o_e)  # [8]: the bit offset of code e in a word (zero points too)
     grouped = (tl.max(b_bad, axis=0) == 0) & (tl.max((b_sh != 4 * o_e).to(tl.int32), axis=0) == 0)
@@ -257,10 +258,10 @@ def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N,
                 p_wd = w + o_kw.to(tl.int64)[:, None, None] * stride_wn + o_n[None, :, :]
                 if EVEN_K:
                     b_wd = tl.load(p_wd, mask=m_n[None, :, :], other=0)
-                    b_g = tl.load(g_idx + 8 * o_kw)
+                    b_g = _group(tl.load(g_idx + 8 * o_kw), NG)
                 else:
                     b_wd = tl.load(p_wd, mask=m_k[:, None, None] & m_n[None, :, :], other=0)
-                    b_g = tl.load(g_idx + 8 * o_kw, mask=m_k, other=0)
+                    b_g = _group(tl.load(g_idx + 8 * o_kw, mask=m_k, other=0), NG)
                 b_s = tl.load(scale + b_g[:, None, None] * stride_sn + o_n[None, :, :], mask=m_n[None, :, :],
                               other=0).to(tl.float32)
                 b_zw = tl.load(zero + b_g[:, None] * NZW + o_w[None, :], mask=m_w[None, :], other=0)  # [SUB, BNW]
@@ -289,21 +290,21 @@ def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N,
                 else:
                     b_wd = tl.load(p_wd, mask=m_k[:, None, None] & m_n[None, :, :], other=0)
                 b_0 = _gptq_code(b_wd, 0, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
-                                 stride_sn, V1, EVEN_K)
+                                 NG, stride_sn, V1, EVEN_K)
                 b_1 = _gptq_code(b_wd, 1, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
-                                 stride_sn, V1, EVEN_K)
+                                 NG, stride_sn, V1, EVEN_K)
                 b_2 = _gptq_code(b_wd, 2, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
-                                 stride_sn, V1, EVEN_K)
+                                 NG, stride_sn, V1, EVEN_K)
                 b_3 = _gptq_code(b_wd, 3, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
-                                 stride_sn, V1, EVEN_K)
+                                 NG, stride_sn, V1, EVEN_K)
                 b_4 = _gptq_code(b_wd, 4, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
-                                 stride_sn, V1, EVEN_K)
+                                 NG, stride_sn, V1, EVEN_K)
                 b_5 = _gptq_code(b_wd, 5, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
-                                 stride_sn, V1, EVEN_K)
+                                 NG, stride_sn, V1, EVEN_K)
                 b_6 = _gptq_code(b_wd, 6, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
-                                 stride_sn, V1, EVEN_K)
+                                 NG, stride_sn, V1, EVEN_K)
                 b_7 = _gptq_code(b_wd, 7, g_idx, shifts, scale, zero, b_sh, o_kw, m_k, o_n, m_n, o_w, m_w, NZW,
-                                 stride_sn, V1, EVEN_K)
+                                 NG, stride_sn, V1, EVEN_K)
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gptq_rows(
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7, b_0,
                     x2, M, stride_x2m, o_kw, m_k, DT, EVEN_K, False, BM)
@@ -329,7 +330,7 @@ def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N,
 @triton.jit
 def _dequant_gemv_kernel(
     x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
-    M, N, K, K_SPLIT,
+    M, N, K, K_SPLIT, NG,
     stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr,
@@ -345,7 +346,7 @@ def _dequant_gemv_kernel(
         _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm, stride_sn, G, HAS_BIAS,
                   PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)
     elif FMT == "gptq4" or FMT == "gptq4_v1":
-        _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm,
+        _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N, K, K_SPLIT, NG, stride_xm,
                    stride_x2m, stride_wn, stride_sn, FMT == "gptq4_v1", HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM,
                    BM, BN, BK)
     else:
@@ -443,7 +444,7 @@ def _dequant_gemv_kernel(
                         m_k = k0 + o_k < k_hi
                         b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
                         b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
-                                            m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
+                                            m_n[:, None] & m_k[None, :], N, K, NG, stride_wn, stride_sn, FMT, G)
                     else:
                         if EVEN_K:
                             b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
@@ -470,7 +471,7 @@ def _dequant_gemv_kernel(
                         m_k = k0 + o_k < k_hi
                         b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
                         b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
-                                            m_n[:, None] & m_k[None, :], N, K, stride_wn, stride_sn, FMT, G)
+                                            m_n[:, None] & m_k[None, :], N, K, NG, stride_wn, stride_sn, FMT, G)
                     else:
                         if EVEN_K:
                             b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)

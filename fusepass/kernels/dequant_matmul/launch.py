@@ -144,6 +144,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
                 PARTIAL=split > 1, SUM_HERE=ctr is not None, EVEN_K=even, LIB=lib, BN=cfg.BN, BK=cfg.BK)
     outputs = ("out",) + (("part",) if split > 1 else ()) + (("ctr",) if ctr is not None else ())
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda
+    ng = scale.shape[0] if fmt.startswith("gptq4") else 1  # GPTQ's groups: g_idx indexes them as torch does
     if cfg.kind == "gemv":
         # int4, GPTQ and the code books' loop read x as value pairs.  HQQ's pairs
         # of rows read the bytes flat, n K + k (a strided W_q, which the rule
@@ -155,7 +156,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
         xp = _pairs(x) if fmt == "int4" or fmt.startswith("gptq4") or fmt in CODEBOOKS else x
         asm = x.is_cuda and not interpreting() and gemv_asm(fmt, G, N, cfg)
         return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if fmt == "hqq4" and loop else N, cfg.BN), split),
-                      {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "BM": _pow2(M), "ASM": asm,
+                      {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "NG": ng, "BM": _pow2(M), "ASM": asm,
                        "LOOP": loop}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mmt":
         # int4 always, int8 in whole tiles: the weight read as int32 words (see the kernel)
@@ -168,7 +169,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
                        "WORDS": words}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mm":
         return Launch(_dequant_mm_kernel, (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split),
-                      {**args, "x": x, "BM": cfg.BM, "GROUP_M": _GROUP_M, "DOT_F32": dot_f32,
+                      {**args, "x": x, "NG": ng, "BM": cfg.BM, "GROUP_M": _GROUP_M, "DOT_F32": dot_f32,
                        "PERM": bool(cfg.perm) and fmt == "int4"}, outputs, cfg.warps, cfg.stages)
     raise ValueError(f"no fused kernel for config kind {cfg.kind!r}")
 
@@ -191,7 +192,8 @@ def dequant_launch(w: Tensor, scale: Tensor, zero: Tensor | None, out: Tensor, f
         zero, g_idx, shifts = _library_operands(w, scale, zero, g_idx, shifts, fmt)
     args = dict(w=w, scale=scale, zero=zero if zero is not None else scale, g_idx=g_idx if g_idx is not None else scale,
                 shifts=shifts if shifts is not None else scale,
-                out=out, N=N, K=K, stride_wn=w.stride(0), stride_sn=scale.stride(0), FMT=fmt, G=max(G, 1),
+                out=out, N=N, K=K, NG=scale.shape[0] if fmt.startswith("gptq4") else 1, stride_wn=w.stride(0),
+                stride_sn=scale.stride(0), FMT=fmt, G=max(G, 1),
                 HAS_ZERO=zero is not None and not lib, LIB=lib, BN=bn, BK=bk)
     return Launch(_dequant_kernel, (cdiv(N, bn), cdiv(K, bk)), args, ("out",), 4)
 

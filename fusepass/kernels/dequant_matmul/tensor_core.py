@@ -22,7 +22,7 @@ from fusepass.kernels.dequant_matmul.tiles import (
 @triton.jit
 def _dequant_mm_kernel(
     x, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
-    M, N, K, K_SPLIT,
+    M, N, K, K_SPLIT, NG,
     stride_xm, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr,
@@ -114,7 +114,7 @@ def _dequant_mm_kernel(
             m_k = k0 + o_k < k_hi
             b_x = tl.load(p_xm[:, None] + (k0 + o_k)[None, :], mask=m_m[:, None] & m_k[None, :], other=0)
             b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[None, :], (k0 + o_k)[:, None],
-                                m_n[None, :] & m_k[:, None], N, K, stride_wn, stride_sn, FMT, G)
+                                m_n[None, :] & m_k[:, None], N, K, NG, stride_wn, stride_sn, FMT, G)
             acc = _dot(b_x, b_w.to(dt), acc, DOT_F32)
     else:
         # int8 and fp8 values are exact in bf16 and fp16: the dot is exact in

@@ -199,7 +199,17 @@ def _int4_dequant(b_v, b_s, b_c, b_z, ZERO_F32: tl.constexpr):
 
 
 @triton.jit
-def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, stride_wn, stride_sn, FMT: tl.constexpr,
+def _group(b_g, NG):
+    """GPTQ's g_idx values as the rows of its NG groups the forms read: torch's
+    indexing (``scales[g_idx]``) counts a negative index from the end; an index
+    outside [-NG, NG) is an error there, and is clamped here so that no read
+    leaves the scales and zero points."""
+    b_g = tl.where(b_g < 0, b_g + NG, b_g)
+    return tl.minimum(tl.maximum(b_g, 0), NG - 1)
+
+
+@triton.jit
+def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, NG, stride_wn, stride_sn, FMT: tl.constexpr,
                   G: tl.constexpr):
     """fp32 W[o_n, o_k] of another library's layout (fusepass.formats, LIBRARY_FORMATS),
     scale applied, for offsets that broadcast to the tile (either orientation), mask m.
@@ -209,7 +219,8 @@ def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, stride_wn, s
     (``zero``: 64 bytes, L1-resident); gptq4 a word per eight values of a column
     along K, the zero point a nibble of a word per eight columns, both indexed
     by the group ``g_idx`` gives each k, each code at the bit offset ``shifts``
-    holds for its place in the word (the model's own table, read, not assumed).  Correct in any tile shape and any
+    holds for its place in the word (the model's own table, read, not assumed;
+    ``NG`` groups, a negative g_idx counted from the end as torch indexes).  Correct in any tile shape and any
     group size, and slow: HQQ's and GPTQ's GEMVs have loops of their own (gemv._hqq_gemv, _gptq_gemv),
     this serves the other paths and layouts."""
     if FMT == "nf4" or FMT == "fp4":
@@ -233,7 +244,7 @@ def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, stride_wn, s
     else:
         b_wd = tl.load(w + (o_k // 8).to(tl.int64) * stride_wn + o_n, mask=m, other=0)
         b_q = (b_wd >> tl.load(shifts + o_k % 8)) & 0xF
-        b_g = tl.load(g_idx + o_k, mask=m, other=0)
+        b_g = _group(tl.load(g_idx + o_k, mask=m, other=0), NG)
         b_zw = tl.load(zero + b_g.to(tl.int64) * ((N + 7) // 8) + o_n // 8, mask=m, other=0)
         b_z = (b_zw >> tl.load(shifts + o_n % 8)) & 0xF
         if FMT == "gptq4_v1":
