@@ -163,11 +163,22 @@ class _Builder:
 
     def step(self, fn: Callable[..., Any], ins: Sequence[Ref], text: str, checked: bool = True) -> list[Ref]:
         values = [self.value(r) for r in ins]
+        # The programs leave their inputs alone (the check compares them after the
+        # compiled run): an in-place op on a view of an input (the "inplace"
+        # mutation on a reshape of GDN's state) writes into it, so the step is
+        # refused and the input put back.
+        inputs = {i: self.args[i].clone() for kind, i in ins if kind == "a"}
         try:
             with _Dtypes() as seen:
                 out = _flat(fn(*values))
         except Exception as exc:  # noqa: BLE001 - eager refuses the variant
             raise _Invalid(f"{text}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            written = [i for i, t in inputs.items() if not _same_values(self.args[i], t)]
+            for i in written:
+                self.args[i].copy_(inputs[i])
+        if written:
+            raise _Invalid(f"{text}: writes into the program's input(s) {', '.join(f'a{i}' for i in written)}")
         if seen.undefined:
             raise _Invalid(f"{text}: {seen.undefined}")
         if seen.allocated:
