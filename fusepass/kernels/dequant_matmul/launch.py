@@ -73,6 +73,12 @@ def _library_operands(w: Tensor, scale: Tensor, zero: Tensor | None, g_idx: Tens
     return zero, g_idx, shifts
 
 
+def _groups(fmt: str, scale: Tensor) -> int:
+    """GPTQ's group count (its g_idx indexes the scale rows as torch does, a negative index from the end);
+    1 for the other formats, whose kernels do not read g_idx."""
+    return scale.shape[0] if fmt.startswith("gptq4") else 1
+
+
 def hqq_pairs(fmt: str, N: int) -> bool:
     """Whether the GEMV reads an HQQ weight as pairs of rows (n, n + N / 2), whose
     codes share bytes (gemv._hqq_gemv): for even N; odd N goes value by value."""
@@ -144,7 +150,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
                 PARTIAL=split > 1, SUM_HERE=ctr is not None, EVEN_K=even, LIB=lib, BN=cfg.BN, BK=cfg.BK)
     outputs = ("out",) + (("part",) if split > 1 else ()) + (("ctr",) if ctr is not None else ())
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda
-    ng = scale.shape[0] if fmt.startswith("gptq4") else 1  # GPTQ's groups: g_idx indexes them as torch does
+    ng = _groups(fmt, scale)
     if cfg.kind == "gemv":
         # int4, GPTQ and the code books' loop read x as value pairs.  HQQ's pairs
         # of rows read the bytes flat, n K + k (a strided W_q, which the rule
@@ -192,7 +198,7 @@ def dequant_launch(w: Tensor, scale: Tensor, zero: Tensor | None, out: Tensor, f
         zero, g_idx, shifts = _library_operands(w, scale, zero, g_idx, shifts, fmt)
     args = dict(w=w, scale=scale, zero=zero if zero is not None else scale, g_idx=g_idx if g_idx is not None else scale,
                 shifts=shifts if shifts is not None else scale,
-                out=out, N=N, K=K, NG=scale.shape[0] if fmt.startswith("gptq4") else 1, stride_wn=w.stride(0),
+                out=out, N=N, K=K, NG=_groups(fmt, scale), stride_wn=w.stride(0),
                 stride_sn=scale.stride(0), FMT=fmt, G=max(G, 1),
                 HAS_ZERO=zero is not None and not lib, LIB=lib, BN=bn, BK=bk)
     return Launch(_dequant_kernel, (cdiv(N, bn), cdiv(K, bk)), args, ("out",), 4)

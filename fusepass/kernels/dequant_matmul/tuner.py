@@ -44,22 +44,21 @@ def candidates(p: Problem) -> list[Config]:
                   # at M = 1 the int8 k/v projection (1024x4096) 4.2 µs against 5.0,
                   # 4096x14336 22.9 against 24.0 (H100, cold, 3c79310).
                   (4, 2048, 8), (2, 2048, 4), (8, 2048, 8), (4, 4096, 8), (2, 4096, 4))
-        if fmt == "int4" or (fmt in ("nf4", "fp4") and codebook_chunk(G)):
+        if (G % 32 == 0 or G in (2, 4, 8, 16)) if fmt == "int4" else (fmt in ("nf4", "fp4") and codebook_chunk(G)):
             # A 16-byte chunk of each row per thread (one or two chunks per thread
             # and row, 2-8 warps): the tile depth follows (int4_gemv_bk).  The
             # code books run the int4 loop (gemv._dequant_gemv_kernel).
             shapes = ()
-            if fmt != "int4" or G % 32 == 0 or G in (2, 4, 8, 16):
-                for bn, warps, chunks in ((8, 4, 1), (4, 4, 1), (16, 4, 1), (8, 2, 1), (4, 2, 1), (8, 8, 1),
-                                          (4, 8, 1), (2, 4, 1), (4, 4, 2), (8, 4, 2), (4, 2, 2), (2, 4, 2)):
-                    if bm * bn > 32 or (M == 1 and bn < 4 and chunks == 1):
-                        continue
-                    bk = int4_gemv_bk(K, G, warps, chunks)
-                    if 4 * bk > 5 * K and warps > 1:  # mostly past K: fewer warps cover it
-                        continue
-                    auto = _auto_split(cdiv(N, bn), K, bk, n_sm)
-                    for split in sorted({1, auto}):
-                        add(Config("gemv", BN=bn, BK=bk, split=split, warps=warps))
+            for bn, warps, chunks in ((8, 4, 1), (4, 4, 1), (16, 4, 1), (8, 2, 1), (4, 2, 1), (8, 8, 1),
+                                      (4, 8, 1), (2, 4, 1), (4, 4, 2), (8, 4, 2), (4, 2, 2), (2, 4, 2)):
+                if bm * bn > 32 or (M == 1 and bn < 4 and chunks == 1):
+                    continue
+                bk = int4_gemv_bk(K, G, warps, chunks)
+                if 4 * bk > 5 * K and warps > 1:  # mostly past K: fewer warps cover it
+                    continue
+                auto = _auto_split(cdiv(N, bn), K, bk, n_sm)
+                for split in sorted({1, auto}):
+                    add(Config("gemv", BN=bn, BK=bk, split=split, warps=warps))
         for bn, kbytes, warps in shapes:
             bk = kbytes
             if K % bk and bk > 1024:  # a deep tile only where it divides K (a masked K breaks the 16-byte loads)
