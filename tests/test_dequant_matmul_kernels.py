@@ -763,8 +763,9 @@ def test_library_gemv_non_finite_activation_like_the_dequantised_matmul(case):
     torch.testing.assert_close(out, ref, equal_nan=True, atol=tol.atol, rtol=tol.rtol)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("path", ["gemv-words", "gemv-codes", "mm", "cublas"])
-def test_gptq_negative_g_idx_counts_from_the_end(path):
+def test_gptq_negative_g_idx_counts_from_the_end(path, device):
     """GPTQ's forms index the scales and zero points with g_idx as torch does, a negative index
     counted from the end: every path reads the same rows (it read before the tensors: 1e4 off)."""
     fmt, N, K = "gptq4", 20, 96
@@ -772,9 +773,10 @@ def test_gptq_negative_g_idx_counts_from_the_end(path):
     x, w, s, z, g, group = library_inputs(fmt, 3, N, K, dtype, seed=5, act_order=path == "gemv-codes")
     groups = s.shape[0]
     g = torch.where(torch.arange(K) % 3 == 0, g - groups, g).to(torch.int32)  # a third of them negative
+    x, w, s, z, g = (t.to(device) for t in (x, w, s, z, g))
     cfg = {"gemv-words": dm.Config("gemv", BN=16, BK=32), "gemv-codes": dm.Config("gemv", BN=16, BK=32),
            "mm": dm.Config("mm", BM=16, BN=16, BK=32), "cublas": dm.CUBLAS}[path]
-    out = torch.full((3, N), float("nan"), dtype=dtype)
+    out = torch.full((3, N), float("nan"), dtype=dtype, device=device)
     launch._launch(x, w, s, z, None, out, fmt, 0, cfg, g_idx=g)
     ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group, g_idx=g)
     assert (g < 0).any() and torch.isfinite(out).all()
