@@ -210,7 +210,7 @@ LAYOUTS = ("strided-l2", "contig-norm")
 VARIANTS = {
     "split": dict(fuse_output=False),
     "fused": dict(fuse_output=True),
-    "split-s1": dict(fuse_output=False, num_stages=1),
+    "split-s1": dict(fuse_output=False, num_stages=1, block_v=64),
     "fused-kd": dict(fuse_output=True, precompute_kd=True),
     "fused-bv16": dict(fuse_output=True, block_v=16),
 }

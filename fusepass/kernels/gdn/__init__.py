@@ -40,9 +40,9 @@ views of one projection: relative error norm 4.08e-3 against the fp64
 chunked form (FLA 0.6: 4.40e-3).
 """
 
-from fusepass.kernels.gdn.launch import RECURRENT_MAX_T, gdn_chunk_fwd, gdn_recurrent_fwd, kernel_supported
+from fusepass.kernels.gdn.launch import RECURRENT_MAX_T, chunk_launches, gdn_chunk_fwd, gdn_recurrent_fwd, kernel_supported
 from fusepass.kernels.gdn.op import gdn_chunk, gdn_recurrent
 from fusepass.kernels.gdn.reference import CHUNK, L2NORM_EPS, gdn_chunk_torch, gdn_reference
 
-__all__ = ["CHUNK", "L2NORM_EPS", "RECURRENT_MAX_T", "gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_torch", "gdn_recurrent",
+__all__ = ["CHUNK", "L2NORM_EPS", "RECURRENT_MAX_T", "chunk_launches", "gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_torch", "gdn_recurrent",
            "gdn_recurrent_fwd", "gdn_reference", "kernel_supported"]

@@ -38,6 +38,14 @@ _MAX_DK = 256
 # B1 T4096 H16 (64 vs 32 programs) 371 µs at 64, 345 at 32; B4 T4096 Hv32
 # 1704 at 64, 1823 at 32; B8 T512 H32 465 at 64, 491 at 32.
 _STATE_BV = (64, 32)
+# A loop kernel (scan or state pass) runs one pipeline stage only with blocks
+# of 64 value columns.  With 32 or 16 columns and one stage, Triton 3.6 on
+# Hopper reads shared memory out of bounds in the loop's dots
+# (compute-sanitizer: "Invalid __shared__ read of size 1024 bytes"; H200, B1
+# T8192 H32 d 128: an illegal address at T >= 1024, wrong values at T 256,
+# and the 5 values seen off under the sanitizer at T 17-65 on the H100);
+# two stages at 32 columns matched the split pipeline to 2.4e-4.
+_ONE_STAGE_MIN_BV = 64
 # Programs per SM from which the fused scan is the default (see chunk_launches).
 _FUSE_MIN_WAVES = 2
 # Tokens the chunked op hands to the recurrent kernel instead (decode, short
@@ -141,6 +149,10 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                        INV_PRODUCT=dt != torch.float32),
                   ("w", "u") + (("kd",) if precompute_kd else ()) + (("aq",) if fuse_output else ()), 4)
     qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
+    stages = num_stages or (1 if fuse_output and BV >= _ONE_STAGE_MIN_BV else 2)
+    if stages == 1 and BV < _ONE_STAGE_MIN_BV:
+        raise ValueError(f"one pipeline stage needs {_ONE_STAGE_MIN_BV} value columns per program, not {BV} "
+                         "(out-of-bounds shared memory reads on Hopper)")
     if fuse_output:
         # One pipeline stage: 1101 µs at B16 T1024 H32 against 1141 with
         # two and 1409 with three; 8 warps 1411 (H100, CUDA-graph time).
@@ -149,7 +161,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
         scan = Launch(_gdn_scan_kernel, (NV * B * HV,),
                       dict(q=q, k=k, w=w, u=u, kd=kd, aq=aq, g=g, h0=h_in, o=out, hT=final_state, NV=NV,
                            scale=scale, **qkg, **sizes, BV=BV, HAS_H0=h0 is not None, PRE_KD=precompute_kd, **dots),
-                      ("o", "hT"), num_warps or 4, num_stages or 1)
+                      ("o", "hT"), num_warps or 4, stages)
         return [prep, scan]
     # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
     # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
@@ -160,7 +172,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                    dict(k=k, w=w, u=u, kd=kd, g=g, h0=h_in, hT=final_state, hs=hs, NV=NV,
                         **_strides("k", k), **_strides("g", g), **sizes, BV=BV, HAS_H0=h0 is not None,
                         PRE_KD=precompute_kd, **dots),
-                   ("u", "hT", "hs"), num_warps or 4, num_stages or 2)
+                   ("u", "hT", "hs"), num_warps or 4, stages)
     BVO = min(output_block_v or 64, _pow2(DV))
     NVO = cdiv(DV, BVO)
     output = Launch(_gdn_output_kernel, (NVO * NT * B * HV,),
