@@ -105,7 +105,8 @@ def _dots(dt: torch.dtype) -> dict:
 def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
                    final_state: Tensor, use_qk_l2norm: bool, scale: float, *, fuse_output: bool | None = None,
                    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   precompute_kd: bool | None = None, output_block_v: int | None = None) -> list[Launch]:
+                   precompute_kd: bool | None = None, output_block_v: int | None = None,
+                   prep_warps: int | None = None) -> list[Launch]:
     """The chunked pipeline's launches, in order (prep, then the fused scan or
     the state pass and the output kernel), with their scratch allocated here;
     q, k, v with unit last stride, h0 contiguous, B, T, H_v > 0.  The
@@ -147,7 +148,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                        **_strides("k", k), **_strides("v", v), **_strides("g", g), **_strides("b", beta), **sizes,
                        BV=min(64, _pow2(DV)), **dots, PRE_KD=precompute_kd, AQK=fuse_output,
                        INV_PRODUCT=dt != torch.float32),
-                  ("w", "u") + (("kd",) if precompute_kd else ()) + (("aq",) if fuse_output else ()), 4)
+                  ("w", "u") + (("kd",) if precompute_kd else ()) + (("aq",) if fuse_output else ()), prep_warps or 4)
     qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
     stages = num_stages or (1 if fuse_output and BV >= _ONE_STAGE_MIN_BV else 2)
     if stages == 1 and BV < _ONE_STAGE_MIN_BV:
