@@ -28,15 +28,12 @@ VARIANTS = {
     "split-s4": dict(fuse_output=False, num_stages=4),
     "split-w2": dict(fuse_output=False, num_warps=2),
     "split-w8": dict(fuse_output=False, num_warps=8),
-    "split-bv64": dict(fuse_output=False, block_v=64),
-    "split-bv64-s3": dict(fuse_output=False, block_v=64, num_stages=3),
+    "split-bv128": dict(fuse_output=False, block_v=128),
     "split-nokd": dict(fuse_output=False, precompute_kd=False),
     "split-nokd-s3": dict(fuse_output=False, precompute_kd=False, num_stages=3),
-    "split-bv16": dict(fuse_output=False, block_v=16),
     "split-prep-w2": dict(fuse_output=False, prep_warps=2),
     "split-prep-w8": dict(fuse_output=False, prep_warps=8),
-    "fused-bv64": dict(fuse_output=True, block_v=64),
-    "fused-bv32": dict(fuse_output=True, block_v=32),
+    "fused": dict(fuse_output=True),
 }
 
 

@@ -191,8 +191,8 @@ def _gdn_launch(**options):
 
 # Every launch path of the chunked op (the op itself runs the default one).
 GDN_PATHS = {"split": dict(fuse_output=False), "split-kd-in-loop": dict(fuse_output=False, precompute_kd=False),
-             "fused": dict(fuse_output=True), "fused-kd-bv16": dict(fuse_output=True, precompute_kd=True, block_v=16),
-             "fused-bv32": dict(fuse_output=True, block_v=32)}
+             "fused": dict(fuse_output=True), "fused-kd-bv128": dict(fuse_output=True, precompute_kd=True, block_v=128),
+             "split-s1": dict(fuse_output=False, num_stages=1)}
 
 
 def gdn_cases(quick: bool):
@@ -213,7 +213,7 @@ def gdn_cases(quick: bool):
             yield f"gdn_chunk B{B} T{T} Hk{Hk} Hv{Hv} dk{dk} dv{dv} l2={l2}", ops.gdn_chunk, (*a, l2, dk ** -0.5), 2e-2
     # Launched directly: d_k a power of two, as the op launches them (d_k 96 goes to its
     # plain-torch path; the cases above still pass it through the op).
-    # T 1030: one stage at 32 value columns faulted from T 1024 (H200, see gdn.launch._ONE_STAGE_MIN_BV).
+    # T 1030: one stage at 32 value columns faulted from T 1024 (H200, see gdn.launch._MIN_TILE).
     edge = [(1, 65, 4, 4, 64, 64), (2, 17, 1, 2, 64, 192), (3, 200, 2, 4, 128, 128), (1, 1030, 2, 2, 128, 128)]
     for (B, T, Hk, Hv, dk, dv), (path, options) in itertools.product(edge[:1] if quick else edge, GDN_PATHS.items()):
         a = _gdn_inputs(B, T, Hk, Hv, dk, dv, state=B != 2)

@@ -121,29 +121,32 @@ def test_chunk_kernel(case, fuse):
 
 
 @pytest.mark.parametrize("options", [
-    dict(fuse_output=True, block_v=16), dict(fuse_output=False, block_v=16),
+    dict(fuse_output=True, block_v=64), dict(fuse_output=False, block_v=64),
     dict(fuse_output=False, precompute_kd=False), dict(fuse_output=True, precompute_kd=True),
-    dict(fuse_output=False, output_block_v=16, num_stages=1, block_v=64),
-], ids=["fused-bv16", "output-kernel-bv16", "kd-in-state-pass", "fused-kd-precomputed", "output-bv16"])
+    dict(fuse_output=False, output_block_v=64, num_stages=1),
+], ids=["fused-bv64", "output-kernel-bv64", "kd-in-state-pass", "fused-kd-precomputed", "output-one-stage"])
 def test_chunk_kernel_launch_options(options):
     """Every launch choice computes the same function: d_v split over several
-    state-pass or output programs, the decayed keys formed in either kernel."""
-    inputs, l2norm, scale = _case_inputs(1, 40, 1, 1, 16, 40, "bf16", {})
+    state-pass or output programs (d_v 130: three blocks of 64, the last one
+    masked), the decayed keys formed in either kernel."""
+    inputs, l2norm, scale = _case_inputs(1, 40, 1, 1, 16, 130, "bf16", {})
     out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, **options, **poisoned(inputs))
     check(out, state, inputs, l2norm, scale, str(options))
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused-output", "output-kernel"])
-def test_one_stage_needs_64_value_columns(fuse):
-    """One pipeline stage with fewer than 64 value columns per program reads
-    shared memory out of bounds on Hopper: refused, and never the default."""
+def test_tiles_are_64_wide(fuse):
+    """Dot tiles narrower than 64 (value columns, key head) read shared memory
+    out of bounds on Hopper: a narrower choice is refused, and a small head is
+    padded to 64 and masked, never launched narrower."""
     inputs, l2norm, scale = _case_inputs(1, 40, 1, 1, 16, 40, "bf16", {})
-    with pytest.raises(ValueError, match="one pipeline stage"):
-        gdn.chunk_launches(*inputs, torch.empty(1, 40, 1, 40, dtype=torch.bfloat16),
-                           torch.empty(1, 1, 16, 40), l2norm, scale, fuse_output=fuse, block_v=32, num_stages=1)
-    loop = gdn.chunk_launches(*inputs, torch.empty(1, 40, 1, 40, dtype=torch.bfloat16), torch.empty(1, 1, 16, 40),
-                              l2norm, scale, fuse_output=fuse, block_v=32)[1]  # the scan or the state pass
-    assert loop.num_stages == 2
+    out, hT = torch.empty(1, 40, 1, 40, dtype=torch.bfloat16), torch.empty(1, 1, 16, 40)
+    for narrow in (dict(block_v=32), dict(output_block_v=16)):
+        with pytest.raises(ValueError, match="fewer than 64 value columns"):
+            gdn.chunk_launches(*inputs, out, hT, l2norm, scale, fuse_output=fuse, **narrow)
+    for launch in gdn.chunk_launches(*inputs, out, hT, l2norm, scale, fuse_output=fuse):
+        assert launch.args["BK"] == 64 and launch.args["BV"] == 64
+        assert launch.args.get("NV", 1) == 1
 
 
 @pytest.mark.parametrize("case", RECURRENT_CASES, ids=[c[0] for c in RECURRENT_CASES])

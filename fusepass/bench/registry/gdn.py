@@ -210,9 +210,9 @@ LAYOUTS = ("strided-l2", "contig-norm")
 VARIANTS = {
     "split": dict(fuse_output=False),
     "fused": dict(fuse_output=True),
-    "split-s1": dict(fuse_output=False, num_stages=1, block_v=64),
+    "split-s1": dict(fuse_output=False, num_stages=1),
     "fused-kd": dict(fuse_output=True, precompute_kd=True),
-    "fused-bv16": dict(fuse_output=True, block_v=16),
+    "fused-bv128": dict(fuse_output=True, block_v=128),
 }
 
 
@@ -376,8 +376,7 @@ def main(argv=None) -> int:
                 configs = [dict(block_v=bv, num_warps=nw) for bv in (32, 64, 128) for nw in (4, 8)]
                 launch = gdn.gdn_recurrent_fwd
             else:
-                configs = [dict(precompute_kd=False), dict(block_v=32 if spec[1] * spec[4] >= 132 else 64),
-                           dict(num_stages=3)]
+                configs = [dict(precompute_kd=False), dict(block_v=128), dict(num_stages=3)]
                 launch = gdn.gdn_chunk_fwd
             for cfg in configs:
                 fn = lambda q, k, v, g, b, s0, cfg=cfg: launch(q, k, v, g, b, s0, True, q.shape[-1] ** -0.5, **cfg)

@@ -32,20 +32,18 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 # results matched the fp64 reference without the sanitizer.  Cause not
 # established; the op takes its plain-torch path there.
 _MAX_DK = 256
-# d_v columns per state-pass program: 64 where that still gives one program
-# per SM, else 32.  The pass is sequential over chunks and parallel only over
-# B x H_v x d_v blocks.  H100, CUDA-graph time of the whole op (Triton 3.6):
-# B1 T4096 H16 (64 vs 32 programs) 371 µs at 64, 345 at 32; B4 T4096 Hv32
-# 1704 at 64, 1823 at 32; B8 T512 H32 465 at 64, 491 at 32.
-_STATE_BV = (64, 32)
-# A loop kernel (scan or state pass) runs one pipeline stage only with blocks
-# of 64 value columns.  With 32 or 16 columns and one stage, Triton 3.6 on
-# Hopper reads shared memory out of bounds in the loop's dots
-# (compute-sanitizer: "Invalid __shared__ read of size 1024 bytes"; H200, B1
-# T8192 H32 d 128: an illegal address at T >= 1024, wrong values at T 256,
-# and the 5 values seen off under the sanitizer at T 17-65 on the H100);
-# two stages at 32 columns matched the split pipeline to 2.4e-4.
-_ONE_STAGE_MIN_BV = 64
+# Every dot tile is at least 64 wide: value columns per program (state pass,
+# scan, output, prep) and the key head, padded and masked below that.  With
+# 32 or 16 value columns Triton 3.6's Hopper dots read shared memory out of
+# bounds (compute-sanitizer: "Invalid __shared__ read of size 1024 bytes"):
+# the fused scan at one pipeline stage from T 1024 (an illegal address; H200,
+# B1 H32 d 128; wrong values at T 256), the two-stage state pass at d_k 64
+# with d_v 192 or 128 and one or two chunks (a launch failure; values 1.5
+# off), and at d_k 96 padded to 128 (H100).  No case with 64-wide tiles has
+# failed under the sanitizer.  The cost is the small-batch prefill, where 32
+# columns gave twice the programs: state pass 627 µs at 64 against 516 at 32
+# (B1 T16384 H32 d 128, H200); B1 T4096 H16 371 against 345 (H100).
+_MIN_TILE = 64
 # Programs per SM from which the fused scan is the default (see chunk_launches).
 _FUSE_MIN_WAVES = 2
 # Tokens the chunked op hands to the recurrent kernel instead (decode, short
@@ -115,16 +113,14 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     HV, DV = v.shape[-2:]
     dt = q.dtype
     dots = _dots(dt)
-    BK = _pow2(DK)
+    BK = _pow2(DK, _MIN_TILE)
     NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
-    if block_v is None:
-        block_v = _STATE_BV[-1]
-        for bv in _STATE_BV:
-            if hint(B) * HV * cdiv(DV, bv) >= n_sm:
-                block_v = bv
-                break
-    BV = min(block_v, _pow2(DV))
+    for name, cols in (("block_v", block_v), ("output_block_v", output_block_v)):
+        if cols is not None and cols < _MIN_TILE:
+            raise ValueError(f"{name} {cols}: tiles of fewer than {_MIN_TILE} value columns read shared memory "
+                             "out of bounds on Hopper")
+    BV = _pow2(min(block_v or _MIN_TILE, DV), _MIN_TILE)
     NV = cdiv(DV, BV)
     if fuse_output is None:
         # The fused scan writes o alone where the split pass writes and the
@@ -146,14 +142,11 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     prep = Launch(_gdn_prep_kernel, (NT * B * HV,),
                   dict(q=q, k=k, v=v, g=g, beta=beta, w=w, u=u, kd=kd, aq=aq, scale=scale, **_strides("q", q),
                        **_strides("k", k), **_strides("v", v), **_strides("g", g), **_strides("b", beta), **sizes,
-                       BV=min(64, _pow2(DV)), **dots, PRE_KD=precompute_kd, AQK=fuse_output,
+                       BV=_MIN_TILE, **dots, PRE_KD=precompute_kd, AQK=fuse_output,
                        INV_PRODUCT=dt != torch.float32),
                   ("w", "u") + (("kd",) if precompute_kd else ()) + (("aq",) if fuse_output else ()), prep_warps or 4)
     qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
-    stages = num_stages or (1 if fuse_output and BV >= _ONE_STAGE_MIN_BV else 2)
-    if stages == 1 and BV < _ONE_STAGE_MIN_BV:
-        raise ValueError(f"one pipeline stage needs {_ONE_STAGE_MIN_BV} value columns per program, not {BV} "
-                         "(out-of-bounds shared memory reads on Hopper)")
+    stages = num_stages or (1 if fuse_output else 2)
     if fuse_output:
         # One pipeline stage: 1101 µs at B16 T1024 H32 against 1141 with
         # two and 1409 with three; 8 warps 1411 (H100, CUDA-graph time).
@@ -174,7 +167,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                         **_strides("k", k), **_strides("g", g), **sizes, BV=BV, HAS_H0=h0 is not None,
                         PRE_KD=precompute_kd, **dots),
                    ("u", "hT", "hs"), num_warps or 4, stages)
-    BVO = min(output_block_v or 64, _pow2(DV))
+    BVO = _pow2(min(output_block_v or _MIN_TILE, DV), _MIN_TILE)
     NVO = cdiv(DV, BVO)
     output = Launch(_gdn_output_kernel, (NVO * NT * B * HV,),
                     dict(q=q, k=k, g=g, vn=u, hs=hs, o=out, NV=NVO, scale=scale, **qkg,
