@@ -212,6 +212,29 @@ def test_a_step_reading_memory_it_never_wrote_is_no_program():
         b.step(garbage, [x], "garbage({args})")
 
 
+def test_a_step_writing_into_an_input_through_a_view_is_no_program():
+    """An in-place op on a view of a program input (the "inplace" mutation on
+    s[:, None] of a scale drawn strided, s = a[::2] a step of its own) writes
+    into the input in eager as compiled: the builder refuses the step and puts
+    the input back; a step that only reads the view is a step like any other."""
+    from fusepass.testing.differential.build import _Builder, _Invalid
+
+    b = _Builder(diff.ProgramSpec((), seed=0), torch.device("cpu"))
+    s = b.random_leaf((4,), torch.float32, "strided")
+    assert s[0] == "v"  # the view, not the input
+    a = b.args[-1]
+    before = a.clone()
+
+    def zero_point(s):
+        return s[:, None].mul_(1000) * s[:, None]
+
+    (v,) = b.step(lambda s: s[:, None] * 1000, [s], "read({args})")
+    assert torch.equal(b.value(v), before[::2, None] * 1000)
+    with pytest.raises(_Invalid, match="writes into the program's input"):
+        b.step(zero_point, [s], "zero_point({args})")
+    assert torch.equal(a, before)
+
+
 def test_known_inductor_bugs_name_only_their_mismatch():
     from fusepass.testing.differential.stats import known_inductor_bug
 

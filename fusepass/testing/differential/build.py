@@ -166,8 +166,12 @@ class _Builder:
         # The programs leave their inputs alone (the check compares them after the
         # compiled run): an in-place op on a view of an input (the "inplace"
         # mutation on a reshape of GDN's state) writes into it, so the step is
-        # refused and the input put back.
-        inputs = {i: self.args[i].clone() for kind, i in ins if kind == "a"}
+        # refused and the input put back.  Every input a value shares memory with,
+        # not only those passed as they are: a strided or sliced operand is a view
+        # step of its own (the "inplace" mutation on s[:, None] of a scale given as
+        # a[::2] wrote a, 7 false failures in a long run).
+        storages = {v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor)}
+        inputs = {i: a.clone() for i, a in enumerate(self.args) if a.untyped_storage().data_ptr() in storages}
         try:
             with _Dtypes() as seen:
                 out = _flat(fn(*values))
