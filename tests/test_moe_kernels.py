@@ -359,6 +359,17 @@ def test_experts_shared_unused_and_outside_experts(poisoned, plan):
     _assert_experts_close(out, ref)
 
 
+
+@pytest.mark.parametrize("plan", ["decode", "sorted"])
+def test_experts_kernels_keep_a_tokens_nan(poisoned, plan):
+    """A token with a NaN feature comes out NaN, as eager's gpt-oss clamp keeps it (tl.minimum's default
+    returned the limit: a differential program's bf16 token came out finite, -52.5..38.75)."""
+    inputs = list(_experts_inputs(3, 8, 64, 32, 2, torch.float32, trans=True, bias=True))
+    inputs[0][1, 5] = float("nan")
+    out, ref = _run_experts(plan, inputs, "gpt_oss", "interleaved", True, "none", 0)
+    assert ref[1].isnan().all() and out[1].isnan().all()
+    _assert_experts_close(out[[0, 2]], ref[[0, 2]])
+
 def test_experts_zero_tokens():
     inputs = _experts_inputs(0, 8, 32, 16, 2, torch.bfloat16)
     for plan in ("decode", "sorted"):

@@ -126,8 +126,11 @@ def gated_act(b_g, b_u, DT: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr
     else:
         # gpt-oss: gate.clamp(max=limit), up.clamp(-limit, limit),
         # glu = gate * sigmoid(gate * alpha), (up + 1) * glu; each step rounds.
-        b_g = tl.minimum(b_g, LIMIT)
-        b_u = tl.minimum(tl.maximum(b_u, -LIMIT), LIMIT)
+        # NaN propagates as torch.clamp's does (tl.minimum's default returns the other
+        # operand: a differential program's bf16 token with a NaN feature came out finite, -52.5..38.75).
+        b_g = tl.minimum(b_g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        b_u = tl.minimum(tl.maximum(b_u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                         propagate_nan=tl.PropagateNan.ALL)
         b_t = _round(b_g * ALPHA, DT)
         b_sig = _round(1.0 / (1.0 + tl.exp(-b_t)), DT)
         b_glu = _round(b_g * b_sig, DT)
