@@ -346,3 +346,21 @@ def test_unordered_router_whose_sort_order_is_read_is_refused():
     for o, e in zip(out, expected):
         assert torch.equal(o, e)
 
+
+def test_unordered_router_reference_orders_its_choices_by_logits():
+    """The sigmoid form's reference orders an unordered top-k's choices by their logits, not by
+    their weights: weights one fp16 ulp apart (within the table) tie on one side only, and the
+    chosen logits came out in another order, 12.4 apart (the differential run's fp16 weights)."""
+    from fusepass.kernels._common import tolerance
+    from fusepass.patterns.moe_router import _sorted
+
+    logits = torch.zeros(1, 16)
+    logits[0, [1, 4, 9, 12]] = torch.tensor([1.481555, 1.856410, 20.418720, 8.037155])
+    inputs = (torch.zeros(1, 8), torch.zeros(16, 8), torch.zeros(16))
+    eager = _sorted(torch.tensor([[0.553711, 0.587402, 0.679199, 0.679199]], dtype=torch.float16),
+                    torch.tensor([[1, 4, 9, 12]]), logits, *inputs)
+    fused = _sorted(torch.tensor([[0.679688, 0.679199, 0.587891, 0.553711]], dtype=torch.float16),
+                    torch.tensor([[9, 12, 4, 1]]), logits, *inputs)  # by descending score, one ulp off
+    assert torch.equal(fused[1], eager[1]), (fused[1], eager[1])
+    tol = tolerance(torch.float16)
+    torch.testing.assert_close(fused[0], eager[0], atol=tol.atol, rtol=tol.rtol)

@@ -123,11 +123,16 @@ def search_sigmoid(correction_bias, x, weight):
 
 def _sorted(w, ids, logits, *inputs):
     """``_chosen`` for an unordered top-k (sorted=False: any order of the same choice is the
-    model's answer), in ascending weight order, equal weights by expert id (a sigmoid saturates:
-    scores of 1.0 tie, and a sort of the weights alone keeps them in whatever order came)."""
+    model's answer), in ascending order of the chosen logits (the weights' order: a sigmoid of
+    them), equal logits by expert id.  Not by the weights themselves: rounded to fp16 or bf16
+    they tie where the logits do not (a sigmoid saturates to 1.0; fp16 scores 0.679199 twice in
+    eager, 0.679199 and 0.679688 from the op, one ulp apart and both within the table), and the
+    chosen logits then came in another order, 12.4 apart (long run 8, seed 1424239416)."""
     ids, by_id = ids.sort(dim=-1)
-    w, order = w.gather(1, by_id).sort(dim=-1, stable=True)
-    return _chosen(w, ids.gather(1, order), logits, *inputs)
+    w = w.gather(1, by_id)
+    chosen = logits[torch.arange(ids.shape[0], device=ids.device)[:, None], ids]
+    order = chosen.sort(dim=-1, stable=True)[1]
+    return _chosen(w.gather(1, order), ids.gather(1, order), logits, *inputs)
 
 
 def _replace_softmax(x, weight):
