@@ -347,3 +347,31 @@ def test_a_rule_registered_later_joins():
     assert not outcome.failures, "\n".join(outcome.failures)
     assert outcome.report.count("tanh_mul") == 1
     assert sum("also used outside" in r for r in outcome.report.reasons("tanh_mul")) == 2
+
+
+def test_eager_overflow_that_cancels_to_nan_is_held_to_fp64():
+    """An fp16 dequantized weight that overflows in eager (codes times scales in the ten
+    thousands) gives NaN in x @ W.T where its infinities cancel (x of both signs), not only an
+    infinity: the fused op, its weight in fp32, is held to the step in fp64 there too; a
+    fused value off from fp64 still fails."""
+    from fusepass.testing.differential.build import Step
+    from fusepass.testing.differential.check import _eager_overflowed
+
+    def before(x, weight, scale):  # dequant_matmul's scale_before form
+        return (x @ (weight.to(x.dtype) * scale[:, None]).t(),)
+
+    x = torch.tensor([[0.75, -2.25]], dtype=torch.float16)
+    weight = torch.tensor([[100, 90], [2, 1], [-120, 3]], dtype=torch.int8)
+    scale = torch.tensor([30000.0, 1000.0, 20000.0], dtype=torch.float16)
+    step = Step(before, (("a", 0), ("a", 1), ("a", 2)), (0,), "v0 = before(a0, a1, a2)", True, torch.float16)
+    (expected,) = before(x, weight, scale)
+    assert torch.isnan(expected[0, 0]) and torch.isfinite(expected[0, 1])  # inf - inf, and a row in range
+    fused = (x.float() @ (weight.float() * scale.float()[:, None]).t()).half()  # -> -inf, finite, -inf
+    assert not torch.isnan(fused).any()
+    assert _eager_overflowed(step, [x, weight, scale], fused, expected, 0)
+    wrong = fused.clone()
+    wrong[0, 1] *= 1.01
+    assert not _eager_overflowed(step, [x, weight, scale], wrong, expected, 0)
+    flipped = fused.clone()
+    flipped[0, 2] = -flipped[0, 2]  # an infinity of the other sign
+    assert not _eager_overflowed(step, [x, weight, scale], flipped, expected, 0)

@@ -347,3 +347,60 @@ def test_experts_round_routing_weights_the_region_casts():
         report = fusepass.last_report()
     assert report.count("moe_experts") == 1, str(report)
     assert torch.equal(out, expected), (out.double() - expected.double()).abs().max()
+
+
+def _router_sort_order_read(x, weight, correction_bias):
+    """DeepSeek-V3's router whose unordered top-k ids are sorted, the weights gathered by that
+    order (order-free), and that order also read (the differential run's mutation: * 1.5)."""
+    T, E = x.shape[0], weight.shape[0]
+    logits = torch.nn.functional.linear(x.float(), weight.float())
+    scores = logits.sigmoid()
+    choice = scores + correction_bias
+    group_scores = choice.view(T, 4, E // 4).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=2, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    mask = mask.unsqueeze(-1).expand(T, 4, E // 4).reshape(T, E)
+    choice = choice.masked_fill(~mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=4, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * 2.5
+    ids, order = ids.sort(dim=-1)
+    return w.gather(1, order), ids, order * 1.5
+
+
+def test_unordered_router_whose_sort_order_is_read_is_refused():
+    """The order that sorts an unordered top-k's ids is the permutation from the top-k's own
+    order: read by anything but the gather of the weights it hands that order on, and the op's
+    order (by descending score) is not eager's."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, cb = torch.randn(3, 64, generator=gen), torch.randn(16, 64, generator=gen) / 8, torch.randn(16, generator=gen)
+    with torch.no_grad():
+        expected = _router_sort_order_read(x, w, cb)
+        torch._dynamo.reset()
+        fusepass.reset_reports()
+        out = torch.compile(_router_sort_order_read, backend="fusepass", options={"rules": ["moe_router"]},
+                            fullgraph=True, dynamic=False)(x, w, cb)
+        report = fusepass.last_report()
+    assert report.count("moe_router") == 0, str(report)
+    assert any("reads the order of the chosen experts" in r for r in report.reasons("moe_router")), str(report)
+    for o, e in zip(out, expected):
+        assert torch.equal(o, e)
+
+
+def test_unordered_router_reference_orders_its_choices_by_logits():
+    """The sigmoid form's reference orders an unordered top-k's choices by their logits, not by
+    their weights: weights one fp16 ulp apart (within the table) tie on one side only, and the
+    chosen logits came out in another order, 12.4 apart (the differential run's fp16 weights)."""
+    from fusepass.kernels._common import tolerance
+    from fusepass.patterns.moe_router import _sorted
+
+    logits = torch.zeros(1, 16)
+    logits[0, [1, 4, 9, 12]] = torch.tensor([1.481555, 1.856410, 20.418720, 8.037155])
+    inputs = (torch.zeros(1, 8), torch.zeros(16, 8), torch.zeros(16))
+    eager = _sorted(torch.tensor([[0.553711, 0.587402, 0.679199, 0.679199]], dtype=torch.float16),
+                    torch.tensor([[1, 4, 9, 12]]), logits, *inputs)
+    fused = _sorted(torch.tensor([[0.679688, 0.679199, 0.587891, 0.553711]], dtype=torch.float16),
+                    torch.tensor([[9, 12, 4, 1]]), logits, *inputs)  # by descending score, one ulp off
+    assert torch.equal(fused[1], eager[1]), (fused[1], eager[1])
+    tol = tolerance(torch.float16)
+    torch.testing.assert_close(fused[0], eager[0], atol=tol.atol, rtol=tol.rtol)

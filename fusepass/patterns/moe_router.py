@@ -123,11 +123,16 @@ def search_sigmoid(correction_bias, x, weight):
 
 def _sorted(w, ids, logits, *inputs):
     """``_chosen`` for an unordered top-k (sorted=False: any order of the same choice is the
-    model's answer), in ascending weight order, equal weights by expert id (a sigmoid saturates:
-    scores of 1.0 tie, and a sort of the weights alone keeps them in whatever order came)."""
+    model's answer), in ascending order of the chosen logits (the weights' order: a sigmoid of
+    them), equal logits by expert id.  Not by the weights themselves: rounded to fp16 or bf16
+    they tie where the logits do not (a sigmoid saturates to 1.0; fp16 scores 0.679199 twice in
+    eager, 0.679199 and 0.679688 from the op, one ulp apart and both within the table), and the
+    chosen logits then came in another order, 12.4 apart (long run 8, seed 1424239416)."""
     ids, by_id = ids.sort(dim=-1)
-    w, order = w.gather(1, by_id).sort(dim=-1, stable=True)
-    return _chosen(w, ids.gather(1, order), logits, *inputs)
+    w = w.gather(1, by_id)
+    chosen = logits[torch.arange(ids.shape[0], device=ids.device)[:, None], ids]
+    order = chosen.sort(dim=-1, stable=True)[1]
+    return _chosen(w.gather(1, order), ids.gather(1, order), logits, *inputs)
 
 
 def _replace_softmax(x, weight):
@@ -656,6 +661,14 @@ def _order_reader(f: Found) -> torch.fx.Node | None:
             if u.target == aten.gather.default and u.args[0] is out and u.args[2] in orders[out]:
                 continue
             return u
+    # That order itself is the permutation from the top-k's order to the sorted one: read by anything
+    # but such a gather it hands the top-k's order on (the differential run's ids.sort()[1] * 1.5: the
+    # op's descending order gave [0, 1.5, 3, 4.5] where eager's CPU top-k gave [4.5, 1.5, 3, 0]).
+    for out, order in ((f.tw, orders[f.tw]), (f.ids, orders[f.ids])):
+        for g in order:
+            for u in g.users:
+                if not (u.target == aten.gather.default and u.args[0] is out and u.args[2] is g):
+                    return u
     return None
 
 
