@@ -273,20 +273,28 @@ def test_training_graph_is_refused_and_gradients_are_eagers():
         assert_close(g, w, "gradient")
 
 
-def _router_group_score_of_indices(x, weight, correction_bias):
-    """DeepSeek-V3's router with one change: the groups are ranked by the sum of their top-2
-    *indices*, not values (the differential run's mutated constant)."""
+def _deepseek_choice(x, weight, correction_bias, group_rank):
+    """DeepSeek-V3's grouped choice (4 groups, the 2 best kept, top-4, unordered): the chosen
+    experts' sigmoid scores and ids.  ``group_rank`` 0 ranks the groups by the sum of their top-2
+    values, as the model does; 1 by the sum of their top-2 indices."""
     T, E = x.shape[0], weight.shape[0]
     logits = torch.nn.functional.linear(x.float(), weight.float())
     scores = logits.sigmoid()
     choice = scores + correction_bias
-    group_scores = choice.view(T, 4, E // 4).topk(2, dim=-1)[1].sum(dim=-1)
+    group_scores = choice.view(T, 4, E // 4).topk(2, dim=-1)[group_rank].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=2, dim=-1, sorted=False)[1]
     mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
     mask = mask.unsqueeze(-1).expand(T, 4, E // 4).reshape(T, E)
     choice = choice.masked_fill(~mask.bool(), float("-inf"))
     ids = torch.topk(choice, k=4, dim=-1, sorted=False)[1]
     w = scores.gather(1, ids)
+    return w, ids
+
+
+def _router_group_score_of_indices(x, weight, correction_bias):
+    """DeepSeek-V3's router with one change: the groups are ranked by the sum of their top-2
+    *indices*, not values (the differential run's mutated constant)."""
+    w, ids = _deepseek_choice(x, weight, correction_bias, 1)
     ids, order = ids.sort(dim=-1)  # (an order-free reader of the unordered top-k)
     return (w / (w.sum(dim=-1, keepdim=True) + 1e-20) * 2.5).gather(1, order), ids
 
@@ -352,17 +360,7 @@ def test_experts_round_routing_weights_the_region_casts():
 def _router_sort_order_read(x, weight, correction_bias):
     """DeepSeek-V3's router whose unordered top-k ids are sorted, the weights gathered by that
     order (order-free), and that order also read (the differential run's mutation: * 1.5)."""
-    T, E = x.shape[0], weight.shape[0]
-    logits = torch.nn.functional.linear(x.float(), weight.float())
-    scores = logits.sigmoid()
-    choice = scores + correction_bias
-    group_scores = choice.view(T, 4, E // 4).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=2, dim=-1, sorted=False)[1]
-    mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
-    mask = mask.unsqueeze(-1).expand(T, 4, E // 4).reshape(T, E)
-    choice = choice.masked_fill(~mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=4, dim=-1, sorted=False)[1]
-    w = scores.gather(1, ids)
+    w, ids = _deepseek_choice(x, weight, correction_bias, 0)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * 2.5
     ids, order = ids.sort(dim=-1)
     return w.gather(1, order), ids, order * 1.5

@@ -664,7 +664,7 @@ def _order_reader(f: Found) -> torch.fx.Node | None:
     # That order itself is the permutation from the top-k's order to the sorted one: read by anything
     # but such a gather it hands the top-k's order on (the differential run's ids.sort()[1] * 1.5: the
     # op's descending order gave [0, 1.5, 3, 4.5] where eager's CPU top-k gave [4.5, 1.5, 3, 0]).
-    for out, order in ((f.tw, orders[f.tw]), (f.ids, orders[f.ids])):
+    for out, order in orders.items():
         for g in order:
             for u in g.users:
                 if not (u.target == aten.gather.default and u.args[0] is out and u.args[2] is g):
