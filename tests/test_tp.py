@@ -67,11 +67,14 @@ def _error(actual, expected) -> str | None:
 
 def _boundaries(model) -> int:
     """All-reduce boundaries a rank's graph has: the vocabulary-parallel
-    embedding's, then the end of every attention and MLP block, less the GDN
-    blocks (their output projection gathers: colwise_gather_output)."""
+    embedding's (where the plan shards it: transformers 5.24 does, 5.17 does
+    not), then the end of every attention and MLP block, less the GDN blocks
+    (their output projection gathers: colwise_gather_output)."""
     config = model.config
     gdn = sum(t == "linear_attention" for t in getattr(config, "layer_types", None) or [])
-    return 1 + 2 * config.num_hidden_layers - gdn
+    weight = model.get_input_embeddings().weight
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return int(local.shape[0] < config.vocab_size) + 2 * config.num_hidden_layers - gdn
 
 
 def _torch_plan(model) -> dict:
@@ -131,7 +134,7 @@ def _check(rank: int, world: int, folder: str) -> dict:
     quantized = fusepass.quantize(model, fmt="int8")
     eager, compiled, summary = _compile(model, ids)
     out["torch_int8"] = dict(summary, error=_error(compiled, eager), converted=len(quantized.converted),
-                             boundaries=_boundaries(model) - 1)  # the embedding is not sharded here
+                             boundaries=_boundaries(model))  # 4: the embedding is not sharded here
     # int4 groups of 64 straddle o_proj's K shards (64 = 2 x 32): refused with the reason.
     model = tp.load("llama", f"{folder}/llama")
     out["straddle"] = fusepass.quantize(model, fmt="int4", group_size=64).skipped

@@ -17,10 +17,15 @@ quantizes each rank's shards (``fusepass.quantize``), then per backend:
   filled with the prompt; on CUDA the step is captured in a CUDA graph and
   replayed a fixed number of times between two events (the same count on
   every rank: a collective in a graph replays in lockstep);
-- ``op``: on CUDA, ``fusepass::all_reduce_rms_norm`` (NCCL all-reduce +
-  the add_rms_norm kernel) against a one-shot all-reduce over symmetric
-  memory + the same kernel, at decode and prefill token counts: the
-  baseline a fused one-shot kernel must beat.
+- ``op``: on CUDA, ``fusepass::all_reduce_rms_norm``'s two paths (its
+  one-shot kernel over symmetric memory, forced up to the workspace's
+  size; NCCL all-reduce + the add_rms_norm kernel) against torch's own
+  symmetric-memory one-shot all-reduce + the same kernel, at decode and
+  prefill token counts.
+
+The model rows run three contenders: Inductor, fusepass, and fusepass
+with every boundary on the collective path (``fusepass (NCCL boundary)``:
+what the one-shot kernel adds).
 
 Times are rank 0's (every rank waits on the others at each all-reduce);
 the table is printed last, the rows saved as JSON in ``--out``.
@@ -62,7 +67,9 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096)),
 }
-BACKENDS = ("inductor", "fusepass")
+# (row label, torch.compile backend, the op's one-shot limit in bytes; None: as shipped)
+BACKENDS = (("inductor", "inductor", None), ("fusepass", "fusepass", None),
+            ("fusepass (NCCL boundary)", "fusepass", 0))
 
 
 def build(name: str, layers: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -126,7 +133,10 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
     import fusepass
     from transformers import StaticCache
 
+    from fusepass.kernels import all_reduce_rms_norm as ar
     from fusepass.testing import assert_close
+
+    shipped = ar.ONE_SHOT_MAX_BYTES
 
     cuda = device.startswith("cuda")
     model = shard(build(args.model, args.layers, dtype, device), world, "cuda" if cuda else "cpu")
@@ -140,10 +150,11 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
     rows, errors = [], {}
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
-        for backend in BACKENDS:
+        for backend, compiler, one_shot_bytes in BACKENDS:
+            ar.ONE_SHOT_MAX_BYTES = shipped if one_shot_bytes is None else one_shot_bytes
             torch._dynamo.reset()
             fusepass.reset_reports()
-            fn = torch.compile(model, backend=backend, fullgraph=True)
+            fn = torch.compile(model, backend=compiler, fullgraph=True)
             t0 = time.perf_counter()
             got = fn(input_ids=ids, use_cache=False, logits_to_keep=1).logits
             compile_s = time.perf_counter() - t0
@@ -165,7 +176,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
                 else:
                     ok = f"MISMATCH rel err {err:.1e}: {str(exc).splitlines()[0][:60]}"
             ms = _time(lambda: fn(input_ids=ids, use_cache=False, logits_to_keep=1), cuda, args.calls)
-            rewrites = _rewrites(fusepass.last_report()) if backend == "fusepass" else ""
+            rewrites = _rewrites(fusepass.last_report()) if compiler == "fusepass" else ""
             rows.append(dict(phase="prefill", workload=f"B1 T{args.prompt}", backend=backend, ms=ms,
                              compile_s=compile_s, check=ok, rewrites=rewrites))
             for batch in args.batch:
@@ -191,25 +202,41 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
                         how = f"plain calls (capture failed: {type(exc).__name__})"
                 ms = _time(run, cuda, args.calls * 10)
                 rows.append(dict(phase="decode", workload=f"B{batch} at {args.prompt}", backend=backend, ms=ms,
-                                 check=how, rewrites=_rewrites(fusepass.last_report()) if backend == "fusepass"
+                                 check=how, rewrites=_rewrites(fusepass.last_report()) if compiler == "fusepass"
                                  else ""))
+    ar.ONE_SHOT_MAX_BYTES = shipped
     return rows
 
 
 def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """The all-reduce + add + RMSNorm op against a symmetric-memory one-shot all-reduce + add_rms_norm."""
+    """The all-reduce + add + RMSNorm op's two paths against torch's symmetric-memory
+    one-shot all-reduce + add_rms_norm."""
     import torch.distributed as dist
 
-    from fusepass.kernels.all_reduce_rms_norm import all_reduce_rms_norm_call
+    from fusepass.kernels import all_reduce_rms_norm as ar
 
     group = dist.group.WORLD.group_name
     hidden = MODELS[args.model][2]["hidden_size"]
     rows = []
-    for tokens in (1, 8, 32, 128, 2048):
+    shipped = ar.ONE_SHOT_MAX_BYTES
+    for tokens in (1, 4, 8, 16, 32, 64, 128, 2048):
         x, res = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
         w = torch.randn(hidden, device=device, dtype=dtype)
-        contenders = {"nccl + add_rms_norm (the op)": lambda: all_reduce_rms_norm_call(
-            x, res, w, 1e-5, 0.0, True, dtype, group)}
+        op_args = (res, w, 1e-5, 0.0, True, dtype, group)
+
+        def forced():
+            ar.ONE_SHOT_MAX_BYTES = ar._WORKSPACE_BYTES  # the one-shot kernel wherever it fits
+            try:
+                return torch.ops.fusepass.all_reduce_rms_norm(x, *op_args)
+            finally:
+                ar.ONE_SHOT_MAX_BYTES = shipped
+
+        contenders = {"nccl + add_rms_norm (the op's collective path)": lambda: ar._nccl_path(x, *op_args)}
+        ar.ONE_SHOT_MAX_BYTES = ar._WORKSPACE_BYTES
+        fits = ar.one_shot_applies(x, res, w, dtype, group)
+        ar.ONE_SHOT_MAX_BYTES = shipped
+        if fits:
+            contenders["fusepass one-shot kernel"] = forced
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -225,11 +252,11 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
                 buf.copy_(x)
                 return one_shot()
 
-            contenders["symm-mem one-shot + add_rms_norm (input in place)"] = one_shot
-            contenders["copy in + symm-mem one-shot + add_rms_norm"] = copy_one_shot
-        except Exception as exc:  # noqa: BLE001 - no symmetric memory here: the op's row alone
+            contenders["torch symm-mem one-shot + add_rms_norm (input in place)"] = one_shot
+            contenders["copy in + torch symm-mem one-shot + add_rms_norm"] = copy_one_shot
+        except Exception as exc:  # noqa: BLE001 - no symmetric memory here: the op's rows alone
             print(f"symmetric memory unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
-        ref = contenders["nccl + add_rms_norm (the op)"]()
+        ref = contenders["nccl + add_rms_norm (the op's collective path)"]()
         for name, fn in contenders.items():
             row = dict(phase="op", workload=f"{tokens}x{hidden}", backend=name)
             try:
