@@ -27,7 +27,8 @@ decode and short T).  On CUDA, fp16/bf16/fp32 inputs with d_k <= 256:
   loop, nothing per chunk stored but o), else the state pass and the output
   kernel (parallel over chunks); no copies of q, k, v (strided
   [B, T, H, D] views are read in place, grouped value heads index their key
-  head);
+  head); then the recurrent kernel for the heads with some g > 0, where
+  the chunked form is ill conditioned (the others' programs return);
 - ``gdn_chunk`` with T <= 16, and ``gdn_recurrent``: one launch of the
   recurrent kernel (state read once, written once);
 - anything else (fp64, mixed q/k/v dtypes, d_k > 256) and a kernel that

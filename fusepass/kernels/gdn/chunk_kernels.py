@@ -39,8 +39,10 @@ from fusepass.kernels.gdn.tiles import (_dot, _dot_ieee, _inv16_product, _inv16x
 #
 # Exponentials only ever see Gamma_i - Gamma_j with i >= j, Gamma_last -
 # Gamma and Gamma, all <= 0 for g <= 0: the causal mask is applied to the
-# exponent (-inf), never to exp's result.  Rows past T load g = 0, beta = 0,
-# q = k = v = 0: they add nothing and leave Gamma_last unchanged.
+# exponent (-inf), never to exp's result.  Rows past T load g = 0, beta =
+# 0, q = k = v = 0: they add nothing and leave Gamma_last unchanged.  A head
+# with some g > 0 is computed again by the token loop after these kernels
+# (launch._rising_heads).
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Launches: the chunked pipeline (two or three launches) and the recurrent kernel (one).
+"""Launches: the chunked pipeline (three or four launches) and the recurrent kernel (one).
 
 One builder per kernel returns a :class:`~fusepass.kernels._common.Launch`;
 ``gdn_chunk_fwd`` / ``gdn_recurrent_fwd`` run them (the ops' CUDA bodies),
@@ -156,7 +156,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                       dict(q=q, k=k, w=w, u=u, kd=kd, aq=aq, g=g, h0=h_in, o=out, hT=final_state, NV=NV,
                            scale=scale, **qkg, **sizes, BV=BV, HAS_H0=h0 is not None, PRE_KD=precompute_kd, **dots),
                       ("o", "hT"), num_warps or 4, stages)
-        return [prep, scan]
+        return [prep, scan, _rising_heads(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale)]
     # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
     # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
     # tf32 output dots); 3 stages 260 vs 259 at B1 T4096 H16, 368 vs 342 at
@@ -174,7 +174,29 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                          **{n: sizes[n] for n in ("T", "NT", "HV", "GROUP", "DK", "DV", "BK", "L2NORM", "EPS")},
                          BV=BVO, **dots),
                     ("o",), 4)
-    return [prep, state, output]
+    return [prep, state, output, _rising_heads(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale)]
+
+
+def _rising_heads(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
+                  final_state: Tensor, use_qk_l2norm: bool, scale: float) -> Launch:
+    """The token loop over again for each head with some g > 0, last of the
+    chunked launches: its programs read their head's gates and return where
+    all are <= 0, as models' decays are (-exp(A) softplus(..)).
+
+    The chunked form needs g <= 0 (see chunk_kernels): with a rising Gamma,
+    exp(Gamma_i - Gamma_j) > 1 makes I + A ill conditioned, and the 10 bits
+    of fp16 or tf32 (8 of bf16) in the scratch and dot operands are not
+    enough.  A head of a differential program, g in [-2.4, 2.3] (fp16, d 8,
+    T 48, Gamma rising 7.8 within the chunk): (I + A)^-1 entries up to 7.4e4,
+    u up to 5.4e4 for outputs up to 2.3e4, output 46 off the fp64 result
+    (316 times the fp16 table; bf16 inputs 788 times), exp(Gamma_last -
+    Gamma) k up to 1.5e5, an infinite fp16 operand and final state.  Scratch
+    and operands rounded to 10 bits with fp32's range measured 132-252 times
+    the table (fp64 emulation): fp32 scratch alone would not do.  The token
+    loop keeps every product in fp32: 0.22 times the table, as the CPU body.
+    On gates <= 0 this costs one launch whose programs read T gates each."""
+    return recurrent_launch(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale, block_v=64,
+                            rising_only=True)
 
 
 def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
@@ -182,7 +204,7 @@ def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   final_state: Tensor | None = None, **choices) -> tuple[Tensor, Tensor]:
     """The chunked pipeline: the prep kernel, then the fused scan or the state
     pass and the output kernel (by default the scan where its grid fills the
-    GPU twice over).
+    GPU twice over), then the token loop for heads with some g > 0.
 
     ``out`` / ``final_state`` receive the results when given (tests poison
     them); ``choices`` are :func:`chunk_launches`' overrides (tests, sweeps)."""
@@ -222,8 +244,9 @@ def _recurrent_block_v(B: int, HV: int, DV: int, n_sm: int) -> int:
 
 def recurrent_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
                      final_state: Tensor, use_qk_l2norm: bool, scale: float, block_v: int | None = None,
-                     num_warps: int | None = None) -> Launch:
-    """The token loop in one launch; operands as for :func:`chunk_launches`."""
+                     num_warps: int | None = None, rising_only: bool = False) -> Launch:
+    """The token loop in one launch; operands as for :func:`chunk_launches`.
+    ``rising_only``: for the heads with some g > 0 alone (:func:`_rising_heads`)."""
     B, T, HK, DK = q.shape
     HV, DV = v.shape[-2:]
     BV = min(block_v or _recurrent_block_v(hint(B), HV, DV, sm_count(q.device)), _pow2(DV))
@@ -232,7 +255,7 @@ def recurrent_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h
                 T=T, HV=HV, GROUP=HV // HK, NV=NV, scale=scale, **_strides("q", q), **_strides("k", k),
                 **_strides("v", v), **_strides("g", g), **_strides("b", beta),
                 DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
-                EMU=emulate_rounding(q.dtype), EPS=L2NORM_EPS)
+                EMU=emulate_rounding(q.dtype), EPS=L2NORM_EPS, RISING_ONLY=rising_only)
     return Launch(_gdn_recurrent_kernel, (NV * B * HV,), args, ("o", "hT"), num_warps or 4)
 
 

@@ -15,13 +15,25 @@ def _gdn_recurrent_kernel(
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, HAS_H0: tl.constexpr, EMU: tl.constexpr, EPS: tl.constexpr,
+    RISING_ONLY: tl.constexpr,
 ):
     # One program per (b, h, d_v block): the [DK, BV] state slice is read
     # once, lives in registers across the T tokens, and is written once.
+    # RISING_ONLY (after the chunked kernels): only a head with some g > 0 is
+    # this launch's; the others keep what the chunked kernels wrote.
     i_p = tl.program_id(0)
     i_v, i_bh = i_p % NV, i_p // NV
     i_b, i_h = i_bh // HV, i_bh % HV
     i_b64, i_bh64 = i_b.to(tl.int64), i_bh.to(tl.int64)
+    p_g = g + i_b64 * s_gb + i_h * s_gh
+    if RISING_ONLY:
+        o_t = tl.arange(0, 256)
+        b_m = tl.full([256], float("-inf"), tl.float32)
+        for t0 in range(0, T, 256):
+            b_g = tl.load(p_g + (t0 + o_t).to(tl.int64) * s_gt, mask=t0 + o_t < T, other=float("-inf"))
+            b_m = tl.maximum(b_m, b_g.to(tl.float32))
+        if tl.max(b_m, 0) <= 0:
+            return
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < DK, o_v < DV
@@ -34,7 +46,6 @@ def _gdn_recurrent_kernel(
     p_q = q + i_b64 * s_qb + (i_h // GROUP) * s_qh + o_k
     p_k = k + i_b64 * s_kb + (i_h // GROUP) * s_kh + o_k
     p_v = v + i_b64 * s_vb + i_h * s_vh + o_v
-    p_g = g + i_b64 * s_gb + i_h * s_gh
     p_b = beta + i_b64 * s_bb + i_h * s_bh
     p_o = o + (i_b64 * T * HV + i_h) * DV + o_v
     for _ in range(0, T):
