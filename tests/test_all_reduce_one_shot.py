@@ -105,8 +105,8 @@ GPU_CASES = [  # (tokens, hidden, dtype, residual)
     (3, 4096, torch.float16, True),
     (16, 8192, torch.bfloat16, True),
     (5, 5000, torch.float32, False),
-    (32, 8192, torch.bfloat16, True),
-    (64, 8192, torch.bfloat16, True),  # 1 MiB: above the one-shot limit, the collective path
+    (128, 8192, torch.bfloat16, True),
+    (160, 8192, torch.bfloat16, True),  # 2.5 MiB: above the one-shot limit, the collective path
 ]
 
 
@@ -160,22 +160,25 @@ def _tensors(arrays):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_one_shot_op_on_gpus():
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_shot_op_on_gpus(world):
     from fusepass.kernels.all_reduce_rms_norm import ONE_SHOT_MAX_BYTES
     from fusepass.testing import assert_close, tp
 
-    results = tp.spawn(_gpu_rank, world_size=2, timeout=300, backend="nccl")
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
+    results = tp.spawn(_gpu_rank, world_size=world, timeout=300, backend="nccl")
     for case, *per_rank in zip(GPU_CASES, *results):
         tokens, hidden, dtype, _ = case
         assert per_rank[0]["one_shot"] == (tokens * hidden * dtype.itemsize <= ONE_SHOT_MAX_BYTES), case
         for rank, r in enumerate(per_rank):
             ey, eh = _tensors(r["expected"])
-            for y, h in map(_tensors, r["got"]):
-                assert torch.equal(h, eh), (case, rank)  # the same sum and residual add, bit for bit
-                assert_close(y, ey, dtype=dtype)
             replays = list(map(_tensors, r["replays"]))
-            for (y, h), (ey2, eh2) in zip(replays[::2], replays[1::2]):
-                assert torch.equal(h, eh2), (case, rank, "replay")
+            pairs = [(o, (ey, eh)) for o in map(_tensors, r["got"])] + list(zip(replays[::2], replays[1::2]))
+            for (y, h), (ey2, eh2) in pairs:
+                if world == 2:  # one rounding of a + b, NCCL's and the kernel's alike: the same bits
+                    assert torch.equal(h, eh2), (case, rank)
+                else:  # NCCL rounds each partial sum, the kernel sums in fp32
+                    assert_close(h, eh2, dtype=dtype)
                 assert_close(y, ey2, dtype=dtype)
             assert (r["got"][0][1] == per_rank[0]["got"][0][1]).all(), (case, rank, "ranks differ")

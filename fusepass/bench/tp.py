@@ -219,7 +219,7 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
     hidden = MODELS[args.model][2]["hidden_size"]
     rows = []
     shipped = ar.ONE_SHOT_MAX_BYTES
-    for tokens in (1, 4, 8, 16, 32, 64, 128, 2048):
+    for tokens in (1, 8, 32, 128, 256, 2048):
         x, res = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
         w = torch.randn(hidden, device=device, dtype=dtype)
         op_args = (res, w, 1e-5, 0.0, True, dtype, group)

@@ -27,9 +27,10 @@ def _gdn_recurrent_kernel(
     i_b64, i_bh64 = i_b.to(tl.int64), i_bh.to(tl.int64)
     p_g = g + i_b64 * s_gb + i_h * s_gh
     if RISING_ONLY:
-        o_t = tl.arange(0, 256)
-        b_m = tl.full([256], float("-inf"), tl.float32)
-        for t0 in range(0, T, 256):
+        # 1024 gates per load: few dependent round trips at long T.
+        o_t = tl.arange(0, 1024)
+        b_m = tl.full([1024], float("-inf"), tl.float32)
+        for t0 in range(0, T, 1024):
             b_g = tl.load(p_g + (t0 + o_t).to(tl.int64) * s_gt, mask=t0 + o_t < T, other=float("-inf"))
             b_m = tl.maximum(b_m, b_g.to(tl.float32))
         if tl.max(b_m, 0) <= 0:
