@@ -105,6 +105,18 @@ def shard(model: torch.nn.Module, world: int, device_type: str) -> torch.nn.Modu
         model._device_mesh = mesh
         model = apply_tensor_parallelism(model, mesh)
     model._tp_size = world
+    # Some plans (transformers 5.17's MoE experts) register module backward
+    # hooks, for gradients; torch.compile cannot trace a module that has
+    # them (fullgraph, either backend).  Inference under no_grad never runs
+    # them: the bench drops them and says so.
+    hooked = [name for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+    for name in hooked:
+        module = model.get_submodule(name)
+        module._backward_hooks.clear()
+        module._backward_pre_hooks.clear()
+    if hooked:
+        print(f"dropped the backward hooks of {len(hooked)} modules (e.g. {hooked[0]}): inference only",
+              file=sys.stderr)
     return model
 
 
