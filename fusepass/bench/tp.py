@@ -165,7 +165,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
     rows, errors = [], {}
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
-        for backend, compiler, one_shot_bytes in BACKENDS:
+        for backend, compiler, one_shot_bytes in sorted(BACKENDS, key=lambda b: args.order.index(b[0])):
             ar.ONE_SHOT_MAX_BYTES = shipped if one_shot_bytes is None else one_shot_bytes
             torch._dynamo.reset()
             fusepass.reset_reports()
@@ -325,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=lambda s: [int(b) for b in s.split(",")], default=[1, 32])
     p.add_argument("--calls", type=int, default=10, help="timed prefill calls (decode: 10x)")
     p.add_argument("--phases", default="model,op")
+    p.add_argument("--order", type=lambda s: ["inductor"] + [b for b in s.split(",") if b != "inductor"],
+                   default=[b[0] for b in BACKENDS],
+                   help="the fusepass rows' order, comma-separated labels (Inductor runs first: the checks hold "
+                        "the others to its error)")
     p.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes")
     p.add_argument("--out", default=None, help="folder for rows.json")
     args = p.parse_args(argv)
