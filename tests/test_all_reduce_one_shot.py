@@ -182,3 +182,19 @@ def test_one_shot_op_on_gpus(world):
                     assert_close(h, eh2, dtype=dtype)
                 assert_close(y, ey2, dtype=dtype)
             assert (r["got"][0][1] == per_rank[0]["got"][0][1]).all(), (case, rank, "ranks differ")
+
+
+def test_one_shot_limit_keys_the_compile_cache():
+    # The limit decides whether a boundary is inlined into a compiled graph:
+    # a compile under another limit must not be served from the cache.
+    from fusepass import kernels
+    from fusepass.kernels import all_reduce_rms_norm as ar
+
+    shipped = ar.ONE_SHOT_MAX_BYTES
+    before = kernels.fingerprint()
+    try:
+        ar.ONE_SHOT_MAX_BYTES = 0
+        assert kernels.fingerprint() != before
+    finally:
+        ar.ONE_SHOT_MAX_BYTES = shipped
+    assert kernels.fingerprint() == before

@@ -50,7 +50,9 @@ def _load() -> None:
 
 def fingerprint() -> str:
     """A digest of the data, not code, that the ops' launch choices read while
-    compiling (the dequant_matmul plans): part of the compile cache's key."""
+    compiling (the dequant_matmul plans, the all-reduce's one-shot limit, which
+    decides whether a boundary is inlined): part of the compile cache's key."""
+    from fusepass.kernels import all_reduce_rms_norm
     from fusepass.kernels.dequant_matmul.plans import fingerprint as plans
 
-    return plans()
+    return f"{plans()}|one-shot {all_reduce_rms_norm.ONE_SHOT_MAX_BYTES}"
