@@ -79,8 +79,9 @@ def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
 
 # Inputs up to this many bytes per rank take the one-shot kernel: on two
 # H200s (8192 bf16 columns, CUDA-graph time) it beat NCCL + add_rms_norm at
-# every token count it was run at, 1 to 128 (10.4 vs 15.5 us, 17.8 vs 36.0);
-# its reads grow with the world size.  The workspace holds _WORKSPACE_BYTES; a
+# every token count it was run at, 1 to 256 (10.5 vs 18.0 us, 17.4 vs 39.4 at
+# 128, 25.6 vs 43.8 at 256); its reads grow with the world size (not run
+# beyond 2 ranks).  The workspace holds _WORKSPACE_BYTES; a
 # benchmark may raise the limit to it, or set 0 for the collective path.
 ONE_SHOT_MAX_BYTES = 2 << 20
 _WORKSPACE_BYTES = 4 << 20
