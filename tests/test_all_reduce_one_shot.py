@@ -98,6 +98,53 @@ def test_ranks_sum_and_normalise_through_mapped_buffers():
                 assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
 
 
+def _agreement_rank(rank: int, world: int) -> list:
+    import warnings
+
+    import torch.distributed as dist
+
+    from fusepass.kernels import all_reduce_rms_norm as ar
+
+    def allocate(group, device, fails):
+        if rank in fails:
+            raise RuntimeError("no peer memory here")
+        return torch.empty(8, dtype=torch.uint8)
+
+    def rendezvous(buffer, group, device, fails):
+        if rank in fails:
+            raise RuntimeError("rendezvous failed here")
+        return f"workspace of rank {rank}"
+
+    out = []
+    # (ranks whose allocation fails, ranks whose rendezvous fails): one group each.
+    for alloc_fails, rdv_fails in (((1,), ()), ((), (0,)), ((), ())):
+        group = dist.new_group(list(range(world))).group_name
+        ar._allocate = lambda g, d, f=alloc_fails: allocate(g, d, f)
+        ar._rendezvous = lambda b, g, d, f=rdv_fails: rendezvous(b, g, d, f)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ws = ar.workspace(group, torch.device("cpu"))
+        again = ar.workspace(group, torch.device("cpu"))  # decided once per group
+        out.append((ws, again, [str(w.message) for w in caught]))
+    return out
+
+
+def test_ranks_take_the_one_shot_path_together_or_not_at_all():
+    from fusepass.testing import tp
+
+    results = tp.spawn(_agreement_rank, world_size=2, timeout=120)
+    for rank, cases in enumerate(results):
+        (ws1, again1, warn1), (ws2, again2, warn2), (ws3, again3, warn3) = cases
+        # One rank could not allocate: no rank goes on (the other would wait in the rendezvous).
+        assert ws1 is None and again1 is None, rank
+        assert any("could not allocate" in w or "no peer memory" in w for w in warn1), warn1
+        # One rank's rendezvous failed: the other's workspace is not used either.
+        assert ws2 is None and again2 is None, rank
+        assert any("rendezvous failed" in w for w in warn2), warn2
+        # Every rank made it: each uses its own.
+        assert ws3 == again3 == f"workspace of rank {rank}" and not warn3, (rank, ws3, warn3)
+
+
 # -- two GPUs: the op over NCCL ranks ---------------------------------------------------------
 
 GPU_CASES = [  # (tokens, hidden, dtype, residual)

@@ -198,35 +198,69 @@ def _group_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
+def _all_ranks(ok: bool, group_name: str, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank of the group (a MIN all-reduce): the
+    ranks take the one-shot path together or not at all, since a rank that
+    spins on flags its peers never raise would wait for ever."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_resolve_process_group(group_name))
+    return bool(flag.item())
+
+
+def _allocate(group_name: str, device: torch.device) -> Tensor:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated where it is no longer needed
+        symm_mem.enable_symm_mem_for_group(group_name)
+    return symm_mem.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+def _rendezvous(buffer: Tensor, group_name: str, device: torch.device) -> Workspace:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    handle = symm_mem.rendezvous(buffer, group_name)
+    pad_bytes = handle.get_signal_pad(handle.rank).numel() * 4
+    return Workspace(
+        buffer, handle,
+        torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
+        torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
+        handle.rank, handle.world_size,
+        min(_ONE_SHOT_PROGRAMS, pad_bytes // (4 * handle.world_size)))
+
+
 def workspace(group_name: str, device: torch.device) -> Workspace | None:
-    """The group's workspace on ``device``: made at the first call (a collective:
-    every rank of the group calls it at the same point), None where this
-    machine has no symmetric memory (then NCCL serves every call)."""
+    """The group's workspace on ``device``: made at the first call (collectives:
+    every rank of the group calls it at the same point), None on every rank
+    where one rank could not make it (then NCCL serves every call)."""
     key = (group_name, device.index)
     with _workspace_lock:
         if key in _workspaces:
             return _workspaces[key]
-        if torch.cuda.is_current_stream_capturing():  # no allocation in a capture: NCCL this time
+        # No allocation in a capture: NCCL this time (every rank captures at the same point).
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        ws, buffer, why = None, None, None
         try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # deprecated where it is no longer needed
-                symm_mem.enable_symm_mem_for_group(group_name)
-            buffer = symm_mem.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            handle = symm_mem.rendezvous(buffer, group_name)
-            pad_bytes = handle.get_signal_pad(handle.rank).numel() * 4
-            ws = Workspace(
-                buffer, handle,
-                torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
-                torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
-                handle.rank, handle.world_size,
-                min(_ONE_SHOT_PROGRAMS, pad_bytes // (4 * handle.world_size)))
+            buffer = _allocate(group_name, device)
         except Exception as exc:  # noqa: BLE001 - no peer memory here: the collective path
-            warnings.warn(f"fusepass: no symmetric memory for group {group_name} ({type(exc).__name__}: {exc}); "
+            why = f"{type(exc).__name__}: {exc}"
+        # Every rank allocated, or none goes on to the rendezvous (a collective).
+        if _all_ranks(buffer is not None, group_name, device):
+            try:
+                ws = _rendezvous(buffer, group_name, device)
+            except Exception as exc:  # noqa: BLE001
+                why = f"{type(exc).__name__}: {exc}"
+            if not _all_ranks(ws is not None, group_name, device):
+                ws, why = None, why or "another rank's rendezvous failed"
+        else:
+            why = why or "another rank could not allocate symmetric memory"
+        if ws is None:
+            warnings.warn(f"fusepass: no symmetric memory for group {group_name} ({why}); "
                           "all_reduce_rms_norm uses NCCL", stacklevel=2)
-            ws = None
         _workspaces[key] = ws
         return ws
 
