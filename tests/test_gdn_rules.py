@@ -207,3 +207,32 @@ def test_training_traces_the_function_and_refuses_the_region():
     assert report.count("gdn_chunk") == 0
     assert any("used outside" in r for r in report.reasons("gdn_chunk")), str(report)
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("decay, reason", [(torch.sigmoid, "does not compute fusepass::gdn_recurrent"),
+                                           (torch.exp, "used outside")])
+def test_output_read_twice_is_not_taken_for_the_state(decay, reason):
+    # The output buffer transposed twice (returned, and into a matmul): the
+    # second transpose's chain was taken for the final state, which left the
+    # real state "an intermediate used outside" even where the region does not
+    # compute the op at all.  Now the values are checked first, and the state
+    # is the state; a second read of the output buffer is an outside use.
+    from fusepass.patterns.gdn_recurrent import _inputs, recurrent
+
+    q, k, v, g, beta, state = _inputs(torch.float32)
+    w = torch.randn(v.shape[-1], 5)
+
+    def fn(q, k, v, g, beta, state):
+        o, s = recurrent(q, k, v, g, beta, state, decay=decay)
+        return o, s, o @ w
+
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    got = torch.compile(fn, backend="fusepass")(q, k, v, g, beta, state)
+    expected = fn(q, k, v, g, beta, state)
+    reasons = fusepass.last_report().reasons("gdn_recurrent")
+    assert any(reason in r for r in reasons), reasons
+    if reason == "used outside":
+        assert any("select_scatter" in r or "permute" in r for r in reasons), reasons  # the buffer, not the state
+    for a, e in zip(got, expected):
+        assert _rel(a, e) < 1e-5

@@ -161,7 +161,15 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
         inside.add(n)
     if anchor not in inside:
         return None
-    # The final state: computed from the body, not needed by the output.
+    # The final state: computed from the body, not needed by the output, and
+    # not read off the output buffer either (a second transpose of the buffer
+    # feeding the model's next matmul: taken for the state, it left the real
+    # state "an intermediate used outside").
+    o_chain = {perm.args[0], perm}
+    n = perm
+    while n is not o_out:
+        (n,) = n.users
+        o_chain.add(n)
     extra: set[torch.fx.Node] = set()
     frontier = sorted({u for n in inside for u in n.users if u not in inside}, key=pos.__getitem__)
     changed = True
@@ -172,7 +180,7 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
                 continue
             ins = u.all_input_nodes
             if all(a in inside or a in extra or a in boundary or _is_boundary(a) for a in ins) and \
-                    any(a in inside or a in extra for a in ins) and o_out not in ins:
+                    any(a in inside or a in extra for a in ins) and not o_chain.intersection(ins):
                 extra.add(u)
                 frontier += [w for w in u.users if w not in inside and w not in extra]
                 changed = True
@@ -192,7 +200,7 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
     # Read outside the body: the output, and the final state (the token loop's
     # last state feeds its last output too, so it may be inside).
     body = inside | extra
-    sinks = [n for n in body if n is not o_out and not _constant(n) and _tensor(n) is not None
+    sinks = [n for n in body if n not in o_chain and not _constant(n) and _tensor(n) is not None
              and _tensor(n).dim() == 4 and any(u not in body for u in n.users)]
     state_out = max(sinks, key=pos.__getitem__) if sinks else None
     nodes = sorted(body, key=pos.__getitem__)
@@ -334,12 +342,13 @@ def _rel(a: torch.Tensor, e: torch.Tensor) -> float:
     return (a - e).norm().item() / max(den, 1e-30)
 
 
-def verify(body: Body, op: Any, cands: list[Candidate]) -> tuple[Candidate | None, str]:
-    """The first candidate whose op call equals the region on random inputs, or the closest miss."""
-    outputs = [body.o_out] + ([body.state_out] if body.state_out is not None else [])
+def verify(body: Body, op: Any, cands: list[Candidate], with_state: bool = True) -> tuple[Candidate | None, str]:
+    """The first candidate whose op call equals the region on random inputs (its
+    output, and its final state ``with_state``), or the closest miss."""
+    outputs = [body.o_out] + ([body.state_out] if body.state_out is not None and with_state else [])
     gm, inputs = extract(body, outputs)
     o_val = _tensor(body.o_out)
-    best = (float("inf"), "")
+    best = (float("inf"), "\uffff")  # any message ties below it: a miss with no number still says why
     with concrete():  # see concrete(): never under the Python dispatcher
         gen = torch.Generator().manual_seed(0)
         for c in cands:
@@ -398,20 +407,27 @@ def find(gm: torch.fx.GraphModule, *, anchor_op: Any, op: Any, form: Callable[[B
         name = form(body)
         if name is None:
             continue
-        # What the region computes (no beta, other shapes) first, then whether its intermediates are
-        # read outside: the first is the reason a user can act on where both hold.
+        # What the region computes (no beta, other shapes, its values against the op's) first, then
+        # whether its intermediates are read outside: the first is the reason a user can act on where
+        # both hold (a sigmoid decay whose output also feeds a second transpose was refused for that).
         cands, reason = candidates(body)
         if not reason and not cands:
             shapes = ", ".join(f"{tuple(_tensor(b).shape)}" for b in dict.fromkeys(body.entries.values()))
             reason = f"no assignment of q, k, v, g, beta fits the shapes it reads ({shapes})"
-        reason = reason or _outside(body)
         if reason:
             yield Region(name, anchor, reason=reason)
             continue
-        chosen, why = verify(body, op, cands)
+        # With intermediates read outside, which of them is the final state is
+        # not known (training saves many): the output alone is checked, and a
+        # region whose output is the op's is refused for the outside reads.
+        outside = _outside(body)
+        chosen, why = verify(body, op, cands, with_state=outside is None)
         if chosen is None:
             yield Region(name, anchor, reason=f"the region does not compute fusepass::{op_name} "
                                               f"({len(cands)} input assignment(s) tried; closest: {why})")
+            continue
+        if outside:
+            yield Region(name, anchor, reason=outside)
             continue
         yield _region(body, name, chosen, op)
 
