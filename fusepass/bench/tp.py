@@ -233,25 +233,16 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
     group = dist.group.WORLD.group_name
     hidden = MODELS[args.model][2]["hidden_size"]
     rows = []
-    shipped = ar.ONE_SHOT_MAX_BYTES
     for tokens in (1, 8, 32, 128, 256, 2048):
         x, res = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
         w = torch.randn(hidden, device=device, dtype=dtype)
         op_args = (res, w, 1e-5, 0.0, True, dtype, group)
 
-        def forced():
-            ar.ONE_SHOT_MAX_BYTES = ar._WORKSPACE_BYTES  # the one-shot kernel wherever it fits
-            try:
-                return torch.ops.fusepass.all_reduce_rms_norm(x, *op_args)
-            finally:
-                ar.ONE_SHOT_MAX_BYTES = shipped
-
         contenders = {"nccl + add_rms_norm (the op's collective path)": lambda: ar._nccl_path(x, *op_args)}
-        ar.ONE_SHOT_MAX_BYTES = ar._WORKSPACE_BYTES
-        fits = ar.one_shot_applies(x, res, w, dtype, group)
-        ar.ONE_SHOT_MAX_BYTES = shipped
-        if fits:
-            contenders["fusepass one-shot kernel"] = forced
+        # The one-shot kernel wherever the workspace holds the rows, whatever the op's limit.
+        ws = ar.workspace(group, x.device)
+        if ws is not None and x.numel() * x.element_size() <= ar._WORKSPACE_BYTES and hidden <= ar._ONE_SHOT_MAX_N:
+            contenders["fusepass one-shot kernel"] = lambda: ar.one_shot_fwd(x, *op_args[:-1], ws)
         try:
             import torch.distributed._symmetric_memory as symm_mem
 

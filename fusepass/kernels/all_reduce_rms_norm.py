@@ -15,8 +15,8 @@ Paths:
 - CPU (gloo) and every non-CUDA device: the functional collective
   (``_c10d_functional.all_reduce`` + ``wait_tensor``, what Dynamo makes of
   ``dist.all_reduce``), then the plain-torch ``add_rms_norm`` reference;
-- CUDA, decode-sized inputs (at most ``ONE_SHOT_MAX_BYTES``, 2 MB, per rank, rows
-  of at most 16384, 2-8 ranks): one launch, no NCCL.  Every rank's
+- CUDA, decode-sized inputs (per rank at most :func:`one_shot_limit`: 2 MB
+  at 2 ranks, 512 KB at 3-4; rows of at most 16384): one launch, no NCCL.  Every rank's
   buffer is mapped into every other's (``torch.distributed._symmetric_memory``,
   one workspace per group, set up at the first such call).  Each program
   copies its rows of x into its own rank's buffer, meets the same program of
@@ -77,16 +77,29 @@ def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
 
 # ------------------------------------------------------- one-shot path ----
 
-# Inputs up to this many bytes per rank take the one-shot kernel: on two
-# H200s (8192 bf16 columns, CUDA-graph time) it beat NCCL + add_rms_norm at
-# every token count it was run at, 1 to 256 (10.5 vs 18.0 us, 17.4 vs 39.4 at
-# 128, 25.6 vs 43.8 at 256); its reads grow with the world size (not run
-# beyond 2 ranks).  The workspace holds _WORKSPACE_BYTES; a
-# benchmark may raise the limit to it, or set 0 for the collective path.
+# Inputs up to this many bytes per rank take the one-shot kernel at two
+# ranks, a quarter of it at three or four.  On H200s (8192 bf16 columns,
+# CUDA-graph time), against NCCL + add_rms_norm: two ranks, faster at every
+# token count run, 1 to 256 (10.5 vs 18.0 us, 17.4 vs 39.4 at 128, 25.6 vs
+# 43.8 at 256); four ranks, faster up to 32 tokens (19.5 vs 52.2 us at 1,
+# 27.5 vs 44.6 at 32) and slower from 128 (46.9 vs 43.4): each program meets
+# its peers one after another and reads every rank's rows, so the kernel
+# grows with the world size.  Not run beyond four ranks: NCCL there.  The
+# workspace holds _WORKSPACE_BYTES; a benchmark may raise the limit to it, or
+# set 0 for the collective path.
 ONE_SHOT_MAX_BYTES = 2 << 20
 _WORKSPACE_BYTES = 4 << 20
 _ONE_SHOT_MAX_N = 16384  # a row held in registers
-_ONE_SHOT_MAX_WORLD = 8
+_ONE_SHOT_MAX_WORLD = 4
+
+
+def one_shot_limit(world: int) -> int:
+    """Bytes per rank up to which ``world`` ranks take the one-shot kernel (0: never)."""
+    if not 2 <= world <= _ONE_SHOT_MAX_WORLD:
+        return 0
+    return min(ONE_SHOT_MAX_BYTES if world == 2 else ONE_SHOT_MAX_BYTES // 4, _WORKSPACE_BYTES)
+
+
 # Programs per launch (rows dealt round-robin), fewer where a signal pad
 # cannot hold WORLD 4-byte flags for each.
 _ONE_SHOT_PROGRAMS = 128
@@ -272,9 +285,8 @@ def one_shot_applies(x: Tensor, residual: Tensor | None, weight: Tensor, out_dty
     N = x.shape[-1] if x.dim() else 0
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and _kernel_handles(x, weight, out_dtype, residual)
-            and 0 < x.numel() and x.numel() * x.element_size() <= min(ONE_SHOT_MAX_BYTES, _WORKSPACE_BYTES)
-            and N <= _ONE_SHOT_MAX_N
-            and 2 <= _group_size(group_name) <= _ONE_SHOT_MAX_WORLD)
+            and 0 < x.numel() and N <= _ONE_SHOT_MAX_N
+            and x.numel() * x.element_size() <= one_shot_limit(_group_size(group_name)))
 
 
 def one_shot_fwd(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, ws: Workspace):
@@ -378,9 +390,10 @@ def _op_inline_ok(x, residual, weight, eps, weight_offset, cast_before_weight, o
                   eps_tensor=None):
     # Inputs that may take the one-shot kernel stay the op (it picks its path
     # when it runs); a token count the graph does not fix may.
-    small = not statically_known_true(x.numel() * x.element_size() > ONE_SHOT_MAX_BYTES)
+    limit = one_shot_limit(_group_size(group_name))
+    small = limit > 0 and not statically_known_true(x.numel() * x.element_size() > limit)
     return (eps_tensor is None and _inline_ok(x, weight, eps, out_dtype, residual)
-            and not (small and x.shape[-1] <= _ONE_SHOT_MAX_N and _group_size(group_name) >= 2))
+            and not (small and x.shape[-1] <= _ONE_SHOT_MAX_N))
 
 
 def _op_inline(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, group_name, eps_tensor=None):
