@@ -402,3 +402,34 @@ def test_unordered_router_reference_orders_its_choices_by_logits():
     assert torch.equal(fused[1], eager[1]), (fused[1], eager[1])
     tol = tolerance(torch.float16)
     torch.testing.assert_close(fused[0], eager[0], atol=tol.atol, rtol=tol.rtol)
+
+
+def test_router_that_rounds_its_scores_before_choosing_is_refused():
+    # Group scores rounded to bf16 before the group top-k: the op compares them
+    # in fp32, so near-tied groups (rows of a router weight alike) go another
+    # way.  Random probes seldom meet such ties; the rounding itself refuses.
+    import torch.nn.functional as F
+
+    def router(correction_bias, x, weight, k=4, n_group=4, topk_group=2):
+        T, E = x.shape[0], weight.shape[0]
+        scores = F.linear(x.float(), weight.float()).sigmoid()
+        choice = scores + correction_bias
+        group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_scores = group_scores.to(torch.bfloat16).float()  # the rounding
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+        mask = mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+        ids = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), k=k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20), ids
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 33, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(1, 33, generator=g) + 1e-3 * torch.randn(16, 33, generator=g)).to(torch.bfloat16)
+    bias = torch.zeros(16)
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    torch.compile(router, backend="fusepass")(bias, x, weight)
+    report = fusepass.last_report()
+    assert report.count("moe_router") == 0
+    assert any("rounds the router's scores" in r for r in report.reasons("moe_router")), str(report)

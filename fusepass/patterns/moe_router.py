@@ -608,6 +608,10 @@ def find(gm: torch.fx.GraphModule):
         if reason:
             yield Region("router", f.anchor, reason=reason)
             continue
+        rounding = _rounded_before_choice(f)
+        if rounding:
+            yield Region("router", f.anchor, reason=rounding)
+            continue
         outputs = [f.tw, f.ids] + ([f.logits] if f.logits_out else [])
         key = _moe.canonical(f.nodes, f.inputs, outputs)
         chosen, why = _verdicts.get(key, lambda: _verify(f, cands))
@@ -631,6 +635,27 @@ def find(gm: torch.fx.GraphModule):
         yield Region(spec.kind, f.anchor, f.nodes, [f.tw, f.ids, f.logits if f.logits_out else None], args,
                      functools.partial(_call, spec, f.logits_out), names=names,
                      arguments_checked=True)  # _verify ran these very nodes
+
+
+def _rounded_before_choice(f: Found) -> str | None:
+    """A cast to a narrower float between the logits and a top-k: the op computes
+    the scores from the logits in fp32 and chooses on them, so a rounding there
+    can choose other experts than the model does (near-tied group scores of a
+    sigmoid router rounded to bf16: ids 8.6 off eager; random probes seldom
+    meet such ties)."""
+    logits_side = _upstream(f.logits) | {f.logits}
+    chooses: set[torch.fx.Node] = set()
+    for t in (n for n in f.nodes if n.target == aten.topk.default):
+        chooses |= _upstream(t.args[0]) | {t.args[0]}
+    for n in f.nodes:
+        if n.target not in _moe.CASTS or n not in chooses or n in logits_side:
+            continue
+        src, dst = _moe.tensor(n.all_input_nodes[0]), _moe.tensor(n)
+        if src is not None and dst is not None and src.dtype.is_floating_point and dst.dtype.is_floating_point \
+                and torch.finfo(dst.dtype).eps > torch.finfo(src.dtype).eps:
+            return (f"{n.name} rounds the router's scores from {src.dtype} to {dst.dtype} before it chooses the "
+                    "experts; the op computes and compares them in fp32")
+    return None
 
 
 def _unordered(topk: torch.fx.Node) -> bool:
