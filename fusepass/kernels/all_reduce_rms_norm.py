@@ -205,10 +205,14 @@ _workspaces: dict[tuple[str, int], Workspace | None] = {}
 _workspace_lock = threading.Lock()
 
 
-def _group_size(group_name: str) -> int:
+def _group(group_name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(group_name).size()
+    return _resolve_process_group(group_name)
+
+
+def _group_size(group_name: str) -> int:
+    return _group(group_name).size()
 
 
 def _all_ranks(ok: bool, group_name: str, device: torch.device) -> bool:
@@ -216,10 +220,9 @@ def _all_ranks(ok: bool, group_name: str, device: torch.device) -> bool:
     ranks take the one-shot path together or not at all, since a rank that
     spins on flags its peers never raise would wait for ever."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
 
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_resolve_process_group(group_name))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_group(group_name))
     return bool(flag.item())
 
 
@@ -250,6 +253,8 @@ def workspace(group_name: str, device: torch.device) -> Workspace | None:
     every rank of the group calls it at the same point), None on every rank
     where one rank could not make it (then NCCL serves every call)."""
     key = (group_name, device.index)
+    if key in _workspaces:  # every call after the first: no lock
+        return _workspaces[key]
     with _workspace_lock:
         if key in _workspaces:
             return _workspaces[key]
@@ -283,8 +288,7 @@ def one_shot_applies(x: Tensor, residual: Tensor | None, weight: Tensor, out_dty
     """Whether the CUDA op takes the one-shot kernel for these inputs: decided
     from shapes and dtypes, the same on every rank."""
     N = x.shape[-1] if x.dim() else 0
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and _kernel_handles(x, weight, out_dtype, residual)
+    return (x.is_cuda and _kernel_handles(x, weight, out_dtype, residual)
             and 0 < x.numel() and N <= _ONE_SHOT_MAX_N
             and x.numel() * x.element_size() <= one_shot_limit(_group_size(group_name)))
 

@@ -129,12 +129,13 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
     perm = _output_permute(anchor, pos)
     if perm is None:
         return None
-    o_out = perm
-    while len(o_out.users) == 1:
-        (u,) = o_out.users
+    chain = [perm]  # the output: the transpose, then casts
+    while len(chain[-1].users) == 1:
+        (u,) = chain[-1].users
         if u.op != "call_function" or u.target not in _CASTS:
             break
-        o_out = u
+        chain.append(u)
+    o_out = chain[-1]
     inside: set[torch.fx.Node] = set()
     boundary: dict[torch.fx.Node, None] = {}
     entries: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -155,21 +156,14 @@ def slice_body(anchor: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> Body | N
                 boundary[a] = None
             else:
                 stack.append(a)
-    n = perm
-    while n is not o_out:
-        (n,) = n.users
-        inside.add(n)
+    inside.update(chain)
     if anchor not in inside:
         return None
     # The final state: computed from the body, not needed by the output, and
     # not read off the output buffer either (a second transpose of the buffer
     # feeding the model's next matmul: taken for the state, it left the real
     # state "an intermediate used outside").
-    o_chain = {perm.args[0], perm}
-    n = perm
-    while n is not o_out:
-        (n,) = n.users
-        o_chain.add(n)
+    o_chain = {perm.args[0], *chain}
     extra: set[torch.fx.Node] = set()
     frontier = sorted({u for n in inside for u in n.users if u not in inside}, key=pos.__getitem__)
     changed = True

@@ -643,12 +643,18 @@ def _rounded_before_choice(f: Found) -> str | None:
     can choose other experts than the model does (near-tied group scores of a
     sigmoid router rounded to bf16: ids 8.6 off eager; random probes seldom
     meet such ties)."""
-    logits_side = _upstream(f.logits) | {f.logits}
-    chooses: set[torch.fx.Node] = set()
-    for t in (n for n in f.nodes if n.target == aten.topk.default):
-        chooses |= _upstream(t.args[0]) | {t.args[0]}
+    region = set(f.nodes)
+    # The region's nodes a top-k reads (walked back in graph order), and those after the logits.
+    chooses = {n.args[0] for n in f.nodes if n.target == aten.topk.default}
+    for n in reversed(f.nodes):
+        if n in chooses:
+            chooses.update(a for a in n.all_input_nodes if a in region)
+    after_logits = {f.logits}
     for n in f.nodes:
-        if n.target not in _moe.CASTS or n not in chooses or n in logits_side:
+        if any(a in after_logits for a in n.all_input_nodes):
+            after_logits.add(n)
+    for n in f.nodes:
+        if n.target not in _moe.CASTS or n not in chooses or n not in after_logits:
             continue
         src, dst = _moe.tensor(n.all_input_nodes[0]), _moe.tensor(n)
         if src is not None and dst is not None and src.dtype.is_floating_point and dst.dtype.is_floating_point \
