@@ -163,6 +163,20 @@ def test_triton_kernels_match_eager():
     assert len(outcome.report.hits) == len(blocks)
 
 
+def test_serving_other_implementations_forgets_the_moe_verdicts():
+    """A region verdict holds for the implementation it ran: long run 11 (seed 1794640069) had a
+    bf16 experts region admitted on the torch body, then served by the interpreted kernel."""
+    from fusepass.patterns import moe_experts, moe_router
+    from fusepass.testing.differential.kernels import scoped_impls
+
+    for verdicts in (moe_experts._verdicts, moe_router._verdicts):
+        verdicts.get("a region", lambda: "made before")
+        assert verdicts.get("a region", lambda: "made again") == "made before"
+        with scoped_impls({}):
+            assert verdicts.get("a region", lambda: "made inside") == "made inside"
+        assert verdicts.get("a region", lambda: "made after") == "made after"
+
+
 def _rms_norm_without_offset(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
     h = x.float()
     n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

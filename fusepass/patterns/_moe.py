@@ -16,13 +16,16 @@ compute cannot pass, whatever the region looks like.
 
 A verdict is kept per region *structure* (its nodes' ops and constants, its
 inputs' shapes and dtypes), so a model of 48 identical layers runs the proof
-once per compile, not 48 times.
+once per compile, not 48 times.  It holds for the op implementation that ran
+it: whoever registers another one for the same device (a test serving the ops
+with their interpreted Triton kernels on CPU) calls :meth:`Verdicts.forget_all`.
 """
 
 from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -228,10 +231,20 @@ def canonical(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: 
 class Verdicts:
     """Verdicts per region structure (see the module docstring), at most ``size`` kept."""
 
+    _all: "weakref.WeakSet[Verdicts]" = weakref.WeakSet()
+
     def __init__(self, size: int = 256) -> None:
         self.size = size
         self._lock = threading.Lock()
         self._d: dict[str, Any] = {}
+        Verdicts._all.add(self)
+
+    @classmethod
+    def forget_all(cls) -> None:
+        """Drop every verdict: the ops' implementations changed since they were made."""
+        for v in list(cls._all):
+            with v._lock:
+                v._d.clear()
 
     def get(self, key: str, compute: Callable[[], Any]) -> Any:
         with self._lock:

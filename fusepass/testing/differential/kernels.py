@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ...kernels._common import interpreting
+from ...patterns._moe import Verdicts
 
 
 def op_names() -> list[str]:
@@ -64,13 +65,18 @@ def scoped_impls(impls: dict[str, Callable[..., Any]], key: str = "CPU") -> Iter
     verify in a later compile did, after tests/test_ops.py).  A call before the
     override caches ``CPU -> CompositeExplicitAutograd``, and that dispatcher
     then never sees the override.  The caches of the ops named are cleared
-    once the override is in place and again once it is gone.
+    once the override is in place and again once it is gone, and so are the
+    MoE rules' verdicts, which hold for the implementation they ran (a verdict
+    made on the torch body would otherwise admit a region the interpreted
+    kernel, which truncates bf16, computes 0.047 off).
     """
     try:
         with torch.library._scoped_library("fusepass", "IMPL") as lib:
             for op, fn in impls.items():
                 lib.impl(op, fn, key)
             _uncache_dispatch(list(impls))
+            Verdicts.forget_all()
             yield
     finally:
         _uncache_dispatch(list(impls))
+        Verdicts.forget_all()
