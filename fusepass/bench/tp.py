@@ -67,7 +67,7 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096)),
 }
-# (row label, torch.compile backend, the op's one-shot limit in bytes; None: as shipped)
+# (row label, torch.compile backend, the op's one- and two-shot limits in bytes; None: as shipped)
 BACKENDS = (("inductor", "inductor", None), ("fusepass", "fusepass", None),
             ("fusepass (NCCL boundary)", "fusepass", 0))
 
@@ -151,7 +151,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
     from fusepass.kernels import all_reduce_rms_norm as ar
     from fusepass.testing import assert_close
 
-    shipped = ar.ONE_SHOT_MAX_BYTES
+    shipped = ar.ONE_SHOT_MAX_BYTES, ar.TWO_SHOT_MAX_BYTES
 
     cuda = device.startswith("cuda")
     model = shard(build(args.model, args.layers, dtype, device), world, "cuda" if cuda else "cpu")
@@ -166,7 +166,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
         for backend, compiler, one_shot_bytes in sorted(BACKENDS, key=lambda b: args.order.index(b[0])):
-            ar.ONE_SHOT_MAX_BYTES = shipped if one_shot_bytes is None else one_shot_bytes
+            ar.ONE_SHOT_MAX_BYTES, ar.TWO_SHOT_MAX_BYTES = shipped if one_shot_bytes is None else (one_shot_bytes,) * 2
             torch._dynamo.reset()
             fusepass.reset_reports()
             fn = torch.compile(model, backend=compiler, fullgraph=True)
@@ -219,7 +219,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
                 rows.append(dict(phase="decode", workload=f"B{batch} at {args.prompt}", backend=backend, ms=ms,
                                  check=how, rewrites=_rewrites(fusepass.last_report()) if compiler == "fusepass"
                                  else ""))
-    ar.ONE_SHOT_MAX_BYTES = shipped
+    ar.ONE_SHOT_MAX_BYTES, ar.TWO_SHOT_MAX_BYTES = shipped
     return rows
 
 
@@ -233,7 +233,7 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
     group = dist.group.WORLD.group_name
     hidden = MODELS[args.model][2]["hidden_size"]
     rows = []
-    for tokens in (1, 8, 32, 128, 256, 2048):
+    for tokens in (1, 8, 32, 128, 256, 512, 1024, 2048):
         x, res = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
         w = torch.randn(hidden, device=device, dtype=dtype)
         op_args = (res, w, 1e-5, 0.0, True, dtype, group)
@@ -243,6 +243,7 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
         ws = ar.workspace(group, x.device)
         if ws is not None and x.numel() * x.element_size() <= ar._WORKSPACE_BYTES and hidden <= ar._ONE_SHOT_MAX_N:
             contenders["fusepass one-shot kernel"] = lambda: ar.one_shot_fwd(x, *op_args[:-1], ws)
+            contenders["fusepass two-shot kernel"] = lambda: ar.one_shot_fwd(x, *op_args[:-1], ws, two_shot=True)
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -258,8 +259,14 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
                 buf.copy_(x)
                 return one_shot()
 
+            def copy_two_shot():  # reduces in place: the copy in is part of every call
+                buf.copy_(x)
+                torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)
+                return torch.ops.fusepass.add_rms_norm(buf, res, w, 1e-5, 0.0, True, dtype)
+
             contenders["torch symm-mem one-shot + add_rms_norm (input in place)"] = one_shot
             contenders["copy in + torch symm-mem one-shot + add_rms_norm"] = copy_one_shot
+            contenders["copy in + torch symm-mem two-shot + add_rms_norm"] = copy_two_shot
         except Exception as exc:  # noqa: BLE001 - no symmetric memory here: the op's rows alone
             print(f"symmetric memory unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
         ref = contenders["nccl + add_rms_norm (the op's collective path)"]()
