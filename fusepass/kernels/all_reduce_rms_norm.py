@@ -123,28 +123,30 @@ _MAX_PROGRAMS = 1024
 
 
 @triton.jit
-def _meet_peers(pads, block, RANK: tl.constexpr, WORLD: tl.constexpr, WP: tl.constexpr):
-    # Program ``block`` of this rank meets program ``block`` of every other,
-    # all peers at once (one lane each, WP >= WORLD lanes).  It raises its
-    # flag (slot [block, RANK]) in every peer's pad with release semantics
-    # (its threads' stores before it, made visible system-wide), then takes
-    # the peers' flags from its own pad with acquire semantics.  A flag goes
-    # 0 -> 1 by its sender and 1 -> 0 by its receiver, and only the sender
-    # writes a 0 slot: a sender whose previous flag the peer has not taken
-    # yet waits for it, so one meeting cannot overtake the last.
+def _meet_peers(pads, block, RANK: tl.constexpr, WORLD: tl.constexpr):
+    # Program ``block`` of this rank meets program ``block`` of every other.
+    # It raises its flag (slot [block, RANK]) in every peer's pad with release
+    # semantics (its threads' stores before it, made visible system-wide),
+    # then takes the peers' flags from its own pad with acquire semantics.
+    # A flag goes 0 -> 1 by its sender and 1 -> 0 by its receiver: a sender
+    # whose previous flag the peer has not taken yet waits, so one meeting
+    # cannot overtake the last.  Scalar atomics run once per program.  A
+    # meeting of all peers at once through a tensor of flags (one lane per
+    # peer, exchanged with atomic_xchg) hung two H200s in the two-shot kernel
+    # at 160 rows; the likely cause, not established: each lane is held by
+    # several threads, and a late duplicate exchange clears a flag a peer
+    # already raised for the next meeting.
     tl.debug_barrier()
-    o_r = tl.arange(0, WP)
-    m_r = (o_r < WORLD) & (o_r != RANK)
-    peers = tl.load(pads + o_r, mask=o_r < WORLD, other=0).to(tl.pointer_type(tl.int32))
-    send = peers + block * WORLD + RANK
-    while tl.max(tl.load(send, mask=m_r, other=0, volatile=True), 0) != 0:
-        pass
-    tl.atomic_xchg(send, 1, mask=m_r, sem="release", scope="sys")
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer = tl.load(pads + r).to(tl.pointer_type(tl.int32))
+            while tl.atomic_cas(peer + block * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
+                pass
     own = tl.load(pads + RANK).to(tl.pointer_type(tl.int32))
-    recv = own + block * WORLD + o_r
-    while tl.min(tl.load(recv, mask=m_r, other=1, volatile=True), 0) != 1:
-        pass
-    tl.atomic_xchg(recv, 0, mask=m_r, sem="acquire", scope="sys")
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            while tl.atomic_cas(own + block * WORLD + r, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
     tl.debug_barrier()
 
 
@@ -165,7 +167,6 @@ def _one_shot_kernel(
     weight_offset,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
-    WP: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BN: tl.constexpr,
@@ -184,7 +185,7 @@ def _one_shot_kernel(
     for m in range(pid, M, step):
         b_x = tl.load(x + tl.cast(m, tl.int64) * stride_x + o_n, mask=m_n)
         tl.store(own + tl.cast(m, tl.int64) * N + o_n, b_x, mask=m_n)
-    _meet_peers(pads, pid, RANK, WORLD, WP)
+    _meet_peers(pads, pid, RANK, WORLD)
     b_w = tl.load(w + o_n, mask=m_n, other=0.0).to(tl.float32) + weight_offset
     for m in range(pid, M, step):
         b_s = tl.zeros([BN], dtype=tl.float32)
@@ -194,7 +195,7 @@ def _one_shot_kernel(
         b_h = _add_residual(b_s, res, stride_r, m, o_n, m_n, DT, HAS_RESIDUAL)
         _store_row(b_h, b_w, y, h, m, o_n, m_n, N, eps, CAST_BEFORE_WEIGHT)
     # Peers read this rank's buffer until here; the next call overwrites it.
-    _meet_peers(pads, pid, RANK, WORLD, WP)
+    _meet_peers(pads, pid, RANK, WORLD)
 
 
 @triton.jit
@@ -238,7 +239,6 @@ def _two_shot_kernel(
     weight_offset,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
-    WP: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BN: tl.constexpr,
@@ -269,7 +269,7 @@ def _two_shot_kernel(
             m = pid + j * step
             b_x = tl.load(x + tl.cast(m, tl.int64) * stride_x + o_n, mask=m_n)
             tl.store(own + tl.cast(m, tl.int64) * N + o_n, b_x, mask=m_n)
-    _meet_peers(pads, pid, RANK, WORLD, WP)
+    _meet_peers(pads, pid, RANK, WORLD)
     b_w = tl.load(w + o_n, mask=m_n, other=0.0).to(tl.float32) + weight_offset
     for j in range(RANK, J, WORLD):
         m = pid + j * step
@@ -287,7 +287,7 @@ def _two_shot_kernel(
                 peer = tl.load(bufs + r).to(tl.pointer_type(DT))
                 tl.store(peer + off, b_h, mask=m_n)
         _store_row(b_h, b_w, y, h, m, o_n, m_n, N, eps, CAST_BEFORE_WEIGHT)
-    _meet_peers(pads, pid, RANK, WORLD, WP)
+    _meet_peers(pads, pid, RANK, WORLD)
     for j in range(0, J):
         if j % WORLD != RANK:
             m = pid + j * step
@@ -423,7 +423,7 @@ def one_shot_fwd(x, residual, weight, eps, weight_offset, cast_before_weight, ou
     kernel[(min(M, programs, ws.programs),)](
         x2, r2 if r2 is not None else x2, weight, y, h, ws.bufs, ws.pads,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, M, N, eps, weight_offset,
-        RANK=ws.rank, WORLD=ws.world, WP=triton.next_power_of_2(ws.world), HAS_RESIDUAL=r2 is not None,
+        RANK=ws.rank, WORLD=ws.world, HAS_RESIDUAL=r2 is not None,
         CAST_BEFORE_WEIGHT=cast_before_weight,
         BN=BN, EPS_PTR=is_ptr(eps), num_warps=max(1, min(16, BN // 256)))
     return y, h
