@@ -67,7 +67,7 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096)),
 }
-# (row label, torch.compile backend, the op's one- and two-shot limits in bytes; None: as shipped)
+# (row label, torch.compile backend, the op's one-shot limit in bytes; None: as shipped)
 BACKENDS = (("inductor", "inductor", None), ("fusepass", "fusepass", None),
             ("fusepass (NCCL boundary)", "fusepass", 0))
 
@@ -151,7 +151,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
     from fusepass.kernels import all_reduce_rms_norm as ar
     from fusepass.testing import assert_close
 
-    shipped = ar.ONE_SHOT_MAX_BYTES, ar.TWO_SHOT_MAX_BYTES
+    shipped = ar.ONE_SHOT_MAX_BYTES
 
     cuda = device.startswith("cuda")
     model = shard(build(args.model, args.layers, dtype, device), world, "cuda" if cuda else "cpu")
@@ -166,7 +166,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
         for backend, compiler, one_shot_bytes in sorted(BACKENDS, key=lambda b: args.order.index(b[0])):
-            ar.ONE_SHOT_MAX_BYTES, ar.TWO_SHOT_MAX_BYTES = shipped if one_shot_bytes is None else (one_shot_bytes,) * 2
+            ar.ONE_SHOT_MAX_BYTES = shipped if one_shot_bytes is None else one_shot_bytes
             torch._dynamo.reset()
             fusepass.reset_reports()
             fn = torch.compile(model, backend=compiler, fullgraph=True)
@@ -219,7 +219,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
                 rows.append(dict(phase="decode", workload=f"B{batch} at {args.prompt}", backend=backend, ms=ms,
                                  check=how, rewrites=_rewrites(fusepass.last_report()) if compiler == "fusepass"
                                  else ""))
-    ar.ONE_SHOT_MAX_BYTES, ar.TWO_SHOT_MAX_BYTES = shipped
+    ar.ONE_SHOT_MAX_BYTES = shipped
     return rows
 
 
@@ -243,7 +243,6 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
         ws = ar.workspace(group, x.device)
         if ws is not None and x.numel() * x.element_size() <= ar._WORKSPACE_BYTES and hidden <= ar._ONE_SHOT_MAX_N:
             contenders["fusepass one-shot kernel"] = lambda: ar.one_shot_fwd(x, *op_args[:-1], ws)
-            contenders["fusepass two-shot kernel"] = lambda: ar.one_shot_fwd(x, *op_args[:-1], ws, two_shot=True)
         try:
             import torch.distributed._symmetric_memory as symm_mem
 

@@ -50,10 +50,9 @@ def _load() -> None:
 
 def fingerprint() -> str:
     """A digest of the data, not code, that the ops' launch choices read while
-    compiling (the dequant_matmul plans, the all-reduce's kernel limits, which
+    compiling (the dequant_matmul plans, the all-reduce's one-shot limit, which
     decides whether a boundary is inlined): part of the compile cache's key."""
     from fusepass.kernels import all_reduce_rms_norm
     from fusepass.kernels.dequant_matmul.plans import fingerprint as plans
 
-    ar = all_reduce_rms_norm
-    return f"{plans()}|one-shot {ar.ONE_SHOT_MAX_BYTES}|two-shot {ar.TWO_SHOT_MAX_BYTES}"
+    return f"{plans()}|one-shot {all_reduce_rms_norm.ONE_SHOT_MAX_BYTES}"

@@ -15,8 +15,9 @@ Paths:
 - CPU (gloo) and every non-CUDA device: the functional collective
   (``_c10d_functional.all_reduce`` + ``wait_tensor``, what Dynamo makes of
   ``dist.all_reduce``), then the plain-torch ``add_rms_norm`` reference;
-- CUDA, decode-sized inputs (per rank at most :func:`one_shot_limit`: 2 MB
-  at 2 ranks, 512 KB at 3-4; rows of at most 16384): one launch, no NCCL.  Every rank's
+- CUDA, inputs per rank up to :func:`one_shot_limit` (32 MB at 2 ranks, a
+  prefill of 2048 tokens of 8192 bf16 features; 512 KB at 3-4, decode
+  sizes; rows of at most 16384): one launch, no NCCL.  Every rank's
   buffer is mapped into every other's (``torch.distributed._symmetric_memory``,
   one workspace per group, set up at the first such call).  Each program
   copies its rows of x into its own rank's buffer, meets the same program of
@@ -25,13 +26,6 @@ Paths:
   rank gets the same bits; for two ranks the bits NCCL gives), adds the
   residual, normalises, stores y and h, and meets the peers again so that
   no rank overwrites its buffer while one still reads it;
-- CUDA, larger inputs up to :func:`two_shot_limit` (32 MB per rank, the
-  workspace's size; a prefill's boundary): the two-shot kernel, one launch.
-  Row j of a program's rows belongs to rank j % world: the owner reads its
-  peers' copies, sums, adds, normalises, and writes h into every peer's
-  buffer; after a second meeting each rank normalises the rows it was sent.
-  Each rank moves 1/world of the rows' sum over the links each way, where
-  the one-shot kernel reads all of every peer's rows;
 - CUDA otherwise: the collective (NCCL), then ``fusepass::add_rms_norm``'s
   Triton kernel (or ``rms_norm``'s without a residual).
 
@@ -85,41 +79,33 @@ def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
 # ------------------------------------------------------- one-shot path ----
 
 # Inputs up to this many bytes per rank take the one-shot kernel at two
-# ranks, a quarter of it at three or four.  On H200s (8192 bf16 columns,
-# CUDA-graph time), against NCCL + add_rms_norm: two ranks, faster at every
-# token count run, 1 to 256 (10.5 vs 18.0 us, 17.4 vs 39.4 at 128, 25.6 vs
-# 43.8 at 256); four ranks, faster up to 32 tokens (19.5 vs 52.2 us at 1,
-# 27.5 vs 44.6 at 32) and slower from 128 (46.9 vs 43.4).  Not run beyond
-# four ranks: NCCL there.  Larger inputs, up to TWO_SHOT_MAX_BYTES, take the
-# two-shot kernel.  A benchmark may raise either limit to the workspace's
-# size, or set 0 to skip that kernel.
-ONE_SHOT_MAX_BYTES = 2 << 20
-TWO_SHOT_MAX_BYTES = 32 << 20
+# ranks (the workspace's size), 512 KB at three or four.  On H200s (8192
+# bf16 columns, CUDA-graph time), against NCCL + add_rms_norm: two ranks,
+# faster at every token count run, 1 to 2048 (10.4 vs 18.1 us at 1, 17.4 vs
+# 40.9 at 128, 73.6 vs 108.8 at 1024, 135.4 vs 194.7 at 2048, a prefill's
+# boundary); four ranks, faster up to 32 tokens (19.4 vs 33.5 us at 1, 28.0
+# vs 45.0 at 32) and slower from 128 (56.6 vs 45.8): each program meets its
+# peers one after another and reads every rank's rows, so the kernel grows
+# with the world size.  Not run beyond four ranks: NCCL there.  A benchmark
+# may raise the limit to the workspace's size, or set 0 for the collective
+# path.
+ONE_SHOT_MAX_BYTES = 32 << 20
 _WORKSPACE_BYTES = 32 << 20
 _ONE_SHOT_MAX_N = 16384  # a row held in registers
 _ONE_SHOT_MAX_WORLD = 4
+_ONE_SHOT_MAX_BYTES_4 = 512 << 10  # three or four ranks
 
 
 def one_shot_limit(world: int) -> int:
     """Bytes per rank up to which ``world`` ranks take the one-shot kernel (0: never)."""
     if not 2 <= world <= _ONE_SHOT_MAX_WORLD:
         return 0
-    return min(ONE_SHOT_MAX_BYTES if world == 2 else ONE_SHOT_MAX_BYTES // 4, _WORKSPACE_BYTES)
-
-
-def two_shot_limit(world: int) -> int:
-    """Bytes per rank up to which ``world`` ranks take the two-shot kernel
-    above the one-shot limit (0: never)."""
-    if not 2 <= world <= _ONE_SHOT_MAX_WORLD:
-        return 0
-    return min(TWO_SHOT_MAX_BYTES, _WORKSPACE_BYTES)
+    return min(ONE_SHOT_MAX_BYTES if world == 2 else min(ONE_SHOT_MAX_BYTES, _ONE_SHOT_MAX_BYTES_4), _WORKSPACE_BYTES)
 
 
 # Programs per launch (rows dealt round-robin), fewer where a signal pad
 # cannot hold WORLD 4-byte flags for each.
 _ONE_SHOT_PROGRAMS = 128
-_TWO_SHOT_PROGRAMS = 128
-_MAX_PROGRAMS = 1024
 
 
 @triton.jit
@@ -130,12 +116,7 @@ def _meet_peers(pads, block, RANK: tl.constexpr, WORLD: tl.constexpr):
     # then takes the peers' flags from its own pad with acquire semantics.
     # A flag goes 0 -> 1 by its sender and 1 -> 0 by its receiver: a sender
     # whose previous flag the peer has not taken yet waits, so one meeting
-    # cannot overtake the last.  Scalar atomics run once per program.  A
-    # meeting of all peers at once through a tensor of flags (one lane per
-    # peer, exchanged with atomic_xchg) hung two H200s in the two-shot kernel
-    # at 160 rows; the likely cause, not established: each lane is held by
-    # several threads, and a late duplicate exchange clears a flag a peer
-    # already raised for the next meeting.
+    # cannot overtake the last.  Scalar atomics run once per program.
     tl.debug_barrier()
     for r in tl.static_range(WORLD):
         if r != RANK:
@@ -184,115 +165,29 @@ def _one_shot_kernel(
     own = tl.load(bufs + RANK).to(tl.pointer_type(DT))
     for m in range(pid, M, step):
         b_x = tl.load(x + tl.cast(m, tl.int64) * stride_x + o_n, mask=m_n)
-        tl.store(own + tl.cast(m, tl.int64) * N + o_n, b_x, mask=m_n)
+        tl.store(own + m * N + o_n, b_x, mask=m_n)
     _meet_peers(pads, pid, RANK, WORLD)
     b_w = tl.load(w + o_n, mask=m_n, other=0.0).to(tl.float32) + weight_offset
     for m in range(pid, M, step):
         b_s = tl.zeros([BN], dtype=tl.float32)
         for r in tl.static_range(WORLD):  # rank order: the same sum on every rank
             peer = tl.load(bufs + r).to(tl.pointer_type(DT))
-            b_s += tl.load(peer + tl.cast(m, tl.int64) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_h = _add_residual(b_s, res, stride_r, m, o_n, m_n, DT, HAS_RESIDUAL)
-        _store_row(b_h, b_w, y, h, m, o_n, m_n, N, eps, CAST_BEFORE_WEIGHT)
+            b_s += tl.load(peer + m * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+        # The all-reduce's result in x's dtype, as the collective returns it,
+        # then torch's x + res: an fp32 add, one rounding.
+        b_h = b_s.to(DT)
+        if HAS_RESIDUAL:
+            b_r = tl.load(res + tl.cast(m, tl.int64) * stride_r + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_h = (b_h.to(tl.float32) + b_r).to(DT)
+        tl.store(h + m * N + o_n, b_h, mask=m_n)
+        b_x = b_h.to(tl.float32)
+        b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / N + eps)
+        b_n = b_x * b_rstd
+        if CAST_BEFORE_WEIGHT:
+            b_n = b_n.to(DT).to(tl.float32)
+        tl.store(y + m * N + o_n, (b_n * b_w).to(y.dtype.element_ty), mask=m_n)
     # Peers read this rank's buffer until here; the next call overwrites it.
     _meet_peers(pads, pid, RANK, WORLD)
-
-
-@triton.jit
-def _add_residual(b_s, res, stride_r, m, o_n, m_n, DT: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    # The all-reduce's result in x's dtype, as the collective returns it,
-    # then torch's x + res: an fp32 add, one rounding.
-    b_h = b_s.to(DT)
-    if HAS_RESIDUAL:
-        b_r = tl.load(res + tl.cast(m, tl.int64) * stride_r + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_h = (b_h.to(tl.float32) + b_r).to(DT)
-    return b_h
-
-
-@triton.jit
-def _store_row(b_h, b_w, y, h, m, o_n, m_n, N, eps, CAST_BEFORE_WEIGHT: tl.constexpr):
-    # Row m of h (the all-reduced sum plus residual, x's dtype) and of its norm y.
-    off = tl.cast(m, tl.int64) * N + o_n
-    tl.store(h + off, b_h, mask=m_n)
-    b_x = b_h.to(tl.float32)
-    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / N + eps)
-    b_n = b_x * b_rstd
-    if CAST_BEFORE_WEIGHT:
-        b_n = b_n.to(b_h.dtype).to(tl.float32)
-    tl.store(y + off, (b_n * b_w).to(y.dtype.element_ty), mask=m_n)
-
-
-@triton.jit
-def _two_shot_kernel(
-    x,
-    res,
-    w,
-    y,
-    h,
-    bufs,
-    pads,
-    stride_x,
-    stride_r,
-    M,
-    N,
-    eps,
-    weight_offset,
-    RANK: tl.constexpr,
-    WORLD: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr,
-    BN: tl.constexpr,
-    EPS_PTR: tl.constexpr,
-):
-    # Program p's rows are m = p + j * P (P programs); row j of them belongs
-    # to rank j % WORLD, which sums it for every rank.  (1) Each program
-    # copies its rows that other ranks own into its own buffer, (2) meets its
-    # peers, (3) sums the rows it owns (its own x read directly, the peers'
-    # copies over the link, in rank order), adds the residual, stores h and y
-    # and writes h into every peer's buffer in place of the copy it just read
-    # (only the owner reads a row's copies), (4) meets its peers again, and
-    # (5) normalises the rows the peers sent it.  After the second meeting no
-    # peer touches this rank's buffer until it has met this rank in a later
-    # call, so the next call's copy-in needs no third meeting.  Every rank
-    # gets the owner's bits of h, and y computed from them by the same code.
-    eps = scalar_fp32(eps, EPS_PTR)
-    weight_offset = tl.cast(weight_offset, tl.float32)
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    DT = x.dtype.element_ty
-    o_n = tl.arange(0, BN)
-    m_n = o_n < N
-    J = tl.cdiv(M - pid, step)
-    own = tl.load(bufs + RANK).to(tl.pointer_type(DT))
-    for j in range(0, J):
-        if j % WORLD != RANK:
-            m = pid + j * step
-            b_x = tl.load(x + tl.cast(m, tl.int64) * stride_x + o_n, mask=m_n)
-            tl.store(own + tl.cast(m, tl.int64) * N + o_n, b_x, mask=m_n)
-    _meet_peers(pads, pid, RANK, WORLD)
-    b_w = tl.load(w + o_n, mask=m_n, other=0.0).to(tl.float32) + weight_offset
-    for j in range(RANK, J, WORLD):
-        m = pid + j * step
-        off = tl.cast(m, tl.int64) * N + o_n
-        b_s = tl.zeros([BN], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # rank order: the sum the one-shot kernel makes
-            if r == RANK:
-                b_s += tl.load(x + tl.cast(m, tl.int64) * stride_x + o_n, mask=m_n, other=0.0).to(tl.float32)
-            else:
-                peer = tl.load(bufs + r).to(tl.pointer_type(DT))
-                b_s += tl.load(peer + off, mask=m_n, other=0.0).to(tl.float32)
-        b_h = _add_residual(b_s, res, stride_r, m, o_n, m_n, DT, HAS_RESIDUAL)
-        for r in tl.static_range(WORLD):
-            if r != RANK:
-                peer = tl.load(bufs + r).to(tl.pointer_type(DT))
-                tl.store(peer + off, b_h, mask=m_n)
-        _store_row(b_h, b_w, y, h, m, o_n, m_n, N, eps, CAST_BEFORE_WEIGHT)
-    _meet_peers(pads, pid, RANK, WORLD)
-    for j in range(0, J):
-        if j % WORLD != RANK:
-            m = pid + j * step
-            b_h = tl.load(own + tl.cast(m, tl.int64) * N + o_n, mask=m_n, other=0.0)
-            _store_row(b_h, b_w, y, h, m, o_n, m_n, N, eps, CAST_BEFORE_WEIGHT)
 
 
 @dataclass
@@ -306,7 +201,7 @@ class Workspace:
     pads: Tensor
     rank: int
     world: int
-    programs: int  # at most this many programs per launch (the signal pads' slots)
+    programs: int
 
 
 _workspaces: dict[tuple[str, int], Workspace | None] = {}
@@ -353,7 +248,7 @@ def _rendezvous(buffer: Tensor, group_name: str, device: torch.device) -> Worksp
         torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
         torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
         handle.rank, handle.world_size,
-        min(_MAX_PROGRAMS, pad_bytes // (4 * handle.world_size)))
+        min(_ONE_SHOT_PROGRAMS, pad_bytes // (4 * handle.world_size)))
 
 
 def workspace(group_name: str, device: torch.device) -> Workspace | None:
@@ -391,40 +286,30 @@ def workspace(group_name: str, device: torch.device) -> Workspace | None:
         return ws
 
 
-def kernel_path(x: Tensor, residual: Tensor | None, weight: Tensor, out_dtype: torch.dtype,
-                group_name: str) -> str:
-    """Which path the CUDA op takes for these inputs, "one-shot", "two-shot"
-    or "nccl": decided from shapes and dtypes, the same on every rank."""
+def one_shot_applies(x: Tensor, residual: Tensor | None, weight: Tensor, out_dtype: torch.dtype,
+                     group_name: str) -> bool:
+    """Whether the CUDA op takes the one-shot kernel for these inputs: decided
+    from shapes and dtypes, the same on every rank."""
     N = x.shape[-1] if x.dim() else 0
-    if not (x.is_cuda and _kernel_handles(x, weight, out_dtype, residual)
-            and 0 < x.numel() and N <= _ONE_SHOT_MAX_N):
-        return "nccl"
-    world = _group_size(group_name)
-    size = x.numel() * x.element_size()
-    if size <= one_shot_limit(world):
-        return "one-shot"
-    return "two-shot" if size <= two_shot_limit(world) else "nccl"
+    return (x.is_cuda and _kernel_handles(x, weight, out_dtype, residual)
+            and 0 < x.numel() and N <= _ONE_SHOT_MAX_N
+            and x.numel() * x.element_size() <= one_shot_limit(_group_size(group_name)))
 
 
-def one_shot_fwd(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, ws: Workspace,
-                 two_shot: bool = False):
-    """(y, h) by the one-shot kernel (or the two-shot one); x's rows are summed over ``ws``'s group."""
+def one_shot_fwd(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, ws: Workspace):
+    """(y, h) by the one-shot kernel; x's rows are summed over ``ws``'s group."""
     N = x.shape[-1]
     x2 = rows(x, N)
     r2 = None if residual is None else rows(residual, N)
     M = x2.shape[0]
-    if M * N * x.element_size() > ws.buffer.numel() * ws.buffer.element_size():
-        raise ValueError(f"{M}x{N} rows do not fit the workspace")
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     eps = scalar_arg(eps, x)
     BN = triton.next_power_of_2(N)
-    kernel, programs = (_two_shot_kernel, _TWO_SHOT_PROGRAMS) if two_shot else (_one_shot_kernel, _ONE_SHOT_PROGRAMS)
-    kernel[(min(M, programs, ws.programs),)](
+    _one_shot_kernel[(min(M, ws.programs),)](
         x2, r2 if r2 is not None else x2, weight, y, h, ws.bufs, ws.pads,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, M, N, eps, weight_offset,
-        RANK=ws.rank, WORLD=ws.world, HAS_RESIDUAL=r2 is not None,
-        CAST_BEFORE_WEIGHT=cast_before_weight,
+        RANK=ws.rank, WORLD=ws.world, HAS_RESIDUAL=r2 is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
         BN=BN, EPS_PTR=is_ptr(eps), num_warps=max(1, min(16, BN // 256)))
     return y, h
 
@@ -472,16 +357,14 @@ def _all_reduce_rms_norm_fake(x, residual, weight, eps, weight_offset, cast_befo
 def _all_reduce_rms_norm_cuda(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, group_name,
                               eps_tensor=None):
     eps = op_eps(eps, eps_tensor)
-    path = kernel_path(x, residual, weight, out_dtype, group_name)
-    if path != "nccl":
+    if one_shot_applies(x, residual, weight, out_dtype, group_name):
         ws = workspace(group_name, x.device)
         if ws is not None:
             # A launch that fails fails on every rank alike (same shapes):
             # each then runs the collective path.
             return run_kernel(
                 "all_reduce_rms_norm",
-                lambda: one_shot_fwd(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, ws,
-                                     two_shot=path == "two-shot"),
+                lambda: one_shot_fwd(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, ws),
                 lambda: _nccl_path(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype,
                                    group_name))
     return _nccl_path(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, group_name)
@@ -512,10 +395,9 @@ def _nccl_path(x, residual, weight, eps, weight_offset, cast_before_weight, out_
 
 def _op_inline_ok(x, residual, weight, eps, weight_offset, cast_before_weight, out_dtype, group_name,
                   eps_tensor=None):
-    # Inputs that may take either kernel stay the op (it picks its path when
-    # it runs); a token count the graph does not fix may.
-    world = _group_size(group_name)
-    limit = max(one_shot_limit(world), two_shot_limit(world))
+    # Inputs that may take the one-shot kernel stay the op (it picks its path
+    # when it runs); a token count the graph does not fix may.
+    limit = one_shot_limit(_group_size(group_name))
     small = limit > 0 and not statically_known_true(x.numel() * x.element_size() > limit)
     return (eps_tensor is None and _inline_ok(x, weight, eps, out_dtype, residual)
             and not (small and x.shape[-1] <= _ONE_SHOT_MAX_N))
