@@ -196,8 +196,8 @@ def _gpu_rank(rank: int, world: int) -> list:
         one_shot = ar.one_shot_applies(x, res, w, dtype, group)
         checks = []
         for _ in range(3):
-            out = torch.ops.fusepass.all_reduce_rms_norm(x, *args)
-            checks.append(((*out, norm_of(out)), exact(1)))
+            got = torch.ops.fusepass.all_reduce_rms_norm(x, *args)
+            checks.append(((*got, norm_of(got)), exact(1)))
         # CUDA-graph replays with new data written into the captured input.
         static, held = x.clone(), {}
 
@@ -210,8 +210,8 @@ def _gpu_rank(rank: int, world: int) -> list:
         for k in range(3 if capture else 0):
             static.copy_(x * (k + 2))
             replay()
-            out = tuple(t.clone() for t in held["out"])
-            checks.append(((*out, norm_of(out)), exact(k + 2)))
+            got = tuple(t.clone() for t in held["out"])
+            checks.append(((*got, norm_of(got)), exact(k + 2)))
         torch.cuda.synchronize()
         out.append(dict(one_shot=one_shot, checks=[(_np(a), _np(b)) for a, b in checks]))
     return out
