@@ -100,7 +100,8 @@ def one_shot_limit(world: int) -> int:
     """Bytes per rank up to which ``world`` ranks take the one-shot kernel (0: never)."""
     if not 2 <= world <= _ONE_SHOT_MAX_WORLD:
         return 0
-    return min(ONE_SHOT_MAX_BYTES if world == 2 else min(ONE_SHOT_MAX_BYTES, _ONE_SHOT_MAX_BYTES_4), _WORKSPACE_BYTES)
+    limit = ONE_SHOT_MAX_BYTES if world == 2 else min(ONE_SHOT_MAX_BYTES, _ONE_SHOT_MAX_BYTES_4)
+    return min(limit, _WORKSPACE_BYTES)
 
 
 # Programs per launch (rows dealt round-robin), fewer where a signal pad
