@@ -100,12 +100,7 @@ def sigmoid_groups(x, weight, correction_bias, k=4, n_group=4, topk_group=2, sca
 
 
 def _chosen(w, ids, logits, *inputs):
-    # The chosen experts' logits, where their weight is nonzero: a weight of exactly 0 is a
-    # probability that underflowed, tied with every other such expert, and which of them a
-    # top-k picks is the implementation's (long run 13, seed 1481786396: logits to 459, eager's
-    # CPU top-k and the op's lowest index chose experts 330 apart, both of weight 0).
     chosen = logits[torch.arange(ids.shape[0], device=ids.device)[:, None], ids]
-    chosen = torch.where(w != 0, chosen, 0.0)
     finite = torch.isfinite(inputs[0]).all(dim=-1, keepdim=True)  # per token
     for t in inputs[1:]:
         finite = finite & torch.isfinite(t).all()
