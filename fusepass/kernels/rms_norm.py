@@ -45,6 +45,7 @@ from fusepass.kernels._common import (
     Launch,
     call,
     cdiv,
+    emulate_rounding,
     eps_args,
     inline_enabled,
     is_ptr,
@@ -54,6 +55,7 @@ from fusepass.kernels._common import (
     run_kernel,
     scalar_arg,
     scalar_fp32,
+    round_to,
     sm_count,
 )
 from fusepass.kernels._common import rows as _rows  # [M, N] rows: a view where one exists, else a copy
@@ -81,6 +83,8 @@ def _rms_norm_fwd_kernel(
     BN: tl.constexpr,
     W_FIRST: tl.constexpr,
     EPS_PTR: tl.constexpr,
+    EMU_X: tl.constexpr,
+    EMU_Y: tl.constexpr,
 ):
     # Variants ``row`` (BM = 1) and ``tile``: BN >= N, each row is read once
     # and stays in registers between the reduction and the scaling.
@@ -110,7 +114,7 @@ def _rms_norm_fwd_kernel(
         b_r = tl.load(p_r, mask=m_mn, other=0.0, eviction_policy="evict_first").to(tl.float32)
         # torch's x + res: an fp32 add, one rounding to x's dtype; the norm
         # sees the rounded h, as the unfused graph does.
-        b_h = (b_x + b_r).to(h.dtype.element_ty)
+        b_h = round_to(b_x + b_r, h.dtype.element_ty, EMU_X)
         p_h = h + o_m[:, None] * stride_h + o_n[None, :]
         tl.store(p_h, b_h, mask=m_mn)
         b_x = b_h.to(tl.float32)
@@ -119,24 +123,24 @@ def _rms_norm_fwd_kernel(
     # [BM, BN]
     b_n = b_x * b_rstd[:, None]
     if CAST_BEFORE_WEIGHT:
-        b_n = b_n.to(x.dtype.element_ty).to(tl.float32)
+        b_n = round_to(b_n, x.dtype.element_ty, EMU_X).to(tl.float32)
     # [BN]
     if not W_FIRST:
         b_w = tl.load(w + o_n, mask=m_n, other=0.0, eviction_policy="evict_last")
     b_w = b_w.to(tl.float32) + weight_offset
     p_y = y + o_m[:, None] * stride_y + o_n[None, :]
-    tl.store(p_y, (b_n * b_w[None, :]).to(y.dtype.element_ty), mask=m_mn)
+    tl.store(p_y, round_to(b_n * b_w[None, :], y.dtype.element_ty, EMU_Y), mask=m_mn)
 
 
 @triton.jit
-def _looped_pass1_chunk(p_x, p_r, p_h, o_c, N, HAS_RESIDUAL: tl.constexpr):
+def _looped_pass1_chunk(p_x, p_r, p_h, o_c, N, HAS_RESIDUAL: tl.constexpr, EMU_X: tl.constexpr):
     # One chunk of pass 1: x (or h = x + res, written here) in fp32.  What
     # pass 2 reads back (x, or h) is kept in L2 (evict_last).
     m_c = o_c < N
     if HAS_RESIDUAL:
         b_x = tl.load(p_x + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
         b_r = tl.load(p_r + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        b_h = (b_x + b_r).to(p_h.dtype.element_ty)
+        b_h = round_to(b_x + b_r, p_h.dtype.element_ty, EMU_X)
         tl.store(p_h + o_c, b_h, mask=m_c, eviction_policy="evict_last")
         return b_h.to(tl.float32)
     else:
@@ -144,15 +148,16 @@ def _looped_pass1_chunk(p_x, p_r, p_h, o_c, N, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _looped_pass2_chunk(p_x, p_w, p_y, o_c, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT: tl.constexpr):
+def _looped_pass2_chunk(p_x, p_w, p_y, o_c, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT: tl.constexpr,
+                        EMU_X: tl.constexpr, EMU_Y: tl.constexpr):
     # One chunk of pass 2: re-read x (or h) from L2, its last use; normalise.
     m_c = o_c < N
     b_x = tl.load(p_x + o_c, mask=m_c, other=0.0, eviction_policy="evict_first").to(tl.float32)
     b_n = b_x * b_rstd
     if CAST_BEFORE_WEIGHT:
-        b_n = b_n.to(p_x.dtype.element_ty).to(tl.float32)
+        b_n = round_to(b_n, p_x.dtype.element_ty, EMU_X).to(tl.float32)
     b_w = tl.load(p_w + o_c, mask=m_c, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    tl.store(p_y + o_c, (b_n * (b_w + weight_offset)).to(p_y.dtype.element_ty), mask=m_c)
+    tl.store(p_y + o_c, round_to(b_n * (b_w + weight_offset), p_y.dtype.element_ty, EMU_Y), mask=m_c)
 
 
 @triton.jit
@@ -174,6 +179,8 @@ def _rms_norm_fwd_looped_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BN: tl.constexpr,
     EPS_PTR: tl.constexpr,
+    EMU_X: tl.constexpr,
+    EMU_Y: tl.constexpr,
 ):
     # Variant ``looped``: a persistent grid of a few programs per SM, each
     # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks, read twice
@@ -194,7 +201,7 @@ def _rms_norm_fwd_looped_kernel(
         # [BN]
         b_sq = tl.zeros([BN], dtype=tl.float32)
         for i_n in range(0, N, BN):
-            b_x = _looped_pass1_chunk(p_x, p_r, p_h, i_n + o_n, N, HAS_RESIDUAL)
+            b_x = _looped_pass1_chunk(p_x, p_r, p_h, i_n + o_n, N, HAS_RESIDUAL, EMU_X)
             b_sq += b_x * b_x
         b_rstd = tl.rsqrt(tl.sum(b_sq, axis=0) / N + eps)
 
@@ -205,7 +212,7 @@ def _rms_norm_fwd_looped_kernel(
             tl.debug_barrier()
             p_x = p_h
         for i_n in range(0, N, BN):
-            _looped_pass2_chunk(p_x, w, p_y, i_n + o_n, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT)
+            _looped_pass2_chunk(p_x, w, p_y, i_n + o_n, N, b_rstd, weight_offset, CAST_BEFORE_WEIGHT, EMU_X, EMU_Y)
 
 
 # ---------------------------------------------------------------- launch ----
@@ -405,7 +412,9 @@ def rms_norm_launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h
     eps = scalar_arg(eps, x)
     args = dict(x=x2, res=r2, w=w, y=y, h=h, stride_x=sx, stride_r=sr, stride_y=N, stride_h=sh, M=M, N=N, eps=eps,
                 weight_offset=float(weight_offset), HAS_RESIDUAL=res is not None,
-                CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN, EPS_PTR=is_ptr(eps))
+                CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN, EPS_PTR=is_ptr(eps),
+                # the interpreter's bf16 conversion truncates: rounded to nearest there as on a GPU
+                EMU_X=emulate_rounding(x.dtype), EMU_Y=emulate_rounding(y.dtype))
     outputs = ("y", "h") if res is not None else ("y",)
     if cfg.variant == "looped":
         return Launch(_rms_norm_fwd_looped_kernel, (cfg.num_programs,), args, outputs, cfg.num_warps)
