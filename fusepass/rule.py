@@ -136,6 +136,12 @@ class Rule:
     # values whatever their strides (bitsandbytes' absmax): the rule refuses a
     # strided one, and the differential generator expects no rewrite then.
     packed_args: tuple[str, ...] = ()
+    # Applied by the differential generator to a form's outputs, in eager and
+    # compiled alike, where the model admits several right answers: one
+    # representative of them (an MoE router's choice among experts whose
+    # weights underflowed to 0, a tie that eager's top-k breaks arbitrarily).
+    # Traced after the form's own nodes, so it is no part of the pattern.
+    canonical: Callable[..., Any] | None = None
 
     def inputs(self, form: Form, dtype: torch.dtype) -> list[Any]:
         """Example inputs for ``form`` in ``dtype``: one per argument of its ``search`` not in ``scalars``."""

@@ -433,3 +433,29 @@ def test_router_that_rounds_its_scores_before_choosing_is_refused():
     report = fusepass.last_report()
     assert report.count("moe_router") == 0
     assert any("rounds the router's scores" in r for r in report.reasons("moe_router")), str(report)
+
+
+def test_differential_router_blocks_compare_one_answer_among_tied_choices():
+    """A softmax saturated to [1, 0, ...] ties every expert but the first at weight 0, and
+    which one a top-k takes is the implementation's (eager's CPU top-k and the op's lowest
+    index chose experts with logits 330 apart in a long differential run).  The generator's
+    router blocks report the chosen logits only where the weight is nonzero, in eager and
+    compiled alike; a nonzero weight keeps its logit, and a NaN weight (a non-finite token)
+    keeps its NaN."""
+    from fusepass.patterns import moe_router as R
+    from fusepass.testing import differential as diff
+
+    w = torch.tensor([[1.0, 0.0], [0.6, 0.4], [float("nan")] * 2])
+    chosen = torch.tensor([[459.0, 129.0], [1.0, 0.5], [float("nan")] * 2])
+    _, c = R.canonical(w, chosen)
+    assert torch.equal(c[:2], torch.tensor([[459.0, 0.0], [1.0, 0.5]])) and c[2].isnan().all()
+
+    block = diff.BlockSpec("moe_router", "form", "softmax", dtype=torch.float32, shape=(6, 16))
+    program = diff.build(diff.ProgramSpec((block,), seed=3))
+    step = next(s for s in program.steps if "moe_router/softmax" in s.text)
+    x, weight = (program.args[i] for _, i in step.ins)
+    w, c = step.fn(x * 1e4, weight)  # logits in the thousands: the softmax saturates
+    assert (w == 0).any() and torch.equal(c[w == 0], torch.zeros_like(c[w == 0]))
+    assert (c[w != 0] != 0).all()
+    outcome = diff.run(program)
+    assert not outcome.failures and outcome.report.count("moe_router") == 1, str(outcome.report)

@@ -107,6 +107,15 @@ def _chosen(w, ids, logits, *inputs):
     return torch.where(finite, w, float("nan")), torch.where(finite, chosen, float("nan"))
 
 
+def canonical(w, chosen, *rest):
+    """The chosen logits where the weight is nonzero (the differential generator's
+    ``Rule.canonical``): a weight of exactly 0 is a probability that underflowed, tied
+    with every other expert's, and which of those a top-k picks is the implementation's.
+    A softmax saturated to [1, 0, ...] in fp32 (logits to 459) had eager's CPU top-k and
+    the op's lowest index choose experts whose logits were 330 apart, weights equal."""
+    return (w, torch.where(w != 0, chosen, torch.zeros_like(chosen)), *rest)
+
+
 def search_softmax(x, weight):
     return _chosen(*softmax_topk(x, weight), x, weight)
 
@@ -730,5 +739,6 @@ RULE = Rule(
         NearMiss("relu scores", _nm_relu_scores, example_inputs, "none of softmax"),
     ],
     sized_inputs=sized_inputs,
+    canonical=canonical,
     doc=__doc__,
 )

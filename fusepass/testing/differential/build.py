@@ -393,6 +393,8 @@ class _Builder:
             gm, mutated = _mutate(call, [self.value(r) for r in ins], b.mutation, b.pick)
             call = gm
             text += f"  # {mutated}"
+        if b.kind == "form" and rule.canonical is not None:
+            call = functools.partial(_canonical, rule.canonical, call)
         outs = self.step(call, ins, text)
         reason = _fake_refusal(call, [self.value(r) for r in ins])
         if reason:
@@ -431,6 +433,12 @@ class _Builder:
 
 # Unit roundoff per dtype, for the summation floor below.
 _UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def _canonical(canonical: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn``'s outputs through the rule's ``canonical`` (see Rule.canonical)."""
+    out = fn(*args)
+    return canonical(*out) if isinstance(out, (tuple, list)) else canonical(out)
 
 
 def _same_values(a: Any, b: Any) -> bool:
