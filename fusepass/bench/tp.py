@@ -165,7 +165,8 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
     rows, errors = [], {}
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
-        for backend, compiler, one_shot_bytes in sorted(BACKENDS, key=lambda b: args.order.index(b[0])):
+        chosen = sorted((b for b in BACKENDS if b[0] in args.order), key=lambda b: args.order.index(b[0]))
+        for backend, compiler, one_shot_bytes in chosen:
             ar.ONE_SHOT_MAX_BYTES = shipped if one_shot_bytes is None else one_shot_bytes
             torch._dynamo.reset()
             fusepass.reset_reports()
@@ -194,6 +195,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
             rewrites = _rewrites(fusepass.last_report()) if compiler == "fusepass" else ""
             rows.append(dict(phase="prefill", workload=f"B1 T{args.prompt}", backend=backend, ms=ms,
                              compile_s=compile_s, check=ok, rewrites=rewrites))
+            _progress(rank, rows[-1])
             for batch in args.batch:
                 fusepass.reset_reports()  # the step's graph alone
                 cache = StaticCache(config=model.config, max_cache_len=args.prompt + 8)
@@ -219,6 +221,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
                 rows.append(dict(phase="decode", workload=f"B{batch} at {args.prompt}", backend=backend, ms=ms,
                                  check=how, rewrites=_rewrites(fusepass.last_report()) if compiler == "fusepass"
                                  else ""))
+                _progress(rank, rows[-1])
     ar.ONE_SHOT_MAX_BYTES = shipped
     return rows
 
@@ -280,6 +283,13 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
     return rows
 
 
+def _progress(rank: int, row: dict[str, Any]) -> None:
+    """Each model row on rank 0's stderr as it is measured (a run cut short keeps what it measured)."""
+    if rank == 0:
+        print(f"{row['phase']} {row['workload']} {row['backend']}: {row['ms'] * 1e3:.1f} µs ({row['check']})",
+              file=sys.stderr, flush=True)
+
+
 def _rewrites(report) -> str:
     from collections import Counter
 
@@ -324,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", default="model,op")
     p.add_argument("--order", type=lambda s: ["inductor"] + [b for b in s.split(",") if b != "inductor"],
                    default=[b[0] for b in BACKENDS],
-                   help="the fusepass rows' order, comma-separated labels (Inductor runs first: the checks hold "
-                        "the others to its error)")
+                   help="the contenders run and their order, comma-separated labels (default: all; Inductor "
+                        "always runs, first: the checks hold the others to its error)")
     p.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes")
     p.add_argument("--out", default=None, help="folder for rows.json")
     args = p.parse_args(argv)
