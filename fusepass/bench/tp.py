@@ -47,6 +47,8 @@ import torch
 
 from .timing import captured
 
+_T0 = time.perf_counter()
+
 MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama3-70b": ("LlamaForCausalLM", "LlamaConfig", dict(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -286,8 +288,8 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
 def _progress(rank: int, row: dict[str, Any]) -> None:
     """Each model row on rank 0's stderr as it is measured (a run cut short keeps what it measured)."""
     if rank == 0:
-        print(f"{row['phase']} {row['workload']} {row['backend']}: {row['ms'] * 1e3:.1f} µs ({row['check']})",
-              file=sys.stderr, flush=True)
+        print(f"[{time.perf_counter() - _T0:.0f} s] {row['phase']} {row['workload']} {row['backend']}: "
+              f"{row['ms'] * 1e3:.1f} µs ({row['check']})", file=sys.stderr, flush=True)
 
 
 def _rewrites(report) -> str:
