@@ -120,6 +120,19 @@ def test_near_miss_mutations_are_refused_with_their_reasons():
     assert "scalar computed" in program.blocks[-1].features
 
 
+def test_bitsandbytes_ops_on_strided_packed_operands_are_not_programs():
+    """bitsandbytes' CPU kernels read the packed codes and absmax through raw pointers: codes
+    expanded from one byte read past it (NaN, another value each process), so eager has no
+    answer to compare with; the generator draws such a block with contiguous operands."""
+    pytest.importorskip("bitsandbytes")
+    blocks = (diff.BlockSpec("dequant_matmul_bnb", "near-miss", "dequantize_4bit", dtype=torch.float16,
+                             operands=(diff.Operand("leaf"), diff.Operand("leaf", "expanded"), diff.Operand("leaf"))),)
+    program = diff.build(diff.ProgramSpec(blocks, seed=5))
+    assert any("given a strided operand" in d for d in program.dropped), program.dropped
+    step = next(s for s in program.steps if "dequantize_4bit" in s.text)
+    assert all(program.args[i].is_contiguous() for k, i in step.ins if k == "a")
+
+
 def test_operands_and_values_are_drawn_as_specified():
     ops = (diff.Operand("leaf", "transposed"), diff.Operand("leaf", "strided"))
     blocks = (

@@ -555,13 +555,20 @@ class _Dtypes(TorchDispatchMode):
         return 4 * _UNIT_ROUNDOFF.get(precision, 2.0**-8) * self.terms
 
 
+# bitsandbytes ops whose ``A`` is the packed weight (read whole), not activations (read by rows).
+_BNB_PACKED_A = ("dequantize_4bit", "dequantize_blockwise")
+
+
 def _bnb_strided(func, args, kwargs) -> bool:
     """A bitsandbytes op given a packed weight or absmax not contiguous, or activations whose rows are
-    not (what its CPU kernels' raw pointers cannot read)."""
+    not (what its CPU kernels' raw pointers cannot read): ``dequantize_4bit`` on codes expanded
+    from one byte to [1536, 1] read past them (NaN, another value each process: 1.19 off on an
+    fp16 near-miss block of a long run)."""
     names = [a.name for a in func._schema.arguments]
     b = {**dict(zip(names, args)), **kwargs}
-    whole = [b.get(k) for k in ("B", "absmax")]
-    rows = [b.get("A")]
+    packed_a = func.overloadpacket.__name__ in _BNB_PACKED_A
+    whole = [b.get(k) for k in ("B", "absmax", "code")] + ([b.get("A")] if packed_a else [])
+    rows = [] if packed_a else [b.get("A")]
     return (any(isinstance(t, torch.Tensor) and not t.is_contiguous() for t in whole)
             or any(isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1 for t in rows))
 
