@@ -447,8 +447,13 @@ def test_differential_router_blocks_compare_one_answer_among_tied_choices():
 
     w = torch.tensor([[1.0, 0.0], [0.6, 0.4], [float("nan")] * 2])
     chosen = torch.tensor([[459.0, 129.0], [1.0, 0.5], [float("nan")] * 2])
-    _, c = R.canonical(w, chosen)
+    ids, scores, weight_t = torch.tensor([[3, 1], [0, 2], [2, 3]]), torch.randn(3, 4), torch.randn(5, 4)
+    _, c, i, sc, wt = R.canonical(w, chosen, ids, scores, weight_t)
     assert torch.equal(c[:2], torch.tensor([[459.0, 0.0], [1.0, 0.5]])) and c[2].isnan().all()
+    # a token whose weights are NaN chose nothing in particular: its rows of what else is
+    # read of the router are no answer; other tokens' rows, and tensors not per token, stay
+    assert torch.equal(i, torch.tensor([[3, 1], [0, 2], [-1, -1]]))
+    assert torch.equal(sc[:2], scores[:2]) and sc[2].isnan().all() and wt is weight_t
 
     block = diff.BlockSpec("moe_router", "form", "softmax", dtype=torch.float32, shape=(6, 16))
     program = diff.build(diff.ProgramSpec((block,), seed=3))

@@ -108,12 +108,28 @@ def _chosen(w, ids, logits, *inputs):
 
 
 def canonical(w, chosen, *rest):
-    """The chosen logits where the weight is nonzero (the differential generator's
-    ``Rule.canonical``): a weight of exactly 0 is a probability that underflowed, tied
-    with every other expert's, and which of those a top-k picks is the implementation's.
-    A softmax saturated to [1, 0, ...] in fp32 (logits to 459) had eager's CPU top-k and
-    the op's lowest index choose experts whose logits were 330 apart, weights equal."""
-    return (w, torch.where(w != 0, chosen, torch.zeros_like(chosen)), *rest)
+    """One answer among the equally right ones (the differential generator's ``Rule.canonical``).
+
+    - The chosen logits where the weight is nonzero: a weight of exactly 0 is a probability
+      that underflowed, tied with every other expert's, and which of those a top-k picks is
+      the implementation's.  A softmax saturated to [1, 0, ...] in fp32 (logits to 459) had
+      eager's CPU top-k and the op's lowest index choose experts whose logits were 330 apart,
+      weights equal.
+    - A token whose weights are NaN (inputs not all finite: scores all NaN) chose nothing
+      in particular: its rows of anything else the program reads of the router (a mutation
+      returns an intermediate) are NaN, or -1 for integers.  All-NaN correction biases had
+      eager choose experts 10, 11, 12, 9 and the op 0, 1, 2, 3; the ids, sorted and returned,
+      were 13.5 apart."""
+    chosen = torch.where(w != 0, chosen, torch.zeros_like(chosen))
+    none = torch.isnan(w).any(dim=-1)  # [T]
+
+    def rows(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != none.shape[0]:
+            return t
+        fill = float("nan") if t.is_floating_point() else -1
+        return torch.where(none.reshape(-1, *[1] * (t.dim() - 1)), torch.full_like(t, fill), t)
+
+    return (w, chosen, *(rows(t) for t in rest))
 
 
 def search_softmax(x, weight):
