@@ -139,7 +139,8 @@ class Rule:
     # Applied by the differential generator to a form's outputs, in eager and
     # compiled alike, where the model admits several right answers: one
     # representative of them (an MoE router's choice among experts whose
-    # weights underflowed to 0, a tie that eager's top-k breaks arbitrarily).
+    # weights underflowed to 0, a tie that eager's top-k breaks arbitrarily,
+    # or of a token whose scores are all NaN).
     # Traced after the form's own nodes, so it is no part of the pattern.
     canonical: Callable[..., Any] | None = None
 
