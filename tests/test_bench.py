@@ -387,3 +387,19 @@ def test_benchmarks_page_is_generated_from_the_runs_json(tmp_path):
     assert "not a speed claim" not in text  # a GPU run
     with pytest.raises(SystemExit, match="no results.json"):
         page.main([str(tmp_path / "ops" / "nothing")])
+
+
+def test_tp_bench_dumps_each_ranks_stacks_on_a_timer(tmp_path):
+    # --stacks: where a TP run that does not finish spends its time, rank by rank.
+    import faulthandler
+    import time
+
+    from fusepass.bench import tp
+
+    tp._dump_stacks_every(0.1, tmp_path / "out", 3)
+    try:
+        time.sleep(0.45)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    text = (tmp_path / "out" / "stacks-rank3.txt").read_text()
+    assert text.count("most recent call first") >= 2 and "test_tp_bench_dumps" in text

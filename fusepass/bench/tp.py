@@ -285,6 +285,16 @@ def _rows_op(args, world: int, device: str, dtype: torch.dtype) -> list[dict[str
     return rows
 
 
+def _dump_stacks_every(seconds: float, folder: Path, rank: int) -> None:
+    """This rank's threads' stacks appended to ``folder``/stacks-rank<rank>.txt every ``seconds``
+    (the file stays open for the process's life: faulthandler writes to its descriptor)."""
+    import faulthandler
+
+    folder.mkdir(parents=True, exist_ok=True)
+    f = open(folder / f"stacks-rank{rank}.txt", "w")  # noqa: SIM115 - held open until exit
+    faulthandler.dump_traceback_later(seconds, repeat=True, file=f)
+
+
 def _progress(rank: int, row: dict[str, Any]) -> None:
     """Each model row on rank 0's stderr as it is measured (a run cut short keeps what it measured)."""
     if rank == 0:
@@ -340,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                         "always runs, first: the checks hold the others to its error)")
     p.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes")
     p.add_argument("--out", default=None, help="folder for rows.json")
+    p.add_argument("--stacks", type=float, default=0.0, metavar="SECONDS",
+                   help="every SECONDS, each rank appends its threads' stacks to <out>/stacks-rank<R>.txt "
+                        "(where a slow or stuck run spends its time; default off)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.model = args.model or "tiny-llama"
@@ -351,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         args.model = args.model or "llama3-70b"
+        if args.stacks > 0:
+            _dump_stacks_every(args.stacks, Path(args.out or "."), int(os.environ.get("RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(minutes=10))
         try:
