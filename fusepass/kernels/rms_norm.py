@@ -52,10 +52,10 @@ from fusepass.kernels._common import (
     on_device,
     op_eps,
     register_inline,
+    round_to,
     run_kernel,
     scalar_arg,
     scalar_fp32,
-    round_to,
     sm_count,
 )
 from fusepass.kernels._common import rows as _rows  # [M, N] rows: a view where one exists, else a copy

@@ -120,14 +120,13 @@ def canonical(w, chosen, *rest):
       returns an intermediate) are NaN, or -1 for integers.  All-NaN correction biases had
       eager choose experts 10, 11, 12, 9 and the op 0, 1, 2, 3; the ids, sorted and returned,
       were 13.5 apart."""
-    chosen = torch.where(w != 0, chosen, torch.zeros_like(chosen))
+    chosen = torch.where(w != 0, chosen, 0.0)
     none = torch.isnan(w).any(dim=-1)  # [T]
 
     def rows(t):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != none.shape[0]:
             return t
-        fill = float("nan") if t.is_floating_point() else -1
-        return torch.where(none.reshape(-1, *[1] * (t.dim() - 1)), torch.full_like(t, fill), t)
+        return torch.where(none.reshape(-1, *[1] * (t.dim() - 1)), float("nan") if t.is_floating_point() else -1, t)
 
     return (w, chosen, *(rows(t) for t in rest))
 
