@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -304,6 +305,37 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
     return times
 
 
+def sweep_router(block: Block, x, time_us, smoke: bool) -> dict[str, float]:
+    """The router at decode sizes: the heuristic's launch against the one-pass
+    top-k (rank), fewer warps and wider expert blocks; each candidate's ids
+    exactly the heuristic's and its weights within bf16's table of them."""
+    args = block.router_args(x)
+    T, H = x.shape
+    E = block.m["E"]
+    base = rt.router_heuristic(T, E, H)
+    cands = {"router": base, "router-rank": replace(base, rank=True)}
+    if not smoke:
+        for warps in (1, 2):
+            cands[f"router-w{warps}"] = replace(base, warps=warps)
+            cands[f"router-rank-w{warps}"] = replace(base, warps=warps, rank=True)
+        for be in (2, 4):
+            cands[f"router-rank-BE{be}"] = replace(base, BE=be, BK=max(16, min(4096 // (base.BT * be), H)), rank=True)
+    bea = 1 << (E - 1).bit_length()
+    cands = {n: c for n, c in cands.items() if not c.rank or rt.rank_fits(c.BT, bea, c.warps)}
+    ref_w, ref_ids, _ = rt.router_fwd(*args, cfg=base)
+    times = {}
+    for name, cfg in cands.items():
+        try:
+            tw, tid, _ = rt.router_fwd(*args, cfg=cfg)
+            if not torch.equal(tid, ref_ids) or rel(tw, ref_w) > 1e-2:
+                print(f"#   {name}: other ids or weights than the heuristic's launch, not timed")
+                continue
+            times[name] = time_us(lambda: rt.router_fwd(*args, cfg=cfg))
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            print(f"#   {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    return times
+
+
 def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str, float]:
     """int4 experts at T = 1: decode tiles (the weight bytes per tile are a
     quarter of bf16's at the same shape, so wider and deeper tiles)."""
@@ -315,13 +347,11 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
     base = decode.decode_heuristic(x.shape[0], m["k"], m["H"], m["I"], False, 132, block.group)
     cands = {"decode": base}
     if not smoke:
-        for bn, bk, warps in ((4, 2048, 4), (8, 2048, 8), (16, 1024, 8), (16, 512, 4)):
-            cands[f"decode-BN{bn}-BK{bk}-w{warps}"] = decode.DecodeConfig(
-                BM=1, BN=bn, BK=bk, warps=warps, BN2=base.BN2, BK2=base.BK2, defer=False, defer2=False)
-        for bn2, bk2, warps2 in ((4, 512, 8), (8, 256, 8), (2, 512, 4)):
-            cands[f"decode-BN2{bn2}-BK2{bk2}-w{warps2}"] = decode.DecodeConfig(
-                BM=1, BN=base.BN, BK=base.BK, BN2=bn2, BK2=bk2, warps2=warps2, defer=False, defer2=False)
-        cands["decode-defer"] = decode.DecodeConfig(BM=1, BN=16, BK=256, BN2=4, BK2=128, defer=True, defer2=True)
+        # int4 chunks: one 16-byte chunk per thread and row at BK = 1024 x warps
+        for bn, bk, warps in ((4, 2048, 2), (16, 2048, 2), (8, 1024, 1), (8, 2048, 4), (4, 1024, 1)):
+            cands[f"decode-BN{bn}-BK{bk}-w{warps}"] = replace(base, BN=bn, BK=bk, warps=warps)
+        for bn2, bk2, warps2 in ((8, 256, 2), (2, 256, 2), (4, 128, 1), (4, 512, 4), (4, 256, 4)):
+            cands[f"decode-BN2{bn2}-BK2{bk2}-w{warps2}"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2)
     ref = block.reference(x, ids, w, quant)
     times = {}
     for name, cfg in cands.items():
@@ -365,6 +395,8 @@ def run(args) -> dict:
                     w, ids, _ = ops.moe_router(*block.router_args(x))
                     if sweeping:
                         sweeps[(name, T)] = sweep(block, x, ids, w, time_us, smoke)
+                        if T <= 8:
+                            sweeps[(name + "-router", T)] = sweep_router(block, x, time_us, smoke)
                         if T == 1 and not block.m["transposed"]:
                             sweeps[(name + "-int4", T)] = sweep_int4(block, x, ids, w, block.quantized(), time_us,
                                                                      smoke)
@@ -495,10 +527,11 @@ def main(argv=None) -> int:
 # with Triton).
 
 # Integer arguments that are multiples of 16 at the models' sizes.
-DIV16 = {"stride_xm", "stride_we", "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_be", "stride_hm",
+DIV16 = {"stride_xm", "stride_x2m", "stride_h2m", "stride_we", "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_be", "stride_hm",
          "stride_om", "stride_ym", "stride_gm", "stride_wm", "K", "N", "I", "H", "E"}
 BF16, I64, I32, F32, U8 = "*bf16", "*i64", "*i32", "*fp32", "*u8"
 NARROW_MAX = 8
+NARROW_MAX_INT4 = 2 * 16 + NARROW_MAX
 
 
 def compile_sm90(fn, types: dict, consts: dict, warps: int = 4, stages: int = 3, unit: str = "stride_wk"):
@@ -541,17 +574,21 @@ def narrow_loads(res: dict) -> int:
 def decode_up(fmt="none", halves=True, act="silu", BM=1, BN=16, BK=256, BS=8, defer=True, bias=False, trans=False,
               group=128, warps=4):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
-    types = dict(x=BF16, ids=I64, w=w, bias=BF16, scale=BF16, zero=BF16, h=BF16)
+    types = dict(x=BF16, x2=I32, ids=I64, w=w, bias=BF16, scale=BF16, zero=BF16, h=BF16)
     consts = dict(ACT=act, HALVES=halves, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4",
                   HAS_BIAS=bias, ALPHA=1.702, LIMIT=7.0, BS=BS, BM=BM, BN=BN, BK=BK, DEFER=defer, TRANS=trans)
+    vb = decode.int4_chunk(fmt, trans, group, BK)
+    consts.update(VB=vb, ASM=vb >= 4)
     return compile_sm90(decode._moe_decode_up_kernel, types, consts, warps, unit="stride_wn" if trans else "stride_wk")
 
 
 def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
-    types = dict(h=BF16, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16)
+    types = dict(h=BF16, h2=I32, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16)
     consts = dict(ROUND_W=True, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4", HAS_BIAS=bias,
                   KP=KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans)
+    vb = decode.int4_chunk(fmt, trans, group, BK)
+    consts.update(VB=vb, ASM=vb >= 4)
     return compile_sm90(decode._moe_decode_down_kernel, types, consts, warps,
                         unit="stride_wn" if trans else "stride_wk")
 
@@ -563,7 +600,8 @@ def ptx_kernels(only: str | None):
             ("decode up, Qwen3 T8 (BM 2)", lambda: decode_up(BM=2, BN=8, BK=1024, BS=64, defer=False)),
             ("decode up, gpt-oss T1 (transposed, interleaved)", lambda: decode_up(
                 BN=16, BK=512, defer=False, halves=False, act="gpt_oss", bias=True, BS=4, trans=True)),
-            ("decode up, int4 g128", lambda: decode_up(fmt="int4", BN=8, BK=1024, defer=False)),
+            ("decode up, int4 g128 (chunks, BN8 BK2048 2 warps)", lambda: decode_up(fmt="int4", BN=8, BK=2048,
+                                                                                    defer=False, warps=2)),
             ("decode up, int8", lambda: decode_up(fmt="int8", BN=8, BK=1024, defer=False)),
             ("decode up, fp8", lambda: decode_up(fmt="fp8", BN=8, BK=1024, defer=False)),
             ("decode up, deferred sum BN16 BK256", lambda: decode_up()),
@@ -571,7 +609,8 @@ def ptx_kernels(only: str | None):
             ("decode down, Qwen3 T8", lambda: decode_down(BN=16, BK=64, defer=False)),
             ("decode down, gpt-oss T1 (transposed)", lambda: decode_down(KP=4, BN=16, BK=256, defer=False, bias=True,
                                                                          trans=True)),
-            ("decode down, int4 g128", lambda: decode_down(fmt="int4", BN=4, BK=256, defer=False)),
+            ("decode down, int4 g128 (chunks, 2 warps)", lambda: decode_down(fmt="int4", BN=4, BK=256, defer=False,
+                                                                            warps=2)),
             ("decode down, deferred sum BN4 BK128", lambda: decode_down()),
         ],
         "sorted": [
@@ -583,6 +622,8 @@ def ptx_kernels(only: str | None):
         "router": [
             ("router T1 (split over experts)", lambda: compile_sm90(rt._moe_router_kernel, _ROUTER_TYPES,
                                                                      _router())),
+            ("router T1, one-pass top-k", lambda: compile_sm90(rt._moe_router_kernel, _ROUTER_TYPES,
+                                                                _router(RANK=True))),
             ("router T64 (tl.dot)", lambda: compile_sm90(rt._moe_router_kernel, _ROUTER_TYPES, _router(
                 SPLIT=False, USE_DOT=True, BT=32, BE=128, BK=64))),
         ],
@@ -605,7 +646,7 @@ _ROUTER_TYPES = dict(x=BF16, w=BF16, bias=BF16, cbias=F32, ctr=I32, logits=BF16,
 
 def _router(**over):
     base = dict(KIND="softmax", TOP_K=8, RENORM=True, NG=1, TG=1, SCALING=1.0, HAS_BIAS=False, HAS_CB=False,
-                SPLIT=True, USE_DOT=False, F32=False, BT=1, BE=1, BEA=128, BK=2048, KP=8)
+                SPLIT=True, USE_DOT=False, F32=False, BT=1, BE=1, BEA=128, BK=2048, KP=8, RANK=False)
     return {**base, **over}
 
 
@@ -637,7 +678,9 @@ def ptx_report(only: str | None) -> int:
             bad += 1
             continue
         spills = res.get("stack", 0) + res.get("local", 0)
-        bad += spills > 0 or narrow_loads(res) > NARROW_MAX
+        # int4 chunks read their group's scale and zero point per row and chunk:
+        # two 2-byte loads a row (of 2048 codes), not the weights.
+        bad += spills > 0 or narrow_loads(res) > (NARROW_MAX_INT4 if "int4" in name else NARROW_MAX)
         print(f"{name:52s} regs {res.get('regs', '?'):>3}  spill {spills:>4}  narrow loads {narrow_loads(res):>3}  "
               f"{res['loads']}")
     return 1 if bad else 0

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fusepass.kernels._common import Launch
 from fusepass.kernels.dequant_matmul.tiles import _dot  # noqa: F401 - the kernels' dot (its own name: see test_imports)
-from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _nibbles_to_f32
+from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _nibbles_128, _nibbles_to_f32, _pair_to_f32
 
 
 @triton.jit
@@ -95,6 +95,57 @@ def w_tile(p_rows, m_rows, p_srows, p_zrows, k0, K, stride_k,
         else:
             b_q = tl.load(tl.expand_dims(p_rows, -1) + o_k, mask=m, other=0)
             return b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def int4_chunks(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+                ZERO_F32: tl.constexpr, VB: tl.constexpr, NCH: tl.constexpr, ASM: tl.constexpr):
+    """int4 rows from column k0 on as NCH chunks of 2 VB codes, each inside one
+    group: (q - z of the even columns, q - z of the odd ones) [..., NCH, VB] and
+    the chunks' scales [..., NCH] (``p_rows`` etc. as in ``w_tile``, any shape).
+    Each row's VB bytes of a chunk are one vector load; a code becomes 128 + q
+    with one PRMT on the GPU (_nibbles_128), then q - z with one FADD, and the
+    scale goes on a chunk's sum (``chunk_sums``), not on each value."""
+    o_c = tl.arange(0, NCH)
+    o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB]: the tile's bytes
+    kp0 = tl.multiple_of(k0 // 2, VB)
+    # A chunk starting inside K ends inside it (2 VB divides G, G divides K):
+    # one mask per chunk keeps the loads 16-byte vectors.
+    m_c = kp0 + o_c * VB < K // 2
+    m_q = tl.expand_dims(tl.expand_dims(m_rows, -1), -1) & m_c[:, None]
+    b_q = tl.load(tl.expand_dims(tl.expand_dims(p_rows, -1), -1) + kp0 + o_b, mask=m_q, other=0)
+    o_g = (k0 + o_c * (2 * VB)) // G
+    m_s = tl.expand_dims(m_rows, -1) & m_c
+    b_s = tl.load(tl.expand_dims(p_srows, -1) + o_g, mask=m_s, other=0).to(tl.float32)
+    b_e, b_o = _nibbles_128(b_q, ASM)  # (the low nibble the even column)
+    if ZERO_F32:  # an fp32 zero point need not be a multiple of 2**-16: q, then q - z rounded once
+        b_z = tl.expand_dims(tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m_s, other=0), -1)
+        return (b_e - 128.0) - b_z, (b_o - 128.0) - b_z, b_s
+    if HAS_ZERO:  # 128 + z is exact in fp32 for every bf16 / fp16 zero point >= 2**-9 and for 0
+        b_c = tl.expand_dims(128.0 + tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m_s, other=0).to(tl.float32),
+                             -1)
+    else:
+        b_c = 136.0
+    return b_e - b_c, b_o - b_c, b_s
+
+
+@triton.jit
+def x_pairs(p_x2, m_x, k0, K, DT: tl.constexpr, VB: tl.constexpr, NCH: tl.constexpr):
+    """x's columns from k0 on, as int4_chunks lays the codes out: (even, odd)
+    fp32 [..., NCH, VB].  ``p_x2`` points at each row's start in x viewed as
+    pairs (int32 words of two 16-bit values, int64 of two fp32; any shape,
+    masked by ``m_x``): one word per code byte, so the pairs are a tensor of the
+    codes' shape and Triton gives both one layout (no shuffles)."""
+    o_b = tl.arange(0, NCH)[:, None] * VB + tl.arange(0, VB)[None, :]
+    m = tl.expand_dims(tl.expand_dims(m_x, -1), -1) & (k0 + tl.arange(0, NCH) * (2 * VB) < K)[:, None]
+    b_x = tl.load(tl.expand_dims(tl.expand_dims(p_x2, -1), -1) + k0 // 2 + o_b, mask=m, other=0)
+    return _pair_to_f32(b_x, DT)
+
+
+@triton.jit
+def chunk_sums(b_e, b_o, b_s, b_xe, b_xo):
+    """Each chunk's sum of x (q - z), times its scale: [..., NCH]."""
+    return tl.sum(b_e * b_xe + b_o * b_xo, axis=-1) * b_s
 
 
 @triton.jit

@@ -37,9 +37,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import Launch, cdiv
+from fusepass.kernels._common import Launch, cdiv, interpreting
 from fusepass.kernels.moe import _tiles
-from fusepass.kernels.moe._tiles import _round_if, cdiv_pow2, gated_act, proj_epilogue, row_scale, split_pairs, w_tile
+from fusepass.kernels.moe._tiles import (
+    _round_if,
+    cdiv_pow2,
+    chunk_sums,
+    gated_act,
+    int4_chunks,
+    proj_epilogue,
+    row_scale,
+    split_pairs,
+    w_tile,
+    x_pairs,
+)
 
 
 @triton.jit
@@ -56,15 +67,18 @@ def _fma(b_w, b_x, DEFER: tl.constexpr, TRANS: tl.constexpr):
 
 @triton.jit
 def _moe_decode_up_kernel(
-    x, ids, w, bias, scale, zero, h,
+    x, x2, ids, w, bias, scale, zero, h,
     S, E, K, I, TOPK,
-    stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_hm,
+    stride_xm, stride_x2m, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_hm,
     ACT: tl.constexpr, HALVES: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr,
-    TRANS: tl.constexpr,
+    TRANS: tl.constexpr, VB: tl.constexpr = 0, ASM: tl.constexpr = False,
 ):
+    # VB > 0: int4 read in chunks of VB bytes (_tiles.int4_chunks), x one row
+    # at a time as pairs (x2: x viewed as int32 / int64 words, row stride stride_x2m).
     DT: tl.constexpr = x.dtype.element_ty
+    ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
     i_s, i_n = tl.program_id(0), tl.program_id(1)
     o_s = tl.arange(0, BS)
     m_s = o_s < S
@@ -98,23 +112,58 @@ def _moe_decode_up_kernel(
             m_m = (m0 + o_m) < cnt
             p_x = x + (b_slot // TOPK).to(tl.int64)[:, None] * stride_xm
             # DEFER: products summed elementwise, reduced across K once at the
-            # end (BM * rows * BK registers); else reduced every tile.
-            KD: tl.constexpr = BK if DEFER else 1
+            # end (BM * rows * BK registers); else reduced every tile.  int4
+            # chunks: one partial sum per chunk, reduced at the end.
+            NCH: tl.constexpr = BK // (2 * VB) if VB > 0 else 1
+            KD: tl.constexpr = NCH if VB > 0 else (BK if DEFER else 1)
             RG: tl.constexpr = o_g.shape[0]
             RU: tl.constexpr = BN if HALVES else 1
             acc_g = tl.zeros([BM, KD, RG] if TRANS else [BM, RG, KD], dtype=tl.float32)
             acc_u = tl.zeros([BM, KD, RU] if TRANS else [BM, RU, KD], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                o_k = k0 + tl.arange(0, BK)
-                # [BM, BK]
-                b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
-                b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K,
-                             stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-                acc_g += _fma(b_w, b_x, DEFER, TRANS)
-                if HALVES:
-                    b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
+            if VB > 0:
+                # Rows one at a time, each a [1, NCH, VB] tile of the shape of x's
+                # pairs, so Triton gives both one layout (a [rows, NCH, VB] tile
+                # against x's [NCH, VB] took a shared-memory round trip and
+                # shuffles per value, sm_90); the sums land in acc's (m, row)
+                # registers through wheres that fold away.
+                o_1 = tl.zeros([1], dtype=tl.int32)
+                o_r = tl.arange(0, RG)[None, :, None]
+                b_row = b_slot // TOPK
+                NROWS = I if HALVES else 2 * I
+                for k0 in range(0, K, BK):
+                    if BM == 1:
+                        b_xe, b_xo = x_pairs(x2 + (tl.sum(b_row, axis=0) + o_1).to(tl.int64) * stride_x2m,
+                                             o_1 < cnt - m0, k0, K, DT, VB, NCH)
+                    for r in tl.static_range(RG):
+                        # rows past the projection read its last row (never stored)
+                        n = tl.minimum((i_n * BN if HALVES else 2 * i_n * BN) + r, NROWS - 1) + o_1
+                        b_ge, b_go, b_gs = int4_chunks(p_w + n * stride_wn, o_1 == 0, p_s + n * stride_sn,
+                                                       p_z + n * stride_sn, k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                        if HALVES:
+                            b_ue, b_uo, b_us = int4_chunks(p_w + (n + I) * stride_wn, o_1 == 0,
+                                                           p_s + (n + I) * stride_sn, p_z + (n + I) * stride_sn, k0,
+                                                           K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                        for m in tl.static_range(BM):
+                            if BM > 1:  # x's row m (rows past the expert's count are never stored)
+                                r_m = tl.sum(tl.where(o_m == m, b_row, 0), axis=0) + o_1
+                                b_xe, b_xo = x_pairs(x2 + r_m.to(tl.int64) * stride_x2m, o_1 < cnt - m0 - m, k0, K,
+                                                     DT, VB, NCH)
+                            at = (o_m[:, None, None] == m) & (o_r == r)
+                            acc_g += tl.where(at, chunk_sums(b_ge, b_go, b_gs, b_xe, b_xo)[None, :, :], 0.0)
+                            if HALVES:
+                                acc_u += tl.where(at, chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
+            else:
+                for k0 in range(0, K, BK):
+                    o_k = k0 + tl.arange(0, BK)
+                    # [BM, BK]
+                    b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
+                    b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K,
                                  stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-                    acc_u += _fma(b_w, b_x, DEFER, TRANS)
+                    acc_g += _fma(b_w, b_x, DEFER, TRANS)
+                    if HALVES:
+                        b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
+                                     stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                        acc_u += _fma(b_w, b_x, DEFER, TRANS)
             KAX: tl.constexpr = 1 if TRANS else 2
             b_g = proj_epilogue(tl.sum(acc_g, axis=KAX), row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :],
                                 p_b + o_g[None, :], m_g[None, :], DT, HAS_BIAS)
@@ -131,11 +180,12 @@ def _moe_decode_up_kernel(
 
 @triton.jit
 def _moe_decode_down_kernel(
-    h, ids, tw, w, bias, scale, zero, out,
+    h, h2, ids, tw, w, bias, scale, zero, out,
     E, K, N, TOPK,
-    stride_hm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
+    stride_hm, stride_h2m, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
     ROUND_W: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr, TRANS: tl.constexpr,
+    VB: tl.constexpr = 0, ASM: tl.constexpr = False,
 ):
     # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
     # each program keeps k times the bytes of one expert's tile in flight.
@@ -153,16 +203,33 @@ def _moe_decode_down_kernel(
     p_s = scale + e64[:, None] * stride_se + o_n[None, :] * stride_sn
     p_z = zero + e64[:, None] * stride_se + o_n[None, :] * stride_sn
     p_h = h + o_s.to(tl.int64) * stride_hm
-    KD: tl.constexpr = BK if DEFER else 1
+    NCH: tl.constexpr = BK // (2 * VB) if VB > 0 else 1
+    KD: tl.constexpr = NCH if VB > 0 else (BK if DEFER else 1)
     KAX: tl.constexpr = 1 if TRANS else 2
     acc = tl.zeros([KP, KD, BN] if TRANS else [KP, BN, KD], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
-        # [KP, BN, BK], or [KP, BK, BN] (TRANS)
-        b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-        b_p = b_w.to(tl.float32) * (b_h[:, :, None] if TRANS else b_h[:, None, :])
-        acc += b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=KAX), KAX)
+    if VB > 0:
+        # int4 in chunks, as the gate_up kernel: output rows one at a time, each
+        # a [KP, NCH, VB] tile of the k experts, the shape of h's pairs.
+        ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
+        o_r = tl.arange(0, BN)[None, :, None]
+        p_we = w + e64 * stride_we
+        p_se = scale + e64 * stride_se
+        p_ze = zero + e64 * stride_se
+        for k0 in range(0, K, BK):
+            b_he, b_ho = x_pairs(h2 + o_s.to(tl.int64) * stride_h2m, v_j, k0, K, h.dtype.element_ty, VB, NCH)
+            for r in tl.static_range(BN):
+                n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
+                b_qe, b_qo, b_s = int4_chunks(p_we + n * stride_wn, v_j, p_se + n * stride_sn, p_ze + n * stride_sn,
+                                              k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                acc += tl.where(o_r == r, chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+    else:
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
+            # [KP, BN, BK], or [KP, BK, BN] (TRANS)
+            b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+            b_p = b_w.to(tl.float32) * (b_h[:, :, None] if TRANS else b_h[:, None, :])
+            acc += b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=KAX), KAX)
     b_tw = tl.load(tw + o_s, mask=v_j, other=0).to(tl.float32)
     b_d = proj_epilogue(tl.sum(acc, axis=KAX), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
                         m_r, DT, HAS_BIAS)
@@ -204,6 +271,20 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     while BN2 > 4 and T * cdiv(H, BN2) < 2 * n_sm:
         BN2 //= 2
     BK2 = min(max(16, 4096 // (KP * BN2)), cdiv_pow2(I))
+    vb = int4_chunk("int4", transposed, group, 1 << 30)
+    if vb:
+        # int4 in chunks of vb bytes (one per thread and row; fewer chunks
+        # than threads and the loads are repeated across them): a row's K in
+        # one or two tiles, 8 gate and 8 up rows a program (4.4 sm_90 SASS
+        # instructions per weight value against 16 for the value-by-value
+        # tile, benchmarks via `python -m fusepass.bench.registry.moe --ptx`);
+        # down: the k experts' [BK2] chunks of BN2 rows.
+        BK = min(cdiv_pow2(H), 2048)
+        BK2 = min(cdiv_pow2(I), 256)
+        warps = max(1, min(4, BK // (2 * vb) // 32))
+        warps2 = max(1, min(4, KP * BK2 // (2 * vb) // 32))
+        return DecodeConfig(BM=BM, BN=8, BK=BK, warps=warps, BN2=BN2, BK2=BK2, warps2=warps2, defer=False,
+                            defer2=False)
     return DecodeConfig(BM=BM, BN=BN, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4, defer=True, defer2=True)
 
 
@@ -228,27 +309,53 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     if fmt == "fp8":  # read as bytes and bitcast (a masked load's fill value cannot be cast to fp8)
         w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
     dummy = x  # an unused pointer argument (never one a launch writes)
+    vb1, vb2 = int4_chunk(fmt, transposed, group, cfg.BK), int4_chunk(fmt, transposed, group, cfg.BK2)
+    asm = x.is_cuda and not interpreting()
     sn1, sk1 = _strides(w1, transposed)
+    if vb1 and (x.stride(0) % 2 or x.storage_offset() % 2):  # (pairs need whole words)
+        x = x.contiguous()
+    x2 = pairs(x) if vb1 else x
     h = go(Launch(_moe_decode_up_kernel, (S, cdiv(I, cfg.BN)), dict(
-        x=x, ids=ids, w=w1, bias=b1 if b1 is not None else dummy, scale=s1 if s1 is not None else dummy,
+        x=x, x2=x2, ids=ids, w=w1, bias=b1 if b1 is not None else dummy, scale=s1 if s1 is not None else dummy,
         zero=z1 if z1 is not None else dummy, h=h,
         S=S, E=E, K=H, I=I, TOPK=k,
-        stride_xm=x.stride(0), stride_we=w1.stride(0), stride_wn=sn1, stride_wk=sk1,
+        stride_xm=x.stride(0), stride_x2m=x2.stride(0), stride_we=w1.stride(0), stride_wn=sn1, stride_wk=sk1,
         stride_se=s1.stride(0) if s1 is not None else 0, stride_sn=s1.stride(1) if s1 is not None else 0,
         stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0),
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DEFER=cfg.defer,
-        TRANS=transposed), ("h",), cfg.warps))["h"]
+        TRANS=transposed, VB=vb1, ASM=asm and vb1 >= 4), ("h",), cfg.warps))["h"]
     sn2, sk2 = _strides(w2, transposed)
+    h2 = pairs(h) if vb2 else h  # (of the launch's output: the traced form's h is a new tensor)
     return go(Launch(_moe_decode_down_kernel, (T, cdiv(H, cfg.BN2)), dict(
-        h=h, ids=ids, tw=tw, w=w2, bias=b2 if b2 is not None else dummy, scale=s2 if s2 is not None else dummy,
+        h=h, h2=h2, ids=ids, tw=tw, w=w2, bias=b2 if b2 is not None else dummy, scale=s2 if s2 is not None else dummy,
         zero=z2 if z2 is not None else dummy, out=out,
         E=E, K=I, N=H, TOPK=k,
-        stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=sn2, stride_wk=sk2,
+        stride_hm=h.stride(0), stride_h2m=h2.stride(0), stride_we=w2.stride(0), stride_wn=sn2, stride_wk=sk2,
         stride_se=s2.stride(0) if s2 is not None else 0, stride_sn=s2.stride(1) if s2 is not None else 0,
         stride_be=b2.stride(0) if b2 is not None else 0, stride_om=out.stride(0),
         ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
-        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed), ("out",), cfg.warps2))["out"]
+        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, VB=vb2, ASM=asm and vb2 >= 4),
+        ("out",), cfg.warps2))["out"]
+
+
+def pairs(t: Tensor) -> Tensor:
+    """[R, C] -> its pairs of adjacent values as one word each, [R, C / 2] (int32
+    for 16-bit values, int64 for fp32): a view (C even, rows at even strides)."""
+    return t.view(torch.int32 if t.element_size() == 2 else torch.int64)
+
+
+def int4_chunk(fmt: str, transposed: bool, group: int, BK: int) -> int:
+    """Bytes per chunk of the int4 loop (``_tiles.int4_chunks``): the largest of
+    16, 8, 4, 2, 1 that keeps a chunk's codes inside one group and divides the
+    tile; 0 where the tile is read value by value (``w_tile``: other formats, an
+    odd group)."""
+    if fmt != "int4" or transposed or group % 2:
+        return 0
+    vb = 16
+    while (group // 2) % vb:
+        vb //= 2
+    return vb if BK % (2 * vb) == 0 else 0
 
 
 def round_w(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:

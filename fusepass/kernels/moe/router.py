@@ -158,6 +158,7 @@ def _moe_router_kernel(
     SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CB: tl.constexpr, SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr, F32: tl.constexpr,
     BT: tl.constexpr, BE: tl.constexpr, BEA: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
+    RANK: tl.constexpr = False,
 ):
     i_t, i_e = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -230,18 +231,33 @@ def _moe_router_kernel(
             choice = tl.reshape(tl.where(keep[:, :, None], c3, float("-inf")), (BT, BEA))
         # top-k, in order, into [BT, KP] tiles
         o_j = tl.arange(0, KP)[None, :]
-        vals = tl.zeros([BT, KP], dtype=tl.float32)
-        idxs = tl.zeros([BT, KP], dtype=tl.int32)
-        taken = ~valid
-        for j in tl.static_range(TOP_K):
-            cm = tl.where(taken, float("-inf"), choice)
-            mx = tl.max(cm, axis=1)
-            sel = tl.min(tl.where((cm == mx[:, None]) & ~taken, o_a[None, :], BEA), axis=1)
-            hit = o_a[None, :] == sel[:, None]
-            taken = taken | hit
-            v = tl.sum(tl.where(hit, b_p, 0.0), axis=1)
-            vals = tl.where(o_j == j, v[:, None], vals)
-            idxs = tl.where(o_j == j, sel[:, None], idxs)
+        if RANK:
+            # Each expert's place in one pass: the valid experts ahead of it (a
+            # larger score, or an equal one at a lower index), [BT, BEA, BEA]
+            # compares and one sum, against TOP_K dependent rounds of three
+            # reductions each; the expert of place j goes to column j.
+            c_i = choice[:, :, None]
+            c_j = choice[:, None, :]
+            o_i3 = o_a[None, :, None]
+            o_j3 = o_a[None, None, :]
+            ahead = ((c_j > c_i) | ((c_j == c_i) & (o_j3 < o_i3))) & (o_j3 < E)
+            place = tl.where(valid, tl.sum(ahead.to(tl.int32), axis=2), BEA)  # [BT, BEA]
+            hit = place[:, :, None] == o_j[:, None, :]  # [BT, BEA, KP]
+            vals = tl.sum(tl.where(hit, b_p[:, :, None], 0.0), axis=1)
+            idxs = tl.sum(tl.where(hit, o_i3, 0), axis=1)
+        else:
+            vals = tl.zeros([BT, KP], dtype=tl.float32)
+            idxs = tl.zeros([BT, KP], dtype=tl.int32)
+            taken = ~valid
+            for j in tl.static_range(TOP_K):
+                cm = tl.where(taken, float("-inf"), choice)
+                mx = tl.max(cm, axis=1)
+                sel = tl.min(tl.where((cm == mx[:, None]) & ~taken, o_a[None, :], BEA), axis=1)
+                hit = o_a[None, :] == sel[:, None]
+                taken = taken | hit
+                v = tl.sum(tl.where(hit, b_p, 0.0), axis=1)
+                vals = tl.where(o_j == j, v[:, None], vals)
+                idxs = tl.where(o_j == j, sel[:, None], idxs)
         m_j = o_j < TOP_K
         if KIND == "topk_softmax":
             ex = tl.where(m_j, tl.exp(vals - tl.max(tl.where(m_j, vals, float("-inf")), axis=1)[:, None]), 0.0)
@@ -268,6 +284,7 @@ class RouterConfig:
     BK: int
     dot: bool
     warps: int = 4
+    rank: bool = False  # top-k by each expert's place (one pass; BT * BEA**2 compares)
 
 
 def router_heuristic(T: int, E: int, H: int) -> RouterConfig:
@@ -283,6 +300,11 @@ def router_heuristic(T: int, E: int, H: int) -> RouterConfig:
         BE = max(1, cdiv_pow2(cdiv(E, 128)))
         return RouterConfig(BT=BT, BE=BE, BK=max(16, min(4096 // (BT * BE), cdiv_pow2(H))), dot=False)
     return _whole(BEA, H)
+
+
+def rank_fits(BT: int, BEA: int, warps: int) -> bool:
+    """Whether the one-pass top-k's [BT, BEA, BEA] compares fit 128 a thread."""
+    return BT * BEA * BEA <= 128 * 32 * warps
 
 
 def _whole(BEA: int, H: int) -> RouterConfig:
@@ -326,7 +348,8 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
         KIND=kind, TOP_K=top_k, RENORM=bool(renormalize), NG=n_group, TG=topk_group, SCALING=float(scaling),
         HAS_BIAS=bias is not None, HAS_CB=correction_bias is not None, SPLIT=split,
         USE_DOT=cfg.dot and BEA >= 16 and cfg.BT >= 16, F32=f32,
-        BT=cfg.BT, BE=cfg.BE if split else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k))
+        BT=cfg.BT, BE=cfg.BE if split else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k),
+        RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps))
     outputs = ("logits", "tw", "tid") + (("ctr",) if split else ())
     return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps)
 
