@@ -415,6 +415,17 @@ def test_grouped_mm_plan(poisoned, act, layout, trans, bias):
     _assert_experts_close(out, ref, loose=INTERPRET)
 
 
+def test_decode_tiles_of_plain_and_int4_experts():
+    """The int4 chunks' tiles (one warp, rows of 1024 codes) only for int4
+    (group > 0): plain bf16 experts at T = 1 once got them and ran 55x slower
+    (H200, 1687 against 30.6 µs)."""
+    plain = decode.decode_heuristic(1, 8, 2048, 768, False, 132, 0)
+    int4 = decode.decode_heuristic(1, 8, 2048, 768, False, 132, 128)
+    assert plain.defer and plain.warps == 4
+    assert decode.int4_chunk("int4", False, 128, int4.BK) == 16 and int4.BK // 32 >= 32 * int4.warps
+    assert decode.int4_chunk("none", False, 0, 256) == 0 and decode.int4_chunk("int4", False, 7, 256) == 0
+
+
 def test_plan_names():
     cuda = torch.device("cuda", 0)
     assert ex.moe_experts_plan(1, 128, 2048, 768, 8, torch.float64, device=cuda) == "reference"

@@ -313,7 +313,7 @@ def sweep_router(block: Block, x, time_us, smoke: bool) -> dict[str, float]:
     T, H = x.shape
     E = block.m["E"]
     base = rt.router_heuristic(T, E, H)
-    cands = {"router": base, "router-rank": replace(base, rank=True)}
+    cands = {"router": base, "router-rounds": replace(base, rank=False), "router-rank": replace(base, rank=True)}
     if not smoke:
         for warps in (1, 2):
             cands[f"router-w{warps}"] = replace(base, warps=warps)
@@ -348,10 +348,10 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
     cands = {"decode": base}
     if not smoke:
         # int4 chunks: one 16-byte chunk per thread and row at BK = 1024 x warps
-        for bn, bk, warps in ((4, 2048, 2), (16, 2048, 2), (8, 1024, 1), (8, 2048, 4), (4, 1024, 1)):
-            cands[f"decode-BN{bn}-BK{bk}-w{warps}"] = replace(base, BN=bn, BK=bk, warps=warps)
-        for bn2, bk2, warps2 in ((8, 256, 2), (2, 256, 2), (4, 128, 1), (4, 512, 4), (4, 256, 4)):
-            cands[f"decode-BN2{bn2}-BK2{bk2}-w{warps2}"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2)
+        for bn, bk, warps in ((2, 1024, 1), (8, 1024, 1), (4, 2048, 2), (2, 2048, 2), (1, 1024, 1)):
+            cands[f"up-BN{bn}-BK{bk}-w{warps}"] = replace(base, BN=bn, BK=bk, warps=warps)
+        for bn2, bk2, warps2 in ((4, 256, 2), (1, 256, 2), (2, 128, 1), (4, 128, 1), (2, 512, 4)):
+            cands[f"down-BN{bn2}-BK{bk2}-w{warps2}"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2)
     ref = block.reference(x, ids, w, quant)
     times = {}
     for name, cfg in cands.items():

@@ -271,19 +271,20 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     while BN2 > 4 and T * cdiv(H, BN2) < 2 * n_sm:
         BN2 //= 2
     BK2 = min(max(16, 4096 // (KP * BN2)), cdiv_pow2(I))
-    vb = int4_chunk("int4", transposed, group, 1 << 30)
+    vb = int4_chunk("int4", transposed, group, 1 << 30) if group else 0
     if vb:
-        # int4 in chunks of vb bytes (one per thread and row; fewer chunks
-        # than threads and the loads are repeated across them): a row's K in
-        # one or two tiles, 8 gate and 8 up rows a program (4.4 sm_90 SASS
-        # instructions per weight value against 16 for the value-by-value
-        # tile, benchmarks via `python -m fusepass.bench.registry.moe --ptx`);
-        # down: the k experts' [BK2] chunks of BN2 rows.
-        BK = min(cdiv_pow2(H), 2048)
+        # int4 in chunks of vb bytes, one per thread and row (with fewer chunks
+        # than threads the loads repeat across them): 4 gate and 4 up rows of
+        # 1024 codes a one-warp program; down: the k experts' 256-code chunks
+        # of 2 rows (4.4 / 5.2 sm_90 SASS instructions a weight value against
+        # 16 for the value-by-value tile).  H200, Qwen3-30B-A3B block at T = 1
+        # (commit 9ba7c38): 16.0 µs for the experts against 21.2 with 8 + 8
+        # rows and 24.3 with 8 + 8 rows of 2048 codes on two warps.
+        BK = min(cdiv_pow2(H), 1024)
         BK2 = min(cdiv_pow2(I), 256)
         warps = max(1, min(4, BK // (2 * vb) // 32))
         warps2 = max(1, min(4, KP * BK2 // (2 * vb) // 32))
-        return DecodeConfig(BM=BM, BN=8, BK=BK, warps=warps, BN2=BN2, BK2=BK2, warps2=warps2, defer=False,
+        return DecodeConfig(BM=BM, BN=4, BK=BK, warps=warps, BN2=min(BN2, 2), BK2=BK2, warps2=warps2, defer=False,
                             defer2=False)
     return DecodeConfig(BM=BM, BN=BN, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4, defer=True, defer2=True)
 
