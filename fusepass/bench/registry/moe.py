@@ -600,8 +600,8 @@ def ptx_kernels(only: str | None):
             ("decode up, Qwen3 T8 (BM 2)", lambda: decode_up(BM=2, BN=8, BK=1024, BS=64, defer=False)),
             ("decode up, gpt-oss T1 (transposed, interleaved)", lambda: decode_up(
                 BN=16, BK=512, defer=False, halves=False, act="gpt_oss", bias=True, BS=4, trans=True)),
-            ("decode up, int4 g128 (chunks, BN8 BK2048 2 warps)", lambda: decode_up(fmt="int4", BN=8, BK=2048,
-                                                                                    defer=False, warps=2)),
+            ("decode up, int4 g128 (chunks, BN4 BK1024 1 warp)", lambda: decode_up(fmt="int4", BN=4, BK=1024,
+                                                                                   defer=False, warps=1)),
             ("decode up, int8", lambda: decode_up(fmt="int8", BN=8, BK=1024, defer=False)),
             ("decode up, fp8", lambda: decode_up(fmt="fp8", BN=8, BK=1024, defer=False)),
             ("decode up, deferred sum BN16 BK256", lambda: decode_up()),
@@ -609,8 +609,8 @@ def ptx_kernels(only: str | None):
             ("decode down, Qwen3 T8", lambda: decode_down(BN=16, BK=64, defer=False)),
             ("decode down, gpt-oss T1 (transposed)", lambda: decode_down(KP=4, BN=16, BK=256, defer=False, bias=True,
                                                                          trans=True)),
-            ("decode down, int4 g128 (chunks, 2 warps)", lambda: decode_down(fmt="int4", BN=4, BK=256, defer=False,
-                                                                            warps=2)),
+            ("decode down, int4 g128 (chunks, BN2 2 warps)", lambda: decode_down(fmt="int4", BN=2, BK=256,
+                                                                                defer=False, warps=2)),
             ("decode down, deferred sum BN4 BK128", lambda: decode_down()),
         ],
         "sorted": [
