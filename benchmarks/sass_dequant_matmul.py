@@ -175,12 +175,12 @@ def parse_config(text: str):
     return Config(kind, **kw)
 
 
-def report(kernel, values_per_iter: int | None = None, dump: bool = False) -> str:
+def report(kernel, values_per_iter: int | None = None, dump: bool = False, n_loops: int = 3) -> str:
     text = sass(kernel.asm["cubin"])
     instrs, labels = parse(text)
     lines = [f"{kernel.name}: {resources(kernel.asm['cubin'])}, {len(instrs)} instructions"]
     found = loops(instrs, labels)
-    for lo, hi in found[:3]:
+    for lo, hi in found[:n_loops]:
         h = histogram(instrs, lo, hi + 1)
         n = sum(h.values())
         per = f", {n / values_per_iter:.2f} per value ({values_per_iter} values per thread)" if values_per_iter else ""
@@ -201,6 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--config", action="append", required=True, help="kind:BN=..,BK=..,BM=..,split=..,warps=..,stages=..")
     p.add_argument("--dump", action="store_true")
+    p.add_argument("--loops", type=int, default=3, help="loops shown, innermost (shortest) first; the mmt kernel's "
+                   "K loop comes after the split-K sum's at small BM")
     args = p.parse_args(argv)
     driver.set_active(_Sm90())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
             vals = None
         for k in compile_config(args.fmt, args.group, args.M, args.N, args.K, dtype, cfg):
             print(f"== {cfg.label()} {args.fmt} g{args.group} M{args.M} N{args.N} K{args.K} {args.dtype}")
-            print(report(k, vals, args.dump))
+            print(report(k, vals, args.dump, args.loops))
     return 0
 
 

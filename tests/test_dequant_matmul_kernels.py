@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from fusepass.formats import dequantize_int4
 from fusepass.kernels import dequant_matmul as dm
 from fusepass.kernels.dequant_matmul import counters, launch, op, plans, tuner
 from fusepass.kernels.dequant_matmul.config import Problem, m_bucket, valid
@@ -163,6 +164,86 @@ def test_k_not_a_multiple_of_the_tile(fmt):
             continue
         x, w, s, z, b = _inputs(5, 24, 96, fmt, group, True, torch.bfloat16)
         _assert_close(_run(x, w, s, z, b, fmt, group, cfg), x, w, s, z, b, fmt, group)
+
+
+
+# -- int4 mmt: the tile computed in x's dtype ----------------------------------------------
+
+# The interpreter runs Triton on CPU tensors; the GPU runs the inline-PTX conversion (tiles._int4_pairs).
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(), reason="needs the Triton interpreter")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The plans' int4 mmt tiles for M = 16 and M = 64 on the Llama-3-8B shapes (plans.heuristic)
+MMT_M16 = dm.Config("mmt", BM=16, BN=128, BK=128, split=8, stages=3)
+MMT_M64 = dm.Config("mmt", BM=64, BN=128, BK=128, split=2, stages=3)
+
+
+def _int4_weight(N, K, group, dtype, zero, seed=0, device="cpu"):
+    """Codes, scales of both signs over four decades (fp16 products down to its
+    subnormals), and zero points: "fractional" (any value in [-1, 16), a few below
+    2**-5), "integer" (some weights exactly 0) or "none" (8)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
+    shape = (N, K // group)
+    s = (torch.rand(shape, generator=gen) + 0.1) * 10 ** (-4 * torch.rand(shape, generator=gen))
+    s = torch.where(torch.rand(shape, generator=gen) < 0.3, -s, s).to(dtype)
+    z = None
+    if zero == "fractional":
+        z = torch.rand(shape, generator=gen) * 17 - 1
+        z = torch.where(torch.rand(shape, generator=gen) < 0.1, z * 2e-3, z).to(dtype)
+    elif zero == "integer":
+        z = torch.randint(0, 16, shape, generator=gen).to(dtype)
+    return tuple(t.to(device) if t is not None else None for t in (w, s, z))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("zero", ["fractional", "integer", "none"])
+@pytest.mark.parametrize("did", list(HALF))
+def test_int4_mmt_tile_is_the_models_weight(device, zero, did):
+    """The tile the mmt kernel dequantises is, bit for bit, the model's own form
+    (formats.dequantize_int4 in x's dtype: q - z rounded, then times s rounded),
+    not the fp32 form rounded once.  x = I makes out = W^T: each sum is one
+    product by 1, exact in fp32; N is not a multiple of the tile's rows."""
+    dtype = HALF[did]
+    if device == "cpu":
+        N, K, group, cfgs = 40, 128, 64, [dm.Config("mmt", BM=16, BN=32, BK=64, split=2)]
+    else:
+        N, K, group, cfgs = 300, 1024, 128, [MMT_M16, MMT_M64]
+    w, s, z = _int4_weight(N, K, group, dtype, zero, seed=len(zero), device=device)
+    model = dequantize_int4(w, s, z, dtype)
+    once = dm.dequant_matmul_reference(torch.eye(K, device=device, dtype=dtype), w, s, z, None, "int4", group).t()
+    if zero == "fractional":
+        assert not torch.equal(model, once)  # q - z is rounded: the two roundings are seen
+    if dtype == torch.float16:
+        assert ((model != 0) & (model.abs() < 2 ** -14)).any()  # subnormal products
+    for cfg in cfgs:
+        out = torch.full((K, N), float("nan"), dtype=dtype, device=device)
+        launch._launch(torch.eye(K, device=device, dtype=dtype), w, s, z, None, out, "int4", group, cfg)
+        mismatch = (out.t() != model).sum().item()
+        assert mismatch == 0, f"{cfg.label()}: {mismatch} values differ from the model's weight"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("did", list(HALF))
+def test_int4_mmt_non_finite_activation_like_the_dequantised_matmul(device, did):
+    """Infinite activations give +-inf where the matmul on the model's weight
+    does, and NaN where it does: inf * 0 for the weights with q = z, inf - inf."""
+    dtype = HALF[did]
+    N, K, group = (24, 128, 32) if device == "cpu" else (4160, 2048, 128)
+    w, s, z = _int4_weight(N, K, group, dtype, "integer", seed=3, device=device)
+    cfgs = [PATHS["mmt-splitk"]] if device == "cpu" else [MMT_M16, MMT_M64]
+    for cfg in cfgs:
+        M = cfg.BM - 3
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype).to(device)
+        x[0, 5] = float("inf")
+        x[1, 100] = float("-inf")
+        x[2, 7], x[2, 9] = float("inf"), float("-inf")
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+        launch._launch(x, w, s, z, None, out, "int4", group, cfg)
+        ref = (x.float() @ dequantize_int4(w, s, z, dtype).float().t()).to(dtype)
+        assert torch.isinf(ref).any() and torch.isnan(ref).any()
+        tol = TOLERANCES[dtype]
+        torch.testing.assert_close(out, ref, equal_nan=True, atol=tol.atol, rtol=tol.rtol)
 
 
 SPLIT_PATHS = {k: v for k, v in PATHS.items() if v.split > 1}
@@ -539,6 +620,28 @@ def test_gpu_int4_gemv_non_finite_and_odd_row_stride(fid):
         out = torch.full((3, 512), float("nan"), dtype=dtype, device="cuda")
         launch._launch(xo, w, s, z, b, out, fmt, group, cfg)
         _assert_close(out, xo, w, s, z, b, fmt, group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [MMT_M16, MMT_M64], ids=["M16", "M64"])
+def test_gpu_int4_mmt_real_sizes(cfg):
+    """The plans' int4 mmt tiles at M = 16 and 64 on a 4160-row weight (half a
+    tile past 4096), split K summed in the kernel: against the matmul on the
+    model's own weight, bf16 and fp16, fractional and no zero points, M a whole
+    and a partial row block."""
+    N, K, group = 4160, 4096, 128
+    for dtype in (torch.bfloat16, torch.float16):
+        for zero in ("fractional", "none"):
+            w, s, z = _int4_weight(N, K, group, dtype, zero, device="cuda")
+            s = s.abs() / 32  # outputs near 1 (the dtype table is absolute plus relative)
+            wm = dequantize_int4(w, s, z, dtype).float()
+            for M in (cfg.BM, cfg.BM - 3):
+                x = torch.randn(M, K, device="cuda").to(dtype)
+                out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+                launch._launch(x, w, s, z, None, out, "int4", group, cfg)
+                assert torch.isfinite(out).all()
+                tol = TOLERANCES[dtype]
+                torch.testing.assert_close(out, (x.float() @ wm.t()).to(dtype), atol=tol.atol, rtol=tol.rtol)
 
 
 def test_int4_gemv_x_rows_at_odd_offsets():
