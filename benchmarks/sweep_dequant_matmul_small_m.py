@@ -147,11 +147,11 @@ def main(argv=None) -> int:
                         times = {}
                         if not smoke and not args.no_hot:
                             times["hot"] = triton.testing.do_bench_cudagraph(lambda: call(0), rep=args.rep) * 1e3
-                            if cold:
-                                def ring_call():
-                                    for i in range(n_ring):
-                                        call(i)
-                                times["cold"] = triton.testing.do_bench_cudagraph(ring_call, rep=args.rep) * 1e3 / n_ring
+                        if cold:  # (--no-hot once skipped this too: rows without a time)
+                            def ring_call():
+                                for i in range(n_ring):
+                                    call(i)
+                            times["cold"] = triton.testing.do_bench_cudagraph(ring_call, rep=args.rep) * 1e3 / n_ring
                     except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported
                         print(f"    {fmt} M{M} N{N} K{K} {provider} {label}: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:90]}")
@@ -199,12 +199,13 @@ def main(argv=None) -> int:
                 if copy_gbps and best["cold"]:
                     nbytes = sum(t.numel() * t.element_size() for t in (q, s, z) if t is not None)
                     floor_us = nbytes / copy_gbps / 1e3
-                    cold = best["cold"]
-                    fast = min((v for k, v in cold.items() if k in ("gemv", "mmt", "mm")), default=(None, ""))
+                    best_cold = best["cold"]
+                    fast = min((v for k, v in best_cold.items() if k in ("gemv", "mmt", "mm")), default=(None, ""))
                     row = dict(fmt=fmt, M=M, shape=f"{N}x{K}", floor=floor_us, best=fast[0], best_cfg=fast[1],
-                               plan=cold.get("fusepass-plan", (None,))[0], heuristic=cold.get("heuristic", (None,))[0],
-                               heuristic_cfg=heur.label(), gemlite=cold.get(f"gemlite-{fmt}", (None,))[0],
-                               cublas=cold.get("cublas-bf16", (None,))[0])
+                               plan=best_cold.get("fusepass-plan", (None,))[0],
+                               heuristic=best_cold.get("heuristic", (None,))[0], heuristic_cfg=heur.label(),
+                               gemlite=best_cold.get(f"gemlite-{fmt}", (None,))[0],
+                               cublas=best_cold.get("cublas-bf16", (None,))[0])
                     floor_rows.append(row)
                 if smoke:
                     checked = sum(r["fmt"] == fmt and r["M"] == M and r["N"] == N for r in rows)
