@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusepass.kernels._common import rne_bf16
+
 
 # ------------------------------------------------------------------ kernels ----
 #
@@ -298,9 +300,7 @@ def _round_to(b_x, DT: tl.constexpr):
     too, whose fp32 -> bf16 cast truncates (Triton 3.9: 1 + 3 * 2**-8 gives 1 +
     2**-7, not 1 + 2**-6); its fp16 cast rounds to nearest (numpy's)."""
     if DT == tl.bfloat16:
-        b_i = b_x.to(tl.int32, bitcast=True)
-        b_i = (b_i + (0x7FFF + ((b_i >> 16) & 1))) & -65536
-        return b_i.to(tl.float32, bitcast=True)
+        return rne_bf16(b_x)
     return b_x.to(DT).to(tl.float32)
 
 
