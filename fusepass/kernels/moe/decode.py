@@ -26,6 +26,9 @@ registers for deeper tiles.  Weight tiles are laid out with the dim that is
 contiguous in memory fastest ([BN, BK] for [E, N, K] weights, [BK, BN] for
 gpt-oss's [E, K, N]), so every weight load is a 16-byte vector
 (``python -m fusepass.bench.registry.moe --ptx`` checks the PTX for sm90).
+int4 experts (``VB > 0``) are read a row at a time in chunks of VB bytes
+inside one group (``_tiles.int4_chunks``), x's or h's values as pairs in
+words of the codes' shape, so the pairs and the codes share one layout.
 """
 
 from __future__ import annotations
