@@ -272,7 +272,7 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
                 cands[f"decode-BN{bn}-BK{bk}"] = ("decode", decode.DecodeConfig(
                     BM=base.BM, BN=bn, BK=bk // base.BM, BN2=base.BN2, BK2=base.BK2, defer=False, defer2=False))
             for bn2 in (2, 8) if not m["transposed"] else (32,):
-                cands[f"decode-BN2{bn2}"] = ("decode", decode.DecodeConfig(
+                cands[f"decode-down-BN{bn2}"] = ("decode", decode.DecodeConfig(
                     BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 8192 // (KP * bn2)), defer=False,
                     defer2=False))
     if T * m["k"] >= 16:
