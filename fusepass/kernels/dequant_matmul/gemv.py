@@ -17,6 +17,7 @@ from fusepass.kernels.dequant_matmul.tiles import (
     _codebook_pair,
     _finish,
     _group,
+    _int4_minus_zero,
     _int8_to_f32,
     _lane_table,
     _library_tile,
@@ -404,22 +405,8 @@ def _dequant_gemv_kernel(
                     b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
                     if FMT != "int4":
                         b_e, b_o = _codebook_pair(b_q, tab, zero, ASM)  # (zero: the code book)
-                    elif ZERO_F32:
-                        # An fp32 zero point need not be a multiple of 2**-16: q, then q - z
-                        # rounded once, as the reference does.
-                        b_e, b_o = _nibbles_128(b_q, ASM)
-                        b_z = tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0)[:, None]
-                        b_e = (b_e - 128.0) - b_z
-                        b_o = (b_o - 128.0) - b_z
-                    else:
-                        # bf16 / fp16: 128 + z is exact for z = 0 and every z >= 2**-9 (bf16), 2**-6 (fp16)
-                        b_e, b_o = _nibbles_128(b_q, ASM)  # (the low nibble the even k)
-                        if HAS_ZERO:
-                            b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)[:, None]
-                        else:
-                            b_c = 136.0
-                        b_e = b_e - b_c  # q - z in one FADD
-                        b_o = b_o - b_c
+                    else:  # (the low nibble the even k)
+                        b_e, b_o = _int4_minus_zero(b_q, zero + n * stride_sn + o_g, m_c, HAS_ZERO, ZERO_F32, ASM)
                     for m in tl.static_range(BM):
                         if BM > 1:
                             # Rows past M read row M - 1 (their sums are never stored): no row mask.

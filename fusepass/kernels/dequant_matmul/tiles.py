@@ -70,6 +70,25 @@ def _nibbles_128(b_q, ASM: tl.constexpr):
 
 
 @triton.jit
+def _int4_minus_zero(b_q, p_z, m_z, HAS_ZERO: tl.constexpr, ZERO_F32: tl.constexpr, ASM: tl.constexpr):
+    """int4 bytes [..., VB] -> (q - z of the low nibbles, of the high ones) as
+    fp32, each run of VB bytes against the zero point at ``p_z`` [...] (masked
+    by ``m_z``; 8 without one): 128 + q by _nibbles_128, then 128 + z off in
+    one FADD, exact for 0 and every zero point >= 2**-9 (bf16), 2**-6 (fp16).  An fp32
+    zero point need not be a multiple of 2**-16: q, then q - z rounded once,
+    as the reference does."""
+    b_e, b_o = _nibbles_128(b_q, ASM)
+    if ZERO_F32:
+        b_z = tl.expand_dims(tl.load(p_z, mask=m_z, other=0), -1)
+        return (b_e - 128.0) - b_z, (b_o - 128.0) - b_z
+    if HAS_ZERO:
+        b_c = tl.expand_dims(128.0 + tl.load(p_z, mask=m_z, other=0).to(tl.float32), -1)
+    else:
+        b_c = 136.0
+    return b_e - b_c, b_o - b_c
+
+
+@triton.jit
 def _word_128(b_w, ASM: tl.constexpr):
     """int32 words of eight 4-bit codes (byte b holds codes 2b, low nibble, and
     2b + 1, high) -> eight fp32 tensors 128 + q_0 .. 128 + q_7, as _nibbles_128

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fusepass.kernels._common import Launch
 from fusepass.kernels.dequant_matmul.tiles import _dot  # noqa: F401 - the kernels' dot (its own name: see test_imports)
-from fusepass.kernels.dequant_matmul.tiles import _int8_to_f32, _nibbles_128, _nibbles_to_f32, _pair_to_f32
+from fusepass.kernels.dequant_matmul.tiles import _int4_minus_zero, _int8_to_f32, _nibbles_to_f32, _pair_to_f32
 
 
 @triton.jit
@@ -103,9 +103,9 @@ def int4_chunks(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZE
     """int4 rows from column k0 on as NCH chunks of 2 VB codes, each inside one
     group: (q - z of the even columns, q - z of the odd ones) [..., NCH, VB] and
     the chunks' scales [..., NCH] (``p_rows`` etc. as in ``w_tile``, any shape).
-    Each row's VB bytes of a chunk are one vector load; a code becomes 128 + q
-    with one PRMT on the GPU (_nibbles_128), then q - z with one FADD, and the
-    scale goes on a chunk's sum (``chunk_sums``), not on each value."""
+    Each row's VB bytes of a chunk are one vector load, its codes q - z by the
+    GEMV's conversion (_int4_minus_zero: one PRMT and one FADD a code on the
+    GPU); the scale goes on a chunk's sum (``chunk_sums``), not on each value."""
     o_c = tl.arange(0, NCH)
     o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB]: the tile's bytes
     kp0 = tl.multiple_of(k0 // 2, VB)
@@ -117,16 +117,9 @@ def int4_chunks(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZE
     o_g = (k0 + o_c * (2 * VB)) // G
     m_s = tl.expand_dims(m_rows, -1) & m_c
     b_s = tl.load(tl.expand_dims(p_srows, -1) + o_g, mask=m_s, other=0).to(tl.float32)
-    b_e, b_o = _nibbles_128(b_q, ASM)  # (the low nibble the even column)
-    if ZERO_F32:  # an fp32 zero point need not be a multiple of 2**-16: q, then q - z rounded once
-        b_z = tl.expand_dims(tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m_s, other=0), -1)
-        return (b_e - 128.0) - b_z, (b_o - 128.0) - b_z, b_s
-    if HAS_ZERO:  # 128 + z is exact in fp32 for every bf16 / fp16 zero point >= 2**-9 and for 0
-        b_c = tl.expand_dims(128.0 + tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m_s, other=0).to(tl.float32),
-                             -1)
-    else:
-        b_c = 136.0
-    return b_e - b_c, b_o - b_c, b_s
+    # (the low nibble the even column)
+    b_e, b_o = _int4_minus_zero(b_q, tl.expand_dims(p_zrows, -1) + o_g, m_s, HAS_ZERO, ZERO_F32, ASM)
+    return b_e, b_o, b_s
 
 
 @triton.jit
