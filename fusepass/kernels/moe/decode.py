@@ -133,10 +133,10 @@ def _moe_decode_up_kernel(
                 o_r = tl.arange(0, RG)[None, :, None]
                 b_row = b_slot // TOPK
                 NROWS = I if HALVES else 2 * I
+                p_x1 = x2 + (tl.sum(b_row, axis=0) + o_1).to(tl.int64) * stride_x2m  # (BM 1: the one row)
                 for k0 in range(0, K, BK):
                     if BM == 1:
-                        b_xe, b_xo = x_pairs(x2 + (tl.sum(b_row, axis=0) + o_1).to(tl.int64) * stride_x2m,
-                                             o_1 < cnt - m0, k0, K, DT, VB, NCH)
+                        b_xe, b_xo = x_pairs(p_x1, o_1 < cnt - m0, k0, K, DT, VB, NCH)
                     for r in tl.static_range(RG):
                         # rows past the projection read its last row (never stored)
                         n = tl.minimum((i_n * BN if HALVES else 2 * i_n * BN) + r, NROWS - 1) + o_1
@@ -274,7 +274,7 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     while BN2 > 4 and T * cdiv(H, BN2) < 2 * n_sm:
         BN2 //= 2
     BK2 = min(max(16, 4096 // (KP * BN2)), cdiv_pow2(I))
-    vb = int4_chunk("int4", transposed, group, 1 << 30) if group else 0
+    vb = chunk_bytes(group) if group and not transposed else 0
     if vb:
         # int4 in chunks of vb bytes, one per thread and row (with fewer chunks
         # than threads the loads repeat across them): 4 gate and 4 up rows of
@@ -349,17 +349,24 @@ def pairs(t: Tensor) -> Tensor:
     return t.view(torch.int32 if t.element_size() == 2 else torch.int64)
 
 
-def int4_chunk(fmt: str, transposed: bool, group: int, BK: int) -> int:
+def chunk_bytes(group: int) -> int:
     """Bytes per chunk of the int4 loop (``_tiles.int4_chunks``): the largest of
-    16, 8, 4, 2, 1 that keeps a chunk's codes inside one group and divides the
-    tile; 0 where the tile is read value by value (``w_tile``: other formats, an
-    odd group)."""
-    if fmt != "int4" or transposed or group % 2:
+    16, 8, 4, 2, 1 that keeps a chunk's codes inside one group; 0 for an odd group."""
+    if group % 2:
         return 0
     vb = 16
     while (group // 2) % vb:
         vb //= 2
-    return vb if BK % (2 * vb) == 0 else 0
+    return vb
+
+
+def int4_chunk(fmt: str, transposed: bool, group: int, BK: int) -> int:
+    """``chunk_bytes`` where a launch's tile of BK codes is whole chunks of int4
+    stored [E, N, K]; 0 where the tile is read value by value (``w_tile``)."""
+    if fmt != "int4" or transposed:
+        return 0
+    vb = chunk_bytes(group)
+    return vb if vb and BK % (2 * vb) == 0 else 0
 
 
 def round_w(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
