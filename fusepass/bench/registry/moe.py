@@ -52,6 +52,7 @@ import torch
 from fusepass.bench.registry.common import Case, compiled
 from fusepass.kernels import moe  # registers fusepass::moe_router / moe_experts
 from fusepass.kernels.moe import decode, experts as ex, prefill, router as rt
+from fusepass.kernels.moe._tiles import cdiv_pow2
 
 ops = torch.ops.fusepass
 
@@ -320,8 +321,7 @@ def sweep_router(block: Block, x, time_us, smoke: bool) -> dict[str, float]:
             cands[f"router-rank-w{warps}"] = replace(base, warps=warps, rank=True)
         for be in (2, 4):
             cands[f"router-rank-BE{be}"] = replace(base, BE=be, BK=max(16, min(4096 // (base.BT * be), H)), rank=True)
-    bea = 1 << (E - 1).bit_length()
-    cands = {n: c for n, c in cands.items() if not c.rank or rt.rank_fits(c.BT, bea, c.warps)}
+    cands = {n: c for n, c in cands.items() if not c.rank or rt.rank_fits(c.BT, cdiv_pow2(E), c.warps)}
     ref_w, ref_ids, _ = rt.router_fwd(*args, cfg=base)
     times = {}
     for name, cfg in cands.items():
@@ -527,8 +527,8 @@ def main(argv=None) -> int:
 # with Triton).
 
 # Integer arguments that are multiples of 16 at the models' sizes.
-DIV16 = {"stride_xm", "stride_x2m", "stride_h2m", "stride_we", "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_be", "stride_hm",
-         "stride_om", "stride_ym", "stride_gm", "stride_wm", "K", "N", "I", "H", "E"}
+DIV16 = {"stride_xm", "stride_x2m", "stride_h2m", "stride_we", "stride_wn", "stride_wk", "stride_se", "stride_sn",
+         "stride_be", "stride_hm", "stride_om", "stride_ym", "stride_gm", "stride_wm", "K", "N", "I", "H", "E"}
 BF16, I64, I32, F32, U8 = "*bf16", "*i64", "*i32", "*fp32", "*u8"
 NARROW_MAX = 8
 NARROW_MAX_INT4 = 2 * 16 + NARROW_MAX
