@@ -29,10 +29,10 @@ VARIANTS = {
     "split-w2": dict(fuse_output=False, num_warps=2),
     "split-w8": dict(fuse_output=False, num_warps=8),
     "split-bv128": dict(fuse_output=False, block_v=128),
-    "split-nokd": dict(fuse_output=False, precompute_kd=False),
-    "split-nokd-s3": dict(fuse_output=False, precompute_kd=False, num_stages=3),
-    "split-prep-w2": dict(fuse_output=False, prep_warps=2),
-    "split-prep-w8": dict(fuse_output=False, prep_warps=8),
+    "split-inverse-half": dict(fuse_output=False, inverse_fp32=False),
+    "split-inverse-w2": dict(fuse_output=False, inverse_warps=2),
+    "split-inverse-w4": dict(fuse_output=False, inverse_warps=4),
+    "split-wu-w8": dict(fuse_output=False, wu_warps=8),
     "fused": dict(fuse_output=True),
 }
 

@@ -190,8 +190,8 @@ def _gdn_launch(**options):
 
 
 # Every launch path of the chunked op (the op itself runs the default one).
-GDN_PATHS = {"split": dict(fuse_output=False), "split-kd-in-loop": dict(fuse_output=False, precompute_kd=False),
-             "fused": dict(fuse_output=True), "fused-kd-bv128": dict(fuse_output=True, precompute_kd=True, block_v=128),
+GDN_PATHS = {"split": dict(fuse_output=False), "split-inverse-half": dict(fuse_output=False, inverse_fp32=False),
+             "fused": dict(fuse_output=True), "fused-bv128": dict(fuse_output=True, block_v=128),
              "split-s1": dict(fuse_output=False, num_stages=1)}
 
 

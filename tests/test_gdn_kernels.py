@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fusepass.kernels import gdn
+from fusepass.kernels.gdn.chunk_kernels import _gdn_state_kernel
 from fusepass.kernels.gdn.recurrent_kernel import _gdn_recurrent_kernel
 from fusepass.kernels.gdn.reference import _l2norm
 from fusepass.kernels._common import clear_kernel_fallbacks, kernel_fallbacks
@@ -98,6 +99,9 @@ CHUNK_CASES = [
     # errors is a small-sample statistic (6.8e-3 with one head of D16).
     ("B1-T1-H4-D32-state-bf16", 1, 1, 4, 4, 32, 32, "bf16", {}),
     ("B1-T70-H1-D16-no-l2norm-fp32", 1, 70, 1, 1, 16, 16, "fp32", dict(l2norm=False)),
+    # a key head over 128: the state pass's four 64-row blocks, the last masked
+    ("B1-T70-H1-dk200-dv24-bf16", 1, 70, 1, 1, 200, 24, "bf16", {}),
+    ("B1-T66-H1-dk80-dv16-fp16", 1, 66, 1, 1, 80, 16, "fp16", {}),
 ]
 
 RECURRENT_CASES = [
@@ -123,13 +127,15 @@ def test_chunk_kernel(case, fuse):
 
 @pytest.mark.parametrize("options", [
     dict(fuse_output=True, block_v=64), dict(fuse_output=False, block_v=64),
-    dict(fuse_output=False, precompute_kd=False), dict(fuse_output=True, precompute_kd=True),
-    dict(fuse_output=False, output_block_v=64, num_stages=1),
-], ids=["fused-bv64", "output-kernel-bv64", "kd-in-state-pass", "fused-kd-precomputed", "output-one-stage"])
+    dict(fuse_output=False, inverse_fp32=True),
+    dict(fuse_output=True, inverse_warps=4, inverse_choices={"INV_PRODUCT": False, "MPREC": "tf32"}),
+    dict(fuse_output=False, output_block_v=64, num_stages=1, wu_warps=8),
+], ids=["fused-bv64", "output-kernel-bv64", "inverse-fp32", "fused-inverse-substitution-4-warps", "output-one-stage"])
 def test_chunk_kernel_launch_options(options):
     """Every launch choice computes the same function: d_v split over several
     state-pass or output programs (d_v 130: three blocks of 64, the last one
-    masked), the decayed keys formed in either kernel."""
+    masked), the within-chunk inverse kept in fp32 or rounded to q's dtype, by
+    substitution or by powers."""
     inputs, l2norm, scale = _case_inputs(1, 40, 1, 1, 16, 130, "bf16", {})
     out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, **options, **poisoned(inputs))
     check(out, state, inputs, l2norm, scale, str(options))
@@ -155,18 +161,21 @@ def test_chunk_kernel_positive_gates(dtype, fuse):
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused-output", "output-kernel"])
 def test_tiles_are_64_wide(fuse):
     """Dot tiles narrower than 64 (value columns, key head) read shared memory
-    out of bounds on Hopper: a narrower choice is refused, and a small head is
-    padded to 64 and masked, never launched narrower."""
+    out of bounds on Hopper in the scan, the output and w/u kernels: a
+    narrower choice is refused, and a small head is padded to 64 and masked,
+    never launched narrower.  The state pass alone may take 32 columns (its
+    products take the key head 64 rows at a time), never fewer."""
     inputs, l2norm, scale = _case_inputs(1, 40, 1, 1, 16, 40, "bf16", {})
     out, hT = torch.empty(1, 40, 1, 40, dtype=torch.bfloat16), torch.empty(1, 1, 16, 40)
-    for narrow in (dict(block_v=32), dict(output_block_v=16)):
-        with pytest.raises(ValueError, match="fewer than 64 value columns"):
+    for narrow in (dict(block_v=32 if fuse else 16), dict(output_block_v=32)):
+        with pytest.raises(ValueError, match="value columns"):
             gdn.chunk_launches(*inputs, out, hT, l2norm, scale, fuse_output=fuse, **narrow)
     for launch in gdn.chunk_launches(*inputs, out, hT, l2norm, scale, fuse_output=fuse):
         if launch.kernel is _gdn_recurrent_kernel:  # no dots
             continue
-        assert launch.args["BK"] == 64 and launch.args["BV"] == 64
-        assert launch.args.get("NV", 1) == 1
+        least = 32 if launch.kernel is _gdn_state_kernel else 64
+        assert launch.args.get("BK", 64) == 64 and least <= launch.args.get("BV", 64) <= 64, launch.kernel
+        assert launch.args.get("NV", 1) == 1 or launch.kernel is _gdn_state_kernel
 
 
 @pytest.mark.parametrize("case", RECURRENT_CASES, ids=[c[0] for c in RECURRENT_CASES])

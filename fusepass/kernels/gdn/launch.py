@@ -16,7 +16,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import Launch, cdiv, emulate_rounding, on_device, run_all, sm_count
-from fusepass.kernels.gdn.chunk_kernels import _gdn_output_kernel, _gdn_prep_kernel, _gdn_scan_kernel, _gdn_state_kernel
+from fusepass.kernels.gdn.chunk_kernels import (_gdn_inverse_kernel, _gdn_output_kernel, _gdn_scan_kernel, _gdn_state_kernel,
+                                                _gdn_wu_kernel)
 from fusepass.kernels.gdn.recurrent_kernel import _gdn_recurrent_kernel
 from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
 from fusepass.kernels.gdn.reference import CHUNK, L2NORM_EPS
@@ -44,8 +45,17 @@ _MAX_DK = 256
 # columns gave twice the programs: state pass 627 µs at 64 against 516 at 32
 # (B1 T16384 H32 d 128, H200); B1 T4096 H16 371 against 345 (H100).
 _MIN_TILE = 64
-# Programs per SM from which the fused scan is the default (see chunk_launches).
-_FUSE_MIN_WAVES = 2
+# The state pass alone may split d_v 32 columns a program: its products take
+# the key head 64 rows at a time, and compute-sanitizer found nothing at 32
+# columns (H200: T 17, 63, 256, 300, 1030; d_k 64 and 128; d_v 128 and 192,
+# the shapes that faulted with the earlier one-product state pass).
+_STATE_MIN_BV = 32
+# Programs (at 64 value columns) per SM from which the fused scan is the
+# default.  H200, bf16, CUDA-graph time of the pipeline, fused against split:
+# B8 T512 H32 (512 programs) 257 against 272 µs, B16 T1024 H32 (1024) 925
+# against 980, B4 T4096 Hk16 Hv32 (256) 886 against 923; B2 T3000 H32 (128)
+# 468 against 370.
+_FUSE_MIN_WAVES = 1.5
 # Tokens the chunked op hands to the recurrent kernel instead (decode, short
 # speculative runs): one launch, no scratch.
 RECURRENT_MAX_T = 16
@@ -103,12 +113,13 @@ def _dots(dt: torch.dtype) -> dict:
 def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,
                    final_state: Tensor, use_qk_l2norm: bool, scale: float, *, fuse_output: bool | None = None,
                    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   precompute_kd: bool | None = None, output_block_v: int | None = None,
-                   prep_warps: int | None = None) -> list[Launch]:
-    """The chunked pipeline's launches, in order (prep, then the fused scan or
-    the state pass and the output kernel), with their scratch allocated here;
-    q, k, v with unit last stride, h0 contiguous, B, T, H_v > 0.  The
-    keywords override the launch choices (tests, sweeps)."""
+                   output_block_v: int | None = None, inverse_fp32: bool = False,
+                   inverse_warps: int | None = None, wu_warps: int | None = None,
+                   inverse_choices: dict | None = None) -> list[Launch]:
+    """The chunked pipeline's launches, in order (the inverse, w and u, then
+    the fused scan or the state pass and the output kernel), with their
+    scratch allocated here; q, k, v with unit last stride, h0 contiguous, B,
+    T, H_v > 0.  The keywords override the launch choices (tests, sweeps)."""
     B, T, HK, DK = q.shape
     HV, DV = v.shape[-2:]
     dt = q.dtype
@@ -116,65 +127,78 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     BK = _pow2(DK, _MIN_TILE)
     NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
-    for name, cols in (("block_v", block_v), ("output_block_v", output_block_v)):
-        if cols is not None and cols < _MIN_TILE:
-            raise ValueError(f"{name} {cols}: tiles of fewer than {_MIN_TILE} value columns read shared memory "
+    for name, cols, least in (("block_v", block_v, _STATE_MIN_BV), ("output_block_v", output_block_v, _MIN_TILE)):
+        if cols is not None and cols < least:
+            raise ValueError(f"{name} {cols}: tiles of fewer than {least} value columns read shared memory "
                              "out of bounds on Hopper")
-    BV = _pow2(min(block_v or _MIN_TILE, DV), _MIN_TILE)
-    NV = cdiv(DV, BV)
     if fuse_output is None:
         # The fused scan writes o alone where the split pass writes and the
         # output kernel reads every chunk's state and new values, but its
         # loop is longer: it wins where programs queue for the SMs and loses
-        # where each has an SM of its own.  H100, CUDA-graph time of the op:
-        # B16 T1024 H32 (1024 programs) 1101 µs fused against 1295 split; B8
-        # T512 H32 (512) 314 (two stages) against 340 (an earlier run); B1
-        # T16384 H32 (128) 1592 against 1554.
-        fuse_output = hint(B) * HV * NV >= _FUSE_MIN_WAVES * n_sm
-    if precompute_kd is None:
-        precompute_kd = not fuse_output
+        # where each has an SM of its own.
+        fuse_output = hint(B) * HV * cdiv(DV, _MIN_TILE) >= _FUSE_MIN_WAVES * n_sm
+    if fuse_output and block_v is not None and block_v < _MIN_TILE:
+        raise ValueError(f"block_v {block_v}: the fused scan's tiles of fewer than {_MIN_TILE} value columns "
+                         "read shared memory out of bounds on Hopper")
+    if block_v is None:
+        # The state pass at 32 columns where 64 would leave half the SMs idle:
+        # B1 T16384 H32 (64 programs at 64) 377 against 457 µs; from B2 H32
+        # (128) on, 64 wins (275 against 326), fewer programs reading k and w.
+        few = hint(B) * HV * cdiv(DV, _MIN_TILE) <= n_sm // 2
+        block_v = _STATE_MIN_BV if few and not fuse_output else _MIN_TILE
+    BV = _pow2(min(block_v, DV), _MIN_TILE if fuse_output else _STATE_MIN_BV)
+    NV = cdiv(DV, BV)
+    # The inverse T rounded to q's dtype and w = T x, u = T y as half-precision
+    # products: w/u 158 against 364 µs with T in fp32 and tf32 products (B1
+    # T16384 H32, H200), relative error 4.39e-3 against 4.08e-3 (H100; FLA
+    # 4.40e-3).  fp32 inputs: fp32 and ieee throughout.
+    tdt = torch.float32 if inverse_fp32 or dt == torch.float32 else dt
+    tdots = dict(TDT=_TL_DTYPES[tdt], TPREC="ieee" if dt == torch.float32 else "tf32", TEMU=emulate_rounding(tdt))
+    inv = {"INV_PRODUCT": False, "MPREC": "ieee" if tdt == torch.float32 else "tf32", **(inverse_choices or {})}
     w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
     u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
-    kd = torch.empty_like(w) if precompute_kd else g
+    ti = torch.empty((B, HV, T, CHUNK), dtype=tdt, device=q.device)
     aq = torch.empty((B, HV, NT, CHUNK, CHUNK), dtype=dt, device=q.device) if fuse_output else g
+    f = torch.empty((B, HV, T), dtype=torch.float32, device=q.device)
+    dl = torch.empty((B, HV, NT), dtype=torch.float32, device=q.device)
     h_in = g if h0 is None else h0
-    sizes = dict(T=T, NT=NT, HV=HV, GROUP=HV // HK, DK=DK, DV=DV, BK=BK, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS)
-    prep = Launch(_gdn_prep_kernel, (NT * B * HV,),
-                  dict(q=q, k=k, v=v, g=g, beta=beta, w=w, u=u, kd=kd, aq=aq, scale=scale, **_strides("q", q),
-                       **_strides("k", k), **_strides("v", v), **_strides("g", g), **_strides("b", beta), **sizes,
-                       BV=_MIN_TILE, **dots, PRE_KD=precompute_kd, AQK=fuse_output,
-                       INV_PRODUCT=dt != torch.float32),
-                  ("w", "u") + (("kd",) if precompute_kd else ()) + (("aq",) if fuse_output else ()), prep_warps or 4)
+    sizes = dict(T=T, NT=NT, HV=HV, GROUP=HV // HK, DK=DK, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS)
+    # One warp: the 16x16 blocks are an MMA tile each, the substitution's row
+    # sums shuffles.  126 µs against 201 at two warps and 434 at four (B1
+    # T16384 H32, H200).
+    inverse = Launch(_gdn_inverse_kernel, (NT * B * HV,),
+                     dict(k=k, g=g, beta=beta, ti=ti, **_strides("k", k), **_strides("g", g), **_strides("b", beta),
+                          **sizes, BK=_MIN_TILE, **dots, TDT=tdots["TDT"], TEMU=tdots["TEMU"], **inv),
+                     ("ti",), inverse_warps or 1)
+    wu = Launch(_gdn_wu_kernel, (NT * B * HV,),
+                dict(q=q, k=k, v=v, g=g, beta=beta, ti=ti, w=w, u=u, aq=aq, f=f, dl=dl, scale=scale, **_strides("q", q),
+                     **_strides("k", k), **_strides("v", v), **_strides("g", g), **_strides("b", beta), **sizes,
+                     DV=DV, BK=BK, BV=_MIN_TILE, **dots, **tdots, AQK=fuse_output),
+                ("w", "u", "f", "dl") + (("aq",) if fuse_output else ()), wu_warps or 4)
     qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
-    stages = num_stages or (1 if fuse_output else 2)
     if fuse_output:
         # One pipeline stage: 1101 µs at B16 T1024 H32 against 1141 with
         # two and 1409 with three; 8 warps 1411 (H100, CUDA-graph time).
-        # The next chunk's loads issued by hand a chunk early spilled at 4
-        # warps (4686 µs) and lost at 8 (1502).
         scan = Launch(_gdn_scan_kernel, (NV * B * HV,),
-                      dict(q=q, k=k, w=w, u=u, kd=kd, aq=aq, g=g, h0=h_in, o=out, hT=final_state, NV=NV,
-                           scale=scale, **qkg, **sizes, BV=BV, HAS_H0=h0 is not None, PRE_KD=precompute_kd, **dots),
-                      ("o", "hT"), num_warps or 4, stages)
-        return [prep, scan, _rising_heads(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale)]
-    # 4 warps, 2 pipeline stages (H100, CUDA-graph time): 8 warps lost at
-    # every shape (B1 T4096 H16 361 vs 345 µs, B8 T512 H32 510 vs 465 with
-    # tf32 output dots); 3 stages 260 vs 259 at B1 T4096 H16, 368 vs 342 at
-    # B8 T512 H32.
+                      dict(q=q, k=k, w=w, u=u, aq=aq, g=g, h0=h_in, o=out, hT=final_state, NV=NV,
+                           scale=scale, **qkg, **sizes, DV=DV, BK=BK, BV=BV, HAS_H0=h0 is not None, **dots),
+                      ("o", "hT"), num_warps or 4, num_stages or 1)
+        return [inverse, wu, scan, _rising_heads(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale)]
     hs = torch.empty((B, HV, NT, DK, DV), dtype=dt, device=q.device)
     state = Launch(_gdn_state_kernel, (NV * B * HV,),
-                   dict(k=k, w=w, u=u, kd=kd, g=g, h0=h_in, hT=final_state, hs=hs, NV=NV,
-                        **_strides("k", k), **_strides("g", g), **sizes, BV=BV, HAS_H0=h0 is not None,
-                        PRE_KD=precompute_kd, **dots),
-                   ("u", "hT", "hs"), num_warps or 4, stages)
-    BVO = _pow2(min(output_block_v or _MIN_TILE, DV), _MIN_TILE)
+                   dict(k=k, w=w, u=u, f=f, dl=dl, h0=h_in, hT=final_state, hs=hs, NV=NV, **_strides("k", k),
+                        **{n: sizes[n] for n in ("T", "NT", "HV", "GROUP", "DK")}, DV=DV, BV=BV,
+                        HAS_H0=h0 is not None, **dots),
+                   ("u", "hT", "hs"), num_warps or 4, num_stages or 3)
+    # 128 columns: 274 against 298 µs at B1 T16384 H32, 249 against 278 at B4
+    # T4096 Hk16 Hv32, the same at B8 T512 (H200).
+    BVO = _pow2(min(output_block_v or 128, DV), _MIN_TILE)
     NVO = cdiv(DV, BVO)
     output = Launch(_gdn_output_kernel, (NVO * NT * B * HV,),
-                    dict(q=q, k=k, g=g, vn=u, hs=hs, o=out, NV=NVO, scale=scale, **qkg,
-                         **{n: sizes[n] for n in ("T", "NT", "HV", "GROUP", "DK", "DV", "BK", "L2NORM", "EPS")},
+                    dict(q=q, k=k, g=g, vn=u, hs=hs, o=out, NV=NVO, scale=scale, **qkg, **sizes, DV=DV, BK=BK,
                          BV=BVO, **dots),
                     ("o",), 4)
-    return [prep, state, output, _rising_heads(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale)]
+    return [inverse, wu, state, output, _rising_heads(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale)]
 
 
 def _rising_heads(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, out: Tensor,

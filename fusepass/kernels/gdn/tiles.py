@@ -26,15 +26,14 @@ def _load_vec(ptr, base, o_t, T, stride_t):
 
 
 @triton.jit
-def _kkt_block(b_ki, b_kj, b_bi, b_Gi, b_Gj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-               EMU: tl.constexpr):
-    """[16, 16] block of A: beta_i k~_i.k~_j exp(Gamma_i - Gamma_j), strictly lower on the diagonal."""
-    b_a = _dot(b_ki, tl.trans(b_kj), DT, PREC, EMU)
+def _gate_block(b_a, b_bri, b_rj, b_Gi, b_Gj, DIAG: tl.constexpr):
+    """[16, 16] block of A from k_i.k_j: times beta_i r_i r_j exp(Gamma_i - Gamma_j)
+    (r the rows' L2 factors), strictly lower on the diagonal."""
     b_d = b_Gi[:, None] - b_Gj[None, :]
     if DIAG:
         o_c = tl.arange(0, 16)
         b_d = tl.where(o_c[:, None] > o_c[None, :], b_d, float("-inf"))
-    return b_a * b_bi[:, None] * tl.exp(b_d)
+    return b_a * b_bri[:, None] * b_rj[None, :] * tl.exp(b_d)
 
 
 @triton.jit
@@ -83,17 +82,6 @@ def _inv16_product(b_A):
 
 
 @triton.jit
-def _qk_block(b_qi, b_kj, b_Gi, b_Gj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """[16, 16] block of the output's causal matrix: q~_i.k~_j exp(Gamma_i - Gamma_j), j <= i."""
-    b_a = _dot(b_qi, tl.trans(b_kj), DT, PREC, EMU)
-    b_d = b_Gi[:, None] - b_Gj[None, :]
-    if DIAG:
-        o_c = tl.arange(0, 16)
-        b_d = tl.where(o_c[:, None] >= o_c[None, :], b_d, float("-inf"))
-    return b_a * tl.exp(b_d)
-
-
-@triton.jit
 def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     """a @ b with operands rounded to DT and fp32 accumulation.  EMU: the
     interpreter's bf16 dot multiplies raw bits (Triton 3.9), so the operands
@@ -105,23 +93,27 @@ def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """acc + a @ b as :func:`_dot`, accumulated in the product itself on the GPU."""
+    if EMU:
+        return acc + tl.dot(rne_bf16(a.to(tl.float32)), rne_bf16(b.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DT), b.to(DT), acc, input_precision=PREC)
+
+
+@triton.jit
 def _dot_ieee(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _store_lower_product(p_out, N, o_c, m_c, o_t0, o_t1, o_t2, o_t3, T,
-                         b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33,
-                         b_x0, b_x1, b_x2, b_x3, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """Store rows i of (T X) for a block-lower-triangular T of 4 x 4 blocks of
-    16 rows (w = T (beta e^G k), u = T (beta v)): row block i sums T_ij X_j, j <= i."""
-    b_o = tl.dot(b_T00, b_x0, input_precision=PREC)
-    tl.store(p_out + o_t0[:, None] * N + o_c[None, :], round_to(b_o, DT, EMU), mask=(o_t0 < T)[:, None] & m_c)
-    b_o = tl.dot(b_T10, b_x0, input_precision=PREC) + tl.dot(b_T11, b_x1, input_precision=PREC)
-    tl.store(p_out + o_t1[:, None] * N + o_c[None, :], round_to(b_o, DT, EMU), mask=(o_t1 < T)[:, None] & m_c)
-    b_o = (tl.dot(b_T20, b_x0, input_precision=PREC) + tl.dot(b_T21, b_x1, input_precision=PREC)
-           + tl.dot(b_T22, b_x2, input_precision=PREC))
-    tl.store(p_out + o_t2[:, None] * N + o_c[None, :], round_to(b_o, DT, EMU), mask=(o_t2 < T)[:, None] & m_c)
-    b_o = (tl.dot(b_T30, b_x0, input_precision=PREC) + tl.dot(b_T31, b_x1, input_precision=PREC)
-           + tl.dot(b_T32, b_x2, input_precision=PREC) + tl.dot(b_T33, b_x3, input_precision=PREC))
-    tl.store(p_out + o_t3[:, None] * N + o_c[None, :], round_to(b_o, DT, EMU), mask=(o_t3 < T)[:, None] & m_c)
+def _mm(a, b, PREC: tl.constexpr):
+    """fp32 a @ b at PREC ("ieee", or "tf32" where the result is rounded to half precision anyway)."""
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _store_block(p, base, o_t, col, o_c, T, b_x, DT: tl.constexpr, EMU: tl.constexpr):
+    """A [16, 16] block into rows o_t, columns col.. of a [T, 64] slice."""
+    tl.store(p + base + o_t.to(tl.int64)[:, None] * 64 + col + o_c[None, :], round_to(b_x, DT, EMU),
+             mask=(o_t < T)[:, None])
