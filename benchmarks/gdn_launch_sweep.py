@@ -1,6 +1,6 @@
 """The chunked GDN op's launch choices, each launch timed on its own (CUDA-graph
 µs): where the pipeline's time goes, and which warps / stages / value-column
-blocks / decayed-key placement each kernel runs fastest with.
+blocks / inverse precision and method each kernel runs fastest with.
 
     python benchmarks/gdn_launch_sweep.py --shape 1,16384,32,32,128,128 --layout contig-norm
 
@@ -24,12 +24,15 @@ from fusepass.kernels.gdn import chunk_launches
 
 VARIANTS = {
     "split": dict(fuse_output=False),
-    "split-s3": dict(fuse_output=False, num_stages=3),
+    "split-s2": dict(fuse_output=False, num_stages=2),
     "split-s4": dict(fuse_output=False, num_stages=4),
     "split-w2": dict(fuse_output=False, num_warps=2),
     "split-w8": dict(fuse_output=False, num_warps=8),
+    "split-bv64": dict(fuse_output=False, block_v=64),
     "split-bv128": dict(fuse_output=False, block_v=128),
-    "split-inverse-half": dict(fuse_output=False, inverse_fp32=False),
+    "split-inverse-fp32": dict(fuse_output=False, inverse_fp32=True),
+    "split-inverse-products": dict(fuse_output=False, inverse_choices={"INV_PRODUCT": True}),
+    "split-inverse-ieee": dict(fuse_output=False, inverse_choices={"MPREC": "ieee"}),
     "split-inverse-w2": dict(fuse_output=False, inverse_warps=2),
     "split-inverse-w4": dict(fuse_output=False, inverse_warps=4),
     "split-wu-w8": dict(fuse_output=False, wu_warps=8),

@@ -211,7 +211,7 @@ VARIANTS = {
     "split": dict(fuse_output=False),
     "fused": dict(fuse_output=True),
     "split-s1": dict(fuse_output=False, num_stages=1),
-    "split-inverse-half": dict(fuse_output=False, inverse_fp32=False),
+    "split-inverse-fp32": dict(fuse_output=False, inverse_fp32=True),
     "fused-bv128": dict(fuse_output=True, block_v=128),
 }
 
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
                 configs = [dict(block_v=bv, num_warps=nw) for bv in (32, 64, 128) for nw in (4, 8)]
                 launch = gdn.gdn_recurrent_fwd
             else:
-                configs = [dict(inverse_fp32=False), dict(block_v=128), dict(num_stages=3)]
+                configs = [dict(inverse_fp32=True), dict(block_v=64), dict(num_stages=4)]
                 launch = gdn.gdn_chunk_fwd
             for cfg in configs:
                 fn = lambda q, k, v, g, b, s0, cfg=cfg: launch(q, k, v, g, b, s0, True, q.shape[-1] ** -0.5, **cfg)

@@ -25,30 +25,25 @@ from fusepass.match import hint
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-# Widest key head held in registers: the state pass keeps a [BK, BV] fp32
-# state slice and [64, BK] tiles of w, k (and q); 256 covers every GDN model.
-# d_k a power of two only: at d_k 96 (tiles padded to 128) compute-sanitizer
-# reported the state pass's dot reading shared memory out of bounds (H100,
-# Triton 3.6: "Invalid __shared__ read of size 1024 bytes"), though its
-# results matched the fp64 reference without the sanitizer.  Cause not
-# established; the op takes its plain-torch path there.
+# Widest key head held in registers: the state pass keeps up to four [64, BV]
+# fp32 state blocks, the w/u and scan kernels [64, BK] tiles of k (and q, w);
+# 256 covers every GDN model.  d_k a power of two only: at d_k 96 (tiles
+# padded to 128) compute-sanitizer reported a dot reading shared memory out
+# of bounds (H100, Triton 3.6); the op takes its plain-torch path there.
 _MAX_DK = 256
-# Every dot tile is at least 64 wide: value columns per program (state pass,
-# scan, output, prep) and the key head, padded and masked below that.  With
-# 32 or 16 value columns Triton 3.6's Hopper dots read shared memory out of
-# bounds (compute-sanitizer: "Invalid __shared__ read of size 1024 bytes"):
-# the fused scan at one pipeline stage from T 1024 (an illegal address; H200,
-# B1 H32 d 128; wrong values at T 256), the two-stage state pass at d_k 64
-# with d_v 192 or 128 and one or two chunks (a launch failure; values 1.5
-# off), and at d_k 96 padded to 128 (H100).  No case with 64-wide tiles has
-# failed under the sanitizer.  The cost is the small-batch prefill, where 32
-# columns gave twice the programs: state pass 627 µs at 64 against 516 at 32
-# (B1 T16384 H32 d 128, H200); B1 T4096 H16 371 against 345 (H100).
+# Dot tiles at least 64 wide (value columns per program of the scan, output
+# and w/u kernels; the key head, padded and masked below that).  With 32 or 16
+# value columns Triton 3.6's Hopper dots read shared memory out of bounds
+# (compute-sanitizer: "Invalid __shared__ read of size 1024 bytes"): the fused
+# scan at one pipeline stage from T 1024 (an illegal address; H200, B1 H32 d
+# 128; wrong values at T 256), the earlier state pass (one [64, d_k] x [d_k,
+# 32] product a step) at d_k 64 with d_v 192 or 128 (a launch failure; values
+# 1.5 off), and d_k 96 padded to 128 (H100).
 _MIN_TILE = 64
 # The state pass alone may split d_v 32 columns a program: its products take
 # the key head 64 rows at a time, and compute-sanitizer found nothing at 32
-# columns (H200: T 17, 63, 256, 300, 1030; d_k 64 and 128; d_v 128 and 192,
-# the shapes that faulted with the earlier one-product state pass).
+# columns (H200: T 17, 63, 256, 300, 1030, B1 T8192 H32; d_k 64 and 128; d_v
+# 128 and 192, the shapes that faulted with the earlier state pass).
 _STATE_MIN_BV = 32
 # Programs (at 64 value columns) per SM from which the fused scan is the
 # default.  H200, bf16, CUDA-graph time of the pipeline, fused against split:
@@ -226,9 +221,10 @@ def _rising_heads(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: 
 def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                   use_qk_l2norm: bool, scale: float, *, out: Tensor | None = None,
                   final_state: Tensor | None = None, **choices) -> tuple[Tensor, Tensor]:
-    """The chunked pipeline: the prep kernel, then the fused scan or the state
-    pass and the output kernel (by default the scan where its grid fills the
-    GPU twice over), then the token loop for heads with some g > 0.
+    """The chunked pipeline: the inverse and w/u kernels, then the fused scan
+    or the state pass and the output kernel (by default the scan where its
+    grid fills the GPU one and a half times over), then the token loop for
+    heads with some g > 0.
 
     ``out`` / ``final_state`` receive the results when given (tests poison
     them); ``choices`` are :func:`chunk_launches`' overrides (tests, sweeps)."""

@@ -59,7 +59,7 @@ def _fp32_state(result: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
 
 def _unit_lower_inverse(A: Tensor, block: int = 16) -> Tensor:
     """(I + A)^-1 for strictly lower A [..., C, C], C a multiple of ``block``,
-    as the prep kernel computes it: diagonal blocks by forward substitution,
+    as the inverse kernel computes it: diagonal blocks by forward substitution,
     then T_ij = -T_ii sum_{j <= m < i} A_im T_mj."""
     C = A.shape[-1]
     n = C // block
