@@ -722,8 +722,8 @@ def test_engine_inlines_op_nodes_in_the_graph(op, args, fake_cuda):
     assert (done, failed) == (1, [])
     assert not [n for n in gm.graph.nodes if n.target is packet]
     launches = _functional_launches(gm)
-    # the chunked pipeline: prep, state pass, output, the token loop for heads with g > 0
-    assert len(launches) == {"gdn_chunk-T70": 4}.get(op + f"-T{inputs[0].shape[1]}", 1)
+    # the chunked pipeline: inverse, w/u, state pass, output, the token loop for heads with g > 0
+    assert len(launches) == {"gdn_chunk-T70": 5}.get(op + f"-T{inputs[0].shape[1]}", 1)
     for node in launches:
         _assert_every_argument(node)
     outputs = torch.utils._pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
