@@ -128,14 +128,14 @@ def test_chunk_kernel(case, fuse):
 @pytest.mark.parametrize("options", [
     dict(fuse_output=True, block_v=64), dict(fuse_output=False, block_v=64),
     dict(fuse_output=False, inverse_fp32=True),
-    dict(fuse_output=True, inverse_warps=4, inverse_choices={"INV_PRODUCT": False, "MPREC": "tf32"}),
+    dict(fuse_output=True, inverse_warps=4, inverse_precision="ieee"),
     dict(fuse_output=False, output_block_v=64, num_stages=1, wu_warps=8),
-], ids=["fused-bv64", "output-kernel-bv64", "inverse-fp32", "fused-inverse-substitution-4-warps", "output-one-stage"])
+], ids=["fused-bv64", "output-kernel-bv64", "inverse-fp32", "fused-inverse-ieee-4-warps", "output-one-stage"])
 def test_chunk_kernel_launch_options(options):
     """Every launch choice computes the same function: d_v split over several
     state-pass or output programs (d_v 130: three blocks of 64, the last one
-    masked), the within-chunk inverse kept in fp32 or rounded to q's dtype, by
-    substitution or by powers."""
+    masked), the within-chunk inverse kept in fp32 or rounded to q's dtype, its
+    block products in tf32 or ieee fp32."""
     inputs, l2norm, scale = _case_inputs(1, 40, 1, 1, 16, 130, "bf16", {})
     out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, **options, **poisoned(inputs))
     check(out, state, inputs, l2norm, scale, str(options))

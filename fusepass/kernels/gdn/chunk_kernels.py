@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from fusepass.kernels._common import round_to
-from fusepass.kernels.gdn.tiles import (_dot, _dot_acc, _gate_block, _inv16_product, _inv16x4, _load_rows, _load_vec, _mm,
+from fusepass.kernels.gdn.tiles import (_dot, _dot_acc, _gate_block, _inv16x4, _l2rows, _load_rows, _load_vec, _mm, _rnorm,
                                         _store_block)
 
 
@@ -52,15 +52,6 @@ from fusepass.kernels.gdn.tiles import (_dot, _dot_acc, _gate_block, _inv16_prod
 
 
 @triton.jit
-def _rnorm(b_n, L2NORM: tl.constexpr, EPS: tl.constexpr):
-    """The L2 norm's row factor from a row's sum of squares (1 without the norm)."""
-    if L2NORM:
-        return tl.rsqrt(b_n + EPS)
-    else:
-        return tl.full(b_n.shape, 1.0, tl.float32)
-
-
-@triton.jit
 def _diag16(b_a):
     """The diagonal of a [16, 16] block, [16]."""
     o_c = tl.arange(0, 16)
@@ -73,8 +64,7 @@ def _gdn_inverse_kernel(
     T, NT, HV, GROUP,
     s_kb, s_kt, s_kh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     DK: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-    EMU: tl.constexpr, TDT: tl.constexpr, TEMU: tl.constexpr, INV_PRODUCT: tl.constexpr, MPREC: tl.constexpr,
-    EPS: tl.constexpr,
+    EMU: tl.constexpr, TDT: tl.constexpr, TEMU: tl.constexpr, MPREC: tl.constexpr, EPS: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_t, i_bh = i_c % NT, i_c // NT
@@ -142,13 +132,9 @@ def _gdn_inverse_kernel(
     # (16x16x16 products at MPREC: tf32 where T is rounded to half precision
     # after).  The diagonal blocks by forward substitution, on one warp its
     # row sums are shuffles: 126 µs at B1 T16384 H32 against 215 as products
-    # of powers (INV_PRODUCT, which won at 4 warps) and 207 with ieee merges
-    # (H200, bf16).
-    if INV_PRODUCT:
-        b_T00, b_T11 = _inv16_product(b_A00), _inv16_product(b_A11)
-        b_T22, b_T33 = _inv16_product(b_A22), _inv16_product(b_A33)
-    else:
-        b_T00, b_T11, b_T22, b_T33 = _inv16x4(b_A00, b_A11, b_A22, b_A33)
+    # of powers (I - N)(I + N^2)(I + N^4)(I + N^8), which won at 4 warps, and
+    # 207 with ieee merges (H200, bf16).
+    b_T00, b_T11, b_T22, b_T33 = _inv16x4(b_A00, b_A11, b_A22, b_A33)
     b_T10 = -_mm(b_T11, _mm(b_A10, b_T00, MPREC), MPREC)
     b_T21 = -_mm(b_T22, _mm(b_A21, b_T11, MPREC), MPREC)
     b_T32 = -_mm(b_T33, _mm(b_A32, b_T22, MPREC), MPREC)
@@ -249,14 +235,6 @@ def _scan_loads(q, k, w, u, aq, g, q_base, k_base, g_base, w_base, u_base, a_bas
     b_a = tl.load(aq + a_base + i_t * 4096 + o_c[:, None] * 64 + o_c[None, :],
                   mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
     return b_g, b_q, b_k, b_w, b_u, b_a
-
-
-@triton.jit
-def _l2rows(b_x, L2NORM: tl.constexpr, EPS: tl.constexpr):
-    b_x = b_x.to(tl.float32)
-    if L2NORM:
-        b_x = b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + EPS)[:, None]
-    return b_x
 
 
 @triton.jit

@@ -110,7 +110,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    output_block_v: int | None = None, inverse_fp32: bool = False,
                    inverse_warps: int | None = None, wu_warps: int | None = None,
-                   inverse_choices: dict | None = None) -> list[Launch]:
+                   inverse_precision: str | None = None) -> list[Launch]:
     """The chunked pipeline's launches, in order (the inverse, w and u, then
     the fused scan or the state pass and the output kernel), with their
     scratch allocated here; q, k, v with unit last stride, h0 contiguous, B,
@@ -122,26 +122,24 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     BK = _pow2(DK, _MIN_TILE)
     NT = cdiv(T, CHUNK)
     n_sm = sm_count(q.device)
-    for name, cols, least in (("block_v", block_v, _STATE_MIN_BV), ("output_block_v", output_block_v, _MIN_TILE)):
-        if cols is not None and cols < least:
-            raise ValueError(f"{name} {cols}: tiles of fewer than {least} value columns read shared memory "
-                             "out of bounds on Hopper")
+    programs = hint(B) * HV * cdiv(DV, _MIN_TILE)  # at 64 value columns a program
     if fuse_output is None:
         # The fused scan writes o alone where the split pass writes and the
         # output kernel reads every chunk's state and new values, but its
         # loop is longer: it wins where programs queue for the SMs and loses
         # where each has an SM of its own.
-        fuse_output = hint(B) * HV * cdiv(DV, _MIN_TILE) >= _FUSE_MIN_WAVES * n_sm
-    if fuse_output and block_v is not None and block_v < _MIN_TILE:
-        raise ValueError(f"block_v {block_v}: the fused scan's tiles of fewer than {_MIN_TILE} value columns "
-                         "read shared memory out of bounds on Hopper")
+        fuse_output = programs >= _FUSE_MIN_WAVES * n_sm
+    least_bv = _MIN_TILE if fuse_output else _STATE_MIN_BV
+    for name, cols, least in (("block_v", block_v, least_bv), ("output_block_v", output_block_v, _MIN_TILE)):
+        if cols is not None and cols < least:
+            raise ValueError(f"{name} {cols}: tiles of fewer than {least} value columns read shared memory "
+                             "out of bounds on Hopper")
     if block_v is None:
         # The state pass at 32 columns where 64 would leave half the SMs idle:
         # B1 T16384 H32 (64 programs at 64) 377 against 457 µs; from B2 H32
         # (128) on, 64 wins (275 against 326), fewer programs reading k and w.
-        few = hint(B) * HV * cdiv(DV, _MIN_TILE) <= n_sm // 2
-        block_v = _STATE_MIN_BV if few and not fuse_output else _MIN_TILE
-    BV = _pow2(min(block_v, DV), _MIN_TILE if fuse_output else _STATE_MIN_BV)
+        block_v = _STATE_MIN_BV if programs <= n_sm // 2 and not fuse_output else _MIN_TILE
+    BV = _pow2(min(block_v, DV), least_bv)
     NV = cdiv(DV, BV)
     # The inverse T rounded to q's dtype and w = T x, u = T y as half-precision
     # products: w/u 158 against 364 µs with T in fp32 and tf32 products (B1
@@ -150,7 +148,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     # 512-16384, H200; FLA 4.40e-3).  fp32 inputs: fp32 and ieee throughout.
     tdt = torch.float32 if inverse_fp32 or dt == torch.float32 else dt
     tdots = dict(TDT=_TL_DTYPES[tdt], TPREC="ieee" if dt == torch.float32 else "tf32", TEMU=emulate_rounding(tdt))
-    inv = {"INV_PRODUCT": False, "MPREC": "ieee" if tdt == torch.float32 else "tf32", **(inverse_choices or {})}
+    mprec = inverse_precision or ("ieee" if tdt == torch.float32 else "tf32")
     w = torch.empty((B, HV, T, DK), dtype=dt, device=q.device)
     u = torch.empty((B, HV, T, DV), dtype=dt, device=q.device)
     ti = torch.empty((B, HV, T, CHUNK), dtype=tdt, device=q.device)
@@ -164,7 +162,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     # T16384 H32, H200).
     inverse = Launch(_gdn_inverse_kernel, (NT * B * HV,),
                      dict(k=k, g=g, beta=beta, ti=ti, **_strides("k", k), **_strides("g", g), **_strides("b", beta),
-                          **sizes, BK=_MIN_TILE, **dots, TDT=tdots["TDT"], TEMU=tdots["TEMU"], **inv),
+                          **sizes, BK=_MIN_TILE, **dots, TDT=tdots["TDT"], TEMU=tdots["TEMU"], MPREC=mprec),
                      ("ti",), inverse_warps or 1)
     wu = Launch(_gdn_wu_kernel, (NT * B * HV,),
                 dict(q=q, k=k, v=v, g=g, beta=beta, ti=ti, w=w, u=u, aq=aq, f=f, dl=dl, scale=scale, **_strides("q", q),

@@ -14,10 +14,25 @@ def _load_rows(ptr, base, o_t, T, stride_t, o_d, D: tl.constexpr, L2NORM: tl.con
     """Rows o_t of a [T, D] slice (unit column stride) as fp32, L2-normalised when asked."""
     m = (o_t < T)[:, None] & (o_d < D)[None, :]
     b_x = tl.load(ptr + base + o_t.to(tl.int64)[:, None] * stride_t + o_d[None, :], mask=m, other=0.0)
+    return _l2rows(b_x, L2NORM, EPS)
+
+
+@triton.jit
+def _l2rows(b_x, L2NORM: tl.constexpr, EPS: tl.constexpr):
+    """A tile's rows as fp32, L2-normalised when asked."""
     b_x = b_x.to(tl.float32)
     if L2NORM:
-        b_x = b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + EPS)[:, None]
+        b_x = b_x * _rnorm(tl.sum(b_x * b_x, 1), L2NORM, EPS)[:, None]
     return b_x
+
+
+@triton.jit
+def _rnorm(b_n, L2NORM: tl.constexpr, EPS: tl.constexpr):
+    """The L2 norm's row factor from a row's sum of squares (1 without the norm)."""
+    if L2NORM:
+        return tl.rsqrt(b_n + EPS)
+    else:
+        return tl.full(b_n.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -63,25 +78,6 @@ def _inv16x4(b_A0, b_A1, b_A2, b_A3):
 
 
 @triton.jit
-def _inv16_product(b_A):
-    """(I + N)^-1 of a strictly lower [16, 16] N as (I - N)(I + N^2)(I + N^4)(I + N^8)
-    (N^16 = 0): six 16x16x16 ieee dots instead of fourteen dependent row steps.
-
-    The powers grow before they cancel: on keys with correlation 0.99 and
-    beta up to 2, relative error 3.3e-4 in fp32 where forward substitution
-    keeps 2.6e-7 (fp64 reference, 2000 blocks).  Below bf16's rounding, not
-    below fp32's: for half-precision inputs only."""
-    o_c = tl.arange(0, 16)
-    b_I = (o_c[:, None] == o_c[None, :]).to(tl.float32)
-    b_N2 = _dot_ieee(b_A, b_A)
-    b_N4 = _dot_ieee(b_N2, b_N2)
-    b_N8 = _dot_ieee(b_N4, b_N4)
-    b_X = _dot_ieee(b_I - b_A, b_I + b_N2)
-    b_X = b_X + _dot_ieee(b_X, b_N4)
-    return b_X + _dot_ieee(b_X, b_N8)
-
-
-@triton.jit
 def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     """a @ b with operands rounded to DT and fp32 accumulation.  EMU: the
     interpreter's bf16 dot multiplies raw bits (Triton 3.9), so the operands
@@ -99,11 +95,6 @@ def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr)
         return acc + tl.dot(rne_bf16(a.to(tl.float32)), rne_bf16(b.to(tl.float32)), input_precision="ieee")
     else:
         return tl.dot(a.to(DT), b.to(DT), acc, input_precision=PREC)
-
-
-@triton.jit
-def _dot_ieee(a, b):
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
