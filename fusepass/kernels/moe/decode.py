@@ -58,14 +58,15 @@ from fusepass.kernels.moe._tiles import (
 
 @triton.jit
 def _fma(b_w, b_x, DEFER: tl.constexpr, TRANS: tl.constexpr):
-    """Partial sums of one weight tile times x rows [BM, BK]: [BM, rows, BK or
-    1] from a [rows, BK] tile, [BM, BK or 1, rows] from a TRANS [BK, rows] one."""
+    """Partial sums of one weight tile times x rows [BM, BK]: [BM, rows, BK]
+    from a [rows, BK] tile, [BM, BK, rows] from a TRANS [BK, rows] one; summed
+    over K to [BM, rows] unless DEFER."""
     if TRANS:
         b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, :, None]
-        return b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=1), 1)
+        return b_p if DEFER else tl.sum(b_p, axis=1)
     else:
         b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
-        return b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=2), 2)
+        return b_p if DEFER else tl.sum(b_p, axis=2)
 
 
 @triton.jit
@@ -121,8 +122,16 @@ def _moe_decode_up_kernel(
             KD: tl.constexpr = NCH if VB > 0 else (BK if DEFER else 1)
             RG: tl.constexpr = o_g.shape[0]
             RU: tl.constexpr = BN if HALVES else 1
-            acc_g = tl.zeros([BM, KD, RG] if TRANS else [BM, RG, KD], dtype=tl.float32)
-            acc_u = tl.zeros([BM, KD, RU] if TRANS else [BM, RU, KD], dtype=tl.float32)
+            # Summed every tile, the sums are [BM, rows]: a [BM, rows, 1]
+            # accumulator's layout (K within one thread) was propagated back to
+            # the product by Triton 3.6, 1024 values a thread, spilling (sm_90).
+            ACC3: tl.constexpr = DEFER or VB > 0
+            if ACC3:
+                acc_g = tl.zeros([BM, KD, RG] if TRANS else [BM, RG, KD], dtype=tl.float32)
+                acc_u = tl.zeros([BM, KD, RU] if TRANS else [BM, RU, KD], dtype=tl.float32)
+            else:
+                acc_g = tl.zeros([BM, RG], dtype=tl.float32)
+                acc_u = tl.zeros([BM, RU], dtype=tl.float32)
             if VB > 0:
                 # Rows one at a time, each a [1, NCH, VB] tile of the shape of x's
                 # pairs, so Triton gives both one layout (a [rows, NCH, VB] tile
@@ -168,10 +177,14 @@ def _moe_decode_up_kernel(
                                      stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
                         acc_u += _fma(b_w, b_x, DEFER, TRANS)
             KAX: tl.constexpr = 1 if TRANS else 2
-            b_g = proj_epilogue(tl.sum(acc_g, axis=KAX), row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :],
+            if ACC3:
+                s_g, s_u = tl.sum(acc_g, axis=KAX), tl.sum(acc_u, axis=KAX)
+            else:
+                s_g, s_u = acc_g, acc_u
+            b_g = proj_epilogue(s_g, row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :],
                                 p_b + o_g[None, :], m_g[None, :], DT, HAS_BIAS)
             if HALVES:
-                b_u = proj_epilogue(tl.sum(acc_u, axis=KAX), row_scale(p_s + o_u * stride_sn, m_g, FMT)[None, :],
+                b_u = proj_epilogue(s_u, row_scale(p_s + o_u * stride_sn, m_g, FMT)[None, :],
                                     p_b + o_u[None, :], m_g[None, :], DT, HAS_BIAS)
             else:
                 b_g, b_u = split_pairs(b_g)
