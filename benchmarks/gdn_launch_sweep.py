@@ -36,6 +36,8 @@ VARIANTS = {
     "split-inverse-w4": dict(fuse_output=False, inverse_warps=4),
     "split-wu-w8": dict(fuse_output=False, wu_warps=8),
     "fused": dict(fuse_output=True),
+    "fused-s2": dict(fuse_output=True, num_stages=2),
+    "fused-w8": dict(fuse_output=True, num_warps=8),
 }
 
 
