@@ -37,6 +37,7 @@ VARIANTS = {
     "split-wu-w8": dict(fuse_output=False, wu_warps=8),
     "fused": dict(fuse_output=True),
     "fused-s2": dict(fuse_output=True, num_stages=2),
+    "fused-rowf": dict(fuse_output=True, scan_row_factors=True),
     "fused-w8": dict(fuse_output=True, num_warps=8),
 }
 

@@ -116,12 +116,13 @@ def _case_inputs(B, T, Hk, Hv, dk, dv, dtype, opts):
     return make_inputs(B, T, Hk, Hv, dk, dv, DTYPES[dtype], **opts), opts.get("l2norm", True), dk ** -0.5
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused-output", "output-kernel"])
+@pytest.mark.parametrize("path", [dict(fuse_output=True), dict(fuse_output=True, scan_row_factors=True),
+                                  dict(fuse_output=False)], ids=["fused-output", "fused-row-factors", "output-kernel"])
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
-def test_chunk_kernel(case, fuse):
+def test_chunk_kernel(case, path):
     name, *shape, dtype, opts = case
     inputs, l2norm, scale = _case_inputs(*shape, dtype, opts)
-    out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, fuse_output=fuse, **poisoned(inputs))
+    out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, **path, **poisoned(inputs))
     check(out, state, inputs, l2norm, scale, name)
 
 
@@ -141,9 +142,10 @@ def test_chunk_kernel_launch_options(options):
     check(out, state, inputs, l2norm, scale, str(options))
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused-output", "output-kernel"])
+@pytest.mark.parametrize("path", [dict(fuse_output=True), dict(fuse_output=True, scan_row_factors=True),
+                                  dict(fuse_output=False)], ids=["fused-output", "fused-row-factors", "output-kernel"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_chunk_kernel_positive_gates(dtype, fuse):
+def test_chunk_kernel_positive_gates(dtype, path):
     """Log gates of both signs, as a differential program drew them from other
     blocks' values (g in [-2.4, 2.3]): a head with some g > 0 goes to the
     token loop.  Head 0's gates drift up 0.3 a token, exp(Gamma_i - Gamma_j)
@@ -154,7 +156,7 @@ def test_chunk_kernel_positive_gates(dtype, fuse):
     inputs, l2norm, scale = _case_inputs(B, T, 1, 2, D, D, dtype, {})
     gen = torch.Generator().manual_seed(1)
     inputs[3][..., 0] = torch.randn(B, T, generator=gen) * 0.5 + 0.3
-    out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, fuse_output=fuse, **poisoned(inputs))
+    out, state = gdn.gdn_chunk_fwd(*inputs, l2norm, scale, **path, **poisoned(inputs))
     check(out, state, inputs, l2norm, scale, f"positive gates {dtype}")
 
 

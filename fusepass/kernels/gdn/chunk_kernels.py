@@ -159,12 +159,13 @@ def _gdn_inverse_kernel(
 
 @triton.jit
 def _gdn_wu_kernel(
-    q, k, v, g, beta, ti, w, u, aq, f, dl,
+    q, k, v, g, beta, ti, w, u, aq, f, dl, fq,
     T, NT, HV, GROUP, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
     TDT: tl.constexpr, TPREC: tl.constexpr, TEMU: tl.constexpr, AQK: tl.constexpr, EPS: tl.constexpr,
+    ROWF: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_t, i_bh = i_c % NT, i_c // NT
@@ -202,7 +203,13 @@ def _gdn_wu_kernel(
                  round_to(_dot(b_T, b_y, TDT, TPREC, TEMU), DT, EMU), mask=m_t[:, None] & (o_v < DV)[None, :])
     if AQK:
         # the fused scan's causal matrix (entries above the diagonal are 0)
-        b_q = _load_rows(q, i_b64 * s_qb + (i_h // GROUP) * s_qh, o_t, T, s_qt, o_k, DK, L2NORM, EPS) * scale
+        if ROWF:  # and the scan's row factor on q S: q~ S = diag(r_q scale exp(Gamma)) (q S)
+            b_q = _load_rows(q, i_b64 * s_qb + (i_h // GROUP) * s_qh, o_t, T, s_qt, o_k, DK, False, EPS)
+            b_rq = _rnorm(tl.sum(b_q * b_q, 1), L2NORM, EPS) * scale
+            b_q = b_q * b_rq[:, None]
+            tl.store(fq + i_bh64 * T + o_t, b_rq * tl.exp(b_G), mask=m_t)
+        else:
+            b_q = _load_rows(q, i_b64 * s_qb + (i_h // GROUP) * s_qh, o_t, T, s_qt, o_k, DK, L2NORM, EPS) * scale
         b_d = tl.where(o_c[:, None] >= o_c[None, :], b_G[:, None] - b_G[None, :], float("-inf"))
         b_a = _dot(b_q, tl.trans(b_k), DT, PREC, EMU) * tl.exp(b_d)
         tl.store(aq + i_c.to(tl.int64) * 4096 + o_c[:, None] * 64 + o_c[None, :], round_to(b_a, DT, EMU))
@@ -239,13 +246,17 @@ def _scan_loads(q, k, w, u, aq, g, q_base, k_base, g_base, w_base, u_base, a_bas
 
 @triton.jit
 def _gdn_scan_kernel(
-    q, k, w, u, aq, g, h0, o, hT,
+    q, k, w, u, aq, g, fq, f, dl, h0, o, hT,
     T, NT, HV, GROUP, NV, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_gb, s_gt, s_gh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, HAS_H0: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, EPS: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, EPS: tl.constexpr, ROWF: tl.constexpr,
 ):
+    """ROWF: the norms and decays as row factors from the w/u kernel (fq on
+    q S, f on v' before k^T v', dl on S), q and k as stored straight into
+    the products, as the state pass takes them; else normalised and decayed
+    here."""
     i_p = tl.program_id(0)
     i_v, i_bh = i_p % NV, i_p // NV
     i_b, i_h = i_bh // HV, i_bh % HV
@@ -267,14 +278,21 @@ def _gdn_scan_kernel(
     for i_t in range(0, NT):
         b_g, b_q, b_k, b_w, b_u, b_a = _scan_loads(q, k, w, u, aq, g, q_base, k_base, g_base, w_base, u_base,
                                                    a_base, i_t, T, s_qt, s_kt, s_gt, o_k, o_v, DK, DV)
-        b_G = tl.cumsum(b_g, 0)
-        b_Gl = tl.sum(b_g, 0)
         # [64, BV]: the chunk's new values, then its output
         b_v = b_u.to(tl.float32) - _dot(b_w, b_S, DT, PREC, EMU)
-        b_q = _l2rows(b_q, L2NORM, EPS) * (scale * tl.exp(b_G))[:, None]
-        b_o = _dot(b_q, b_S, DT, PREC, EMU) + _dot(b_a, b_v, DT, PREC, EMU)
-        b_kd = _l2rows(b_k, L2NORM, EPS) * tl.exp(b_Gl - b_G)[:, None]
-        b_S = b_S * tl.exp(b_Gl) + _dot(tl.trans(b_kd), b_v, DT, PREC, EMU)
+        if ROWF:
+            o_t = i_t * 64 + o_c
+            b_fq = tl.load(fq + i_bh64 * T + o_t, mask=o_t < T, other=0.0)
+            b_f = tl.load(f + i_bh64 * T + o_t, mask=o_t < T, other=0.0)
+            b_o = _dot(b_q, b_S, DT, PREC, EMU) * b_fq[:, None] + _dot(b_a, b_v, DT, PREC, EMU)
+            b_S = _dot_acc(tl.trans(b_k), b_v * b_f[:, None], b_S * tl.load(dl + i_bh64 * NT + i_t), DT, PREC, EMU)
+        else:
+            b_G = tl.cumsum(b_g, 0)
+            b_Gl = tl.sum(b_g, 0)
+            b_q = _l2rows(b_q, L2NORM, EPS) * (scale * tl.exp(b_G))[:, None]
+            b_o = _dot(b_q, b_S, DT, PREC, EMU) + _dot(b_a, b_v, DT, PREC, EMU)
+            b_kd = _l2rows(b_k, L2NORM, EPS) * tl.exp(b_Gl - b_G)[:, None]
+            b_S = b_S * tl.exp(b_Gl) + _dot(tl.trans(b_kd), b_v, DT, PREC, EMU)
         o_t = i_t * 64 + o_c
         p_o = o + ((i_b64 * T + o_t[:, None]) * HV + i_h) * DV + o_v[None, :]
         tl.store(p_o, round_to(b_o, o.dtype.element_ty, EMU), mask=(o_t < T)[:, None] & m_v[None, :])

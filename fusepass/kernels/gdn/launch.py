@@ -110,7 +110,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    output_block_v: int | None = None, inverse_fp32: bool = False,
                    inverse_warps: int | None = None, wu_warps: int | None = None,
-                   inverse_precision: str | None = None) -> list[Launch]:
+                   inverse_precision: str | None = None, scan_row_factors: bool = False) -> list[Launch]:
     """The chunked pipeline's launches, in order (the inverse, w and u, then
     the fused scan or the state pass and the output kernel), with their
     scratch allocated here; q, k, v with unit last stride, h0 contiguous, B,
@@ -155,6 +155,8 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     aq = torch.empty((B, HV, NT, CHUNK, CHUNK), dtype=dt, device=q.device) if fuse_output else g
     f = torch.empty((B, HV, T), dtype=torch.float32, device=q.device)
     dl = torch.empty((B, HV, NT), dtype=torch.float32, device=q.device)
+    rowf = fuse_output and scan_row_factors
+    fq = torch.empty((B, HV, T), dtype=torch.float32, device=q.device) if rowf else g
     h_in = g if h0 is None else h0
     sizes = dict(T=T, NT=NT, HV=HV, GROUP=HV // HK, DK=DK, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS)
     # One warp: the 16x16 blocks are an MMA tile each, the substitution's row
@@ -165,17 +167,19 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                           **sizes, BK=_MIN_TILE, **dots, TDT=tdots["TDT"], TEMU=tdots["TEMU"], MPREC=mprec),
                      ("ti",), inverse_warps or 1)
     wu = Launch(_gdn_wu_kernel, (NT * B * HV,),
-                dict(q=q, k=k, v=v, g=g, beta=beta, ti=ti, w=w, u=u, aq=aq, f=f, dl=dl, scale=scale, **_strides("q", q),
-                     **_strides("k", k), **_strides("v", v), **_strides("g", g), **_strides("b", beta), **sizes,
-                     DV=DV, BK=BK, BV=_MIN_TILE, **dots, **tdots, AQK=fuse_output),
-                ("w", "u", "f", "dl") + (("aq",) if fuse_output else ()), wu_warps or 4)
+                dict(q=q, k=k, v=v, g=g, beta=beta, ti=ti, w=w, u=u, aq=aq, f=f, dl=dl, fq=fq, scale=scale,
+                     **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("g", g),
+                     **_strides("b", beta), **sizes, DV=DV, BK=BK, BV=_MIN_TILE, **dots, **tdots, AQK=fuse_output,
+                     ROWF=rowf),
+                ("w", "u", "f", "dl") + (("aq",) if fuse_output else ()) + (("fq",) if rowf else ()), wu_warps or 4)
     qkg = {**_strides("q", q), **_strides("k", k), **_strides("g", g)}
     if fuse_output:
         # One pipeline stage: 1101 µs at B16 T1024 H32 against 1141 with
         # two and 1409 with three; 8 warps 1411 (H100, CUDA-graph time).
         scan = Launch(_gdn_scan_kernel, (NV * B * HV,),
-                      dict(q=q, k=k, w=w, u=u, aq=aq, g=g, h0=h_in, o=out, hT=final_state, NV=NV,
-                           scale=scale, **qkg, **sizes, DV=DV, BK=BK, BV=BV, HAS_H0=h0 is not None, **dots),
+                      dict(q=q, k=k, w=w, u=u, aq=aq, g=g, fq=fq, f=f, dl=dl, h0=h_in, o=out, hT=final_state,
+                           NV=NV, scale=scale, **qkg, **sizes, DV=DV, BK=BK, BV=BV, HAS_H0=h0 is not None, **dots,
+                           ROWF=rowf),
                       ("o", "hT"), num_warps or 4, num_stages or 1)
         return [inverse, wu, scan, _rising_heads(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale)]
     # 4 warps, 3 pipeline stages: at B1 T16384 H32 (H200) 379 µs at 32
