@@ -278,10 +278,10 @@ def _gdn_scan_kernel(
     for i_t in range(0, NT):
         b_g, b_q, b_k, b_w, b_u, b_a = _scan_loads(q, k, w, u, aq, g, q_base, k_base, g_base, w_base, u_base,
                                                    a_base, i_t, T, s_qt, s_kt, s_gt, o_k, o_v, DK, DV)
+        o_t = i_t * 64 + o_c
         # [64, BV]: the chunk's new values, then its output
         b_v = b_u.to(tl.float32) - _dot(b_w, b_S, DT, PREC, EMU)
         if ROWF:
-            o_t = i_t * 64 + o_c
             b_fq = tl.load(fq + i_bh64 * T + o_t, mask=o_t < T, other=0.0)
             b_f = tl.load(f + i_bh64 * T + o_t, mask=o_t < T, other=0.0)
             b_o = _dot(b_q, b_S, DT, PREC, EMU) * b_fq[:, None] + _dot(b_a, b_v, DT, PREC, EMU)
@@ -293,7 +293,6 @@ def _gdn_scan_kernel(
             b_o = _dot(b_q, b_S, DT, PREC, EMU) + _dot(b_a, b_v, DT, PREC, EMU)
             b_kd = _l2rows(b_k, L2NORM, EPS) * tl.exp(b_Gl - b_G)[:, None]
             b_S = b_S * tl.exp(b_Gl) + _dot(tl.trans(b_kd), b_v, DT, PREC, EMU)
-        o_t = i_t * 64 + o_c
         p_o = o + ((i_b64 * T + o_t[:, None]) * HV + i_h) * DV + o_v[None, :]
         tl.store(p_o, round_to(b_o, o.dtype.element_ty, EMU), mask=(o_t < T)[:, None] & m_v[None, :])
     tl.store(hT + i_bh64 * DK * DV + p_S, b_S, mask=m_kv)
