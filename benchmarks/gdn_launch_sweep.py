@@ -38,6 +38,7 @@ VARIANTS = {
     "fused": dict(fuse_output=True),
     "fused-s2": dict(fuse_output=True, num_stages=2),
     "fused-rowf": dict(fuse_output=True, scan_row_factors=True),
+    "split-rowf": dict(fuse_output=False, output_row_factors=True),
     "fused-w8": dict(fuse_output=True, num_warps=8),
 }
 

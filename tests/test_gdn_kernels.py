@@ -117,7 +117,8 @@ def _case_inputs(B, T, Hk, Hv, dk, dv, dtype, opts):
 
 
 @pytest.mark.parametrize("path", [dict(fuse_output=True), dict(fuse_output=True, scan_row_factors=True),
-                                  dict(fuse_output=False)], ids=["fused-output", "fused-row-factors", "output-kernel"])
+                                  dict(fuse_output=False), dict(fuse_output=False, output_row_factors=True)],
+                         ids=["fused-output", "fused-row-factors", "output-kernel", "output-row-factors"])
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
 def test_chunk_kernel(case, path):
     name, *shape, dtype, opts = case
@@ -143,7 +144,8 @@ def test_chunk_kernel_launch_options(options):
 
 
 @pytest.mark.parametrize("path", [dict(fuse_output=True), dict(fuse_output=True, scan_row_factors=True),
-                                  dict(fuse_output=False)], ids=["fused-output", "fused-row-factors", "output-kernel"])
+                                  dict(fuse_output=False), dict(fuse_output=False, output_row_factors=True)],
+                         ids=["fused-output", "fused-row-factors", "output-kernel", "output-row-factors"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_chunk_kernel_positive_gates(dtype, path):
     """Log gates of both signs, as a differential program drew them from other

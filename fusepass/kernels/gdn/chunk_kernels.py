@@ -410,6 +410,7 @@ def _gdn_output_kernel(
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_gb, s_gt, s_gh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, EPS: tl.constexpr,
+    ROWF: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     i_v = i_p % NV
@@ -423,12 +424,25 @@ def _gdn_output_kernel(
     o_t = i_t * 64 + o_c
     m_k, m_v, m_t = o_k < DK, o_v < DV, o_t < T
     b_G = tl.cumsum(_load_vec(g, i_b64 * s_gb + i_h * s_gh, o_t, T, s_gt), 0)
-    b_q = _load_rows(q, i_b64 * s_qb + (i_h // GROUP) * s_qh, o_t, T, s_qt, o_k, DK, L2NORM, EPS) * scale
-    b_k = _load_rows(k, i_b64 * s_kb + (i_h // GROUP) * s_kh, o_t, T, s_kt, o_k, DK, L2NORM, EPS)
     b_S = tl.load(hs + (i_bh64 * NT + i_t) * DK * DV + o_k[:, None] * DV + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     m_u = m_t[:, None] & m_v[None, :]
     b_v = tl.load(vn + i_bh64 * T * DV + o_t[:, None] * DV + o_v[None, :], mask=m_u, other=0.0)
-    b_o = _chunk_output(b_q, b_k, b_G, b_S, b_v, o_c, DT, PREC, EMU)
+    if ROWF:
+        # q and k as stored into the products, their norms and decays on the results
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + i_b64 * s_qb + (i_h // GROUP) * s_qh + o_t.to(tl.int64)[:, None] * s_qt + o_k[None, :],
+                      mask=m_tk, other=0.0)
+        b_k = tl.load(k + i_b64 * s_kb + (i_h // GROUP) * s_kh + o_t.to(tl.int64)[:, None] * s_kt + o_k[None, :],
+                      mask=m_tk, other=0.0)
+        b_rq = _rnorm(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1), L2NORM, EPS) * scale
+        b_rk = _rnorm(tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), 1), L2NORM, EPS)
+        b_d = tl.where(o_c[:, None] >= o_c[None, :], b_G[:, None] - b_G[None, :], float("-inf"))
+        b_a = _dot(b_q, tl.trans(b_k), DT, PREC, EMU) * (b_rq[:, None] * b_rk[None, :]) * tl.exp(b_d)
+        b_o = _dot(b_q, b_S, DT, PREC, EMU) * (b_rq * tl.exp(b_G))[:, None] + _dot(b_a, b_v, DT, PREC, EMU)
+    else:
+        b_q = _load_rows(q, i_b64 * s_qb + (i_h // GROUP) * s_qh, o_t, T, s_qt, o_k, DK, L2NORM, EPS) * scale
+        b_k = _load_rows(k, i_b64 * s_kb + (i_h // GROUP) * s_kh, o_t, T, s_kt, o_k, DK, L2NORM, EPS)
+        b_o = _chunk_output(b_q, b_k, b_G, b_S, b_v, o_c, DT, PREC, EMU)
     p_o = o + ((i_b64 * T + o_t[:, None]) * HV + i_h) * DV + o_v[None, :]
     tl.store(p_o, round_to(b_o, o.dtype.element_ty, EMU), mask=m_u)

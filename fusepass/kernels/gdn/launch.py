@@ -110,7 +110,8 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
                    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    output_block_v: int | None = None, inverse_fp32: bool = False,
                    inverse_warps: int | None = None, wu_warps: int | None = None,
-                   inverse_precision: str | None = None, scan_row_factors: bool = False) -> list[Launch]:
+                   inverse_precision: str | None = None, scan_row_factors: bool = False,
+                   output_row_factors: bool = False) -> list[Launch]:
     """The chunked pipeline's launches, in order (the inverse, w and u, then
     the fused scan or the state pass and the output kernel), with their
     scratch allocated here; q, k, v with unit last stride, h0 contiguous, B,
@@ -197,7 +198,7 @@ def chunk_launches(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0:
     NVO = cdiv(DV, BVO)
     output = Launch(_gdn_output_kernel, (NVO * NT * B * HV,),
                     dict(q=q, k=k, g=g, vn=u, hs=hs, o=out, NV=NVO, scale=scale, **qkg, **sizes, DV=DV, BK=BK,
-                         BV=BVO, **dots),
+                         BV=BVO, **dots, ROWF=output_row_factors),
                     ("o",), 4)
     return [inverse, wu, state, output, _rising_heads(q, k, v, g, beta, h0, out, final_state, use_qk_l2norm, scale)]
 
