@@ -627,35 +627,13 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def _moe_truncating_reference(monkeypatch):
-    # The interpreter rounds fp32 -> bf16 by truncation, and the experts round
-    # ten times on the way: the reference rounds as the interpreter does
-    # (tests/test_moe_kernels.py's ``poisoned`` fixture does the same).
-    from fusepass.kernels.moe import experts
-
-    real = experts._rounder
-
-    def truncating(dtype, cd):
-        if dtype != torch.bfloat16:
-            return real(dtype, cd)
-        return lambda t: (t.to(torch.float32).view(torch.int32) & -65536).view(torch.float32).to(cd)
-
-    monkeypatch.setattr(experts, "_rounder", truncating)
-
-
-# Ops whose reference must round as the interpreter does for the launches to match it.
-INTERPRETER_ROUNDING = {"moe_experts": _moe_truncating_reference}
-
-
 @pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")
 @pytest.mark.parametrize("op,make", inline_cases())
-def test_inlined_launches_compute_the_op(op, make, fake_cuda, poisoned_empty, monkeypatch):
+def test_inlined_launches_compute_the_op(op, make, fake_cuda, poisoned_empty):
     """The inlined form, run on CPU tensors (the graph node's own implementation
     launching each kernel under the interpreter), agrees with the op."""
     from fusepass.kernels._common import inline_forms, inline_kernels
 
-    if op in INTERPRETER_ROUNDING:
-        INTERPRETER_ROUNDING[op](monkeypatch)
     _, twin = fake_cuda
     packet = getattr(torch.ops.fusepass, op).default
     form = inline_forms()[packet]

@@ -44,6 +44,7 @@ from fusepass.kernels._common import Launch, cdiv, interpreting
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import (
     _round_if,
+    _to,
     cdiv_pow2,
     chunk_sums,
     gated_act,
@@ -190,7 +191,7 @@ def _moe_decode_up_kernel(
                 b_g, b_u = split_pairs(b_g)
             b_h = gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
             o_n = i_n * BN + tl.arange(0, BN)
-            tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
+            tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], _to(b_h, DT),
                      mask=m_m[:, None] & (o_n < I)[None, :])
 
 
@@ -250,7 +251,7 @@ def _moe_decode_down_kernel(
     b_d = proj_epilogue(tl.sum(acc, axis=KAX), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
                         m_r, DT, HAS_BIAS)
     b_y = tl.where(m_r, _round_if(b_d * b_tw[:, None], DT, ROUND_W), 0.0)
-    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
+    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, _to(tl.sum(b_y, axis=0), DT), mask=m_n)
 
 
 # ----------------------------------------------------------------- launch ----

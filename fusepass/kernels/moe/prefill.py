@@ -44,6 +44,7 @@ from fusepass.kernels._common import Launch, cdiv, interpreting
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import (
     _round,
+    _to,
     _round_if,
     cdiv_pow2,
     _dot,
@@ -149,11 +150,11 @@ def _moe_sorted_up_kernel(
             b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
             b_w = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K, stride_wk,
                          FMT, G, HAS_ZERO, BK, TRANS)
-            acc_g = _dot(b_x, _k_major(b_w.to(DT), TRANS), acc_g, F32)
+            acc_g = _dot(b_x, _k_major(_to(b_w, DT), TRANS), acc_g, F32)
             if HALVES:
                 b_w = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K,
                              stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-                acc_u = _dot(b_x, _k_major(b_w.to(DT), TRANS), acc_u, F32)
+                acc_u = _dot(b_x, _k_major(_to(b_w, DT), TRANS), acc_u, F32)
         b_g = proj_epilogue(acc_g, row_scale(p_s + o_g * stride_sn, m_g, FMT)[None, :], p_b + o_g[None, :],
                             m_g[None, :], DT, HAS_BIAS)
         if HALVES:
@@ -163,7 +164,7 @@ def _moe_sorted_up_kernel(
             b_g, b_u = split_pairs(b_g)
         b_h = gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
         o_n = i_n * BN + tl.arange(0, BN)
-        tl.store(h + o_m.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
+        tl.store(h + o_m.to(tl.int64)[:, None] * stride_hm + o_n[None, :], _to(b_h, DT),
                  mask=m_m[:, None] & (o_n < I)[None, :])
 
 
@@ -195,7 +196,7 @@ def _moe_sorted_down_kernel(
             o_k = k0 + tl.arange(0, BK)
             b_h = tl.load(p_h + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)  # [BM, BK]
             b_w = w_tile(p_w, m_n, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-            acc = _dot(b_h, _k_major(b_w.to(DT), TRANS), acc, F32)
+            acc = _dot(b_h, _k_major(_to(b_w, DT), TRANS), acc, F32)
         b_tw = tl.load(tw + b_slot, mask=m_m, other=0).to(tl.float32)
         b_d = proj_epilogue(acc, row_scale(p_s, m_n, FMT)[None, :], bias + e64 * stride_be + o_n[None, :],
                             m_n[None, :], DT, HAS_BIAS)
@@ -231,7 +232,7 @@ def _moe_sum_kernel(y, ids, pos_of_slot, tw, bias, out, E, N, TOPK, stride_ym, s
         b_y = tl.where(m, _round_if(b_d * b_tw[:, None], DT, ROUND_W), 0.0)
     else:
         b_y = tl.load(y + o_s.to(tl.int64)[:, None] * stride_ym + o_n[None, :], mask=m, other=0).to(tl.float32)
-    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, tl.sum(b_y, axis=0).to(DT), mask=m_n)
+    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, _to(tl.sum(b_y, axis=0), DT), mask=m_n)
 
 
 @triton.jit
@@ -264,7 +265,7 @@ def _moe_act_kernel(gu, sorted_slots, ids, bias, h, R, I, stride_gm, stride_be, 
                                              p_b + o_g[None, :], m, DT, HAS_BIAS))
     b_h = gated_act(b_g, b_u, DT, ACT, ALPHA, LIMIT)
     o_n = i_n * BN + tl.arange(0, BN)
-    tl.store(h + o_r.to(tl.int64)[:, None] * stride_hm + o_n[None, :], b_h.to(DT),
+    tl.store(h + o_r.to(tl.int64)[:, None] * stride_hm + o_n[None, :], _to(b_h, DT),
              mask=m_r[:, None] & (o_n < I)[None, :])
 
 
