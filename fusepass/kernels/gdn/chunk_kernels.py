@@ -9,7 +9,7 @@ import triton.language as tl
 
 from fusepass.kernels._common import round_to
 from fusepass.kernels.gdn.tiles import (_dot, _dot_acc, _gate_block, _inv16x4, _l2rows, _load_rows, _load_vec, _mm, _rnorm,
-                                        _store_block)
+                                        _row_rnorm, _rows, _store_block)
 
 
 # ------------------------------------------------------------------- kernels ----
@@ -184,7 +184,7 @@ def _gdn_wu_kernel(
     b_T = tl.load(ti + i_bh64 * T * 64 + o_t.to(tl.int64)[:, None] * 64 + o_c[None, :],
                   mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
     b_k = _load_rows(k, k_base, o_t, T, s_kt, o_k, DK, False, EPS)
-    b_r = _rnorm(tl.sum(b_k * b_k, 1), L2NORM, EPS)
+    b_r = _row_rnorm(b_k, L2NORM, EPS)
     b_k = b_k * b_r[:, None]
     # the state pass's row factors, off its sequential path: v' is scaled by
     # exp(Gamma_last - Gamma) / |k| before k^T v', and S by exp(Gamma_last)
@@ -205,7 +205,7 @@ def _gdn_wu_kernel(
         # the fused scan's causal matrix (entries above the diagonal are 0)
         if ROWF:  # and the scan's row factor on q S: q~ S = diag(r_q scale exp(Gamma)) (q S)
             b_q = _load_rows(q, i_b64 * s_qb + (i_h // GROUP) * s_qh, o_t, T, s_qt, o_k, DK, False, EPS)
-            b_rq = _rnorm(tl.sum(b_q * b_q, 1), L2NORM, EPS) * scale
+            b_rq = _row_rnorm(b_q, L2NORM, EPS) * scale
             b_q = b_q * b_rq[:, None]
             tl.store(fq + i_bh64 * T + o_t, b_rq * tl.exp(b_G), mask=m_t)
         else:
@@ -282,8 +282,7 @@ def _gdn_scan_kernel(
         # [64, BV]: the chunk's new values, then its output
         b_v = b_u.to(tl.float32) - _dot(b_w, b_S, DT, PREC, EMU)
         if ROWF:
-            b_fq = tl.load(fq + i_bh64 * T + o_t, mask=o_t < T, other=0.0)
-            b_f = tl.load(f + i_bh64 * T + o_t, mask=o_t < T, other=0.0)
+            b_fq, b_f = _load_vec(fq, i_bh64 * T, o_t, T, 1), _load_vec(f, i_bh64 * T, o_t, T, 1)
             b_o = _dot(b_q, b_S, DT, PREC, EMU) * b_fq[:, None] + _dot(b_a, b_v, DT, PREC, EMU)
             b_S = _dot_acc(tl.trans(b_k), b_v * b_f[:, None], b_S * tl.load(dl + i_bh64 * NT + i_t), DT, PREC, EMU)
         else:
@@ -430,13 +429,9 @@ def _gdn_output_kernel(
     b_v = tl.load(vn + i_bh64 * T * DV + o_t[:, None] * DV + o_v[None, :], mask=m_u, other=0.0)
     if ROWF:
         # q and k as stored into the products, their norms and decays on the results
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + i_b64 * s_qb + (i_h // GROUP) * s_qh + o_t.to(tl.int64)[:, None] * s_qt + o_k[None, :],
-                      mask=m_tk, other=0.0)
-        b_k = tl.load(k + i_b64 * s_kb + (i_h // GROUP) * s_kh + o_t.to(tl.int64)[:, None] * s_kt + o_k[None, :],
-                      mask=m_tk, other=0.0)
-        b_rq = _rnorm(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1), L2NORM, EPS) * scale
-        b_rk = _rnorm(tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), 1), L2NORM, EPS)
+        b_q = _rows(q, i_b64 * s_qb + (i_h // GROUP) * s_qh, o_t, T, s_qt, o_k, DK)
+        b_k = _rows(k, i_b64 * s_kb + (i_h // GROUP) * s_kh, o_t, T, s_kt, o_k, DK)
+        b_rq, b_rk = _row_rnorm(b_q, L2NORM, EPS) * scale, _row_rnorm(b_k, L2NORM, EPS)
         b_d = tl.where(o_c[:, None] >= o_c[None, :], b_G[:, None] - b_G[None, :], float("-inf"))
         b_a = _dot(b_q, tl.trans(b_k), DT, PREC, EMU) * (b_rq[:, None] * b_rk[None, :]) * tl.exp(b_d)
         b_o = _dot(b_q, b_S, DT, PREC, EMU) * (b_rq * tl.exp(b_G))[:, None] + _dot(b_a, b_v, DT, PREC, EMU)

@@ -12,9 +12,14 @@ from fusepass.kernels._common import rne_bf16, round_to
 @triton.jit
 def _load_rows(ptr, base, o_t, T, stride_t, o_d, D: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
     """Rows o_t of a [T, D] slice (unit column stride) as fp32, L2-normalised when asked."""
+    return _l2rows(_rows(ptr, base, o_t, T, stride_t, o_d, D), L2NORM, EPS)
+
+
+@triton.jit
+def _rows(ptr, base, o_t, T, stride_t, o_d, D: tl.constexpr):
+    """Rows o_t of a [T, D] slice (unit column stride) as stored."""
     m = (o_t < T)[:, None] & (o_d < D)[None, :]
-    b_x = tl.load(ptr + base + o_t.to(tl.int64)[:, None] * stride_t + o_d[None, :], mask=m, other=0.0)
-    return _l2rows(b_x, L2NORM, EPS)
+    return tl.load(ptr + base + o_t.to(tl.int64)[:, None] * stride_t + o_d[None, :], mask=m, other=0.0)
 
 
 @triton.jit
@@ -22,8 +27,15 @@ def _l2rows(b_x, L2NORM: tl.constexpr, EPS: tl.constexpr):
     """A tile's rows as fp32, L2-normalised when asked."""
     b_x = b_x.to(tl.float32)
     if L2NORM:
-        b_x = b_x * _rnorm(tl.sum(b_x * b_x, 1), L2NORM, EPS)[:, None]
+        b_x = b_x * _row_rnorm(b_x, L2NORM, EPS)[:, None]
     return b_x
+
+
+@triton.jit
+def _row_rnorm(b_x, L2NORM: tl.constexpr, EPS: tl.constexpr):
+    """A tile's rows' L2 factors, [rows] fp32 (ones without the norm)."""
+    b_x = b_x.to(tl.float32)
+    return _rnorm(tl.sum(b_x * b_x, 1), L2NORM, EPS)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import Launch, interpreting, rne_bf16
+from fusepass.kernels._common import Launch, interpreting, round_to
 from fusepass.kernels.dequant_matmul.tiles import _dot  # noqa: F401 - the kernels' dot (its own name: see test_imports)
 from fusepass.kernels.dequant_matmul.tiles import _int4_minus_zero, _int8_to_f32, _nibbles_to_f32, _pair_to_f32
 
@@ -35,10 +35,7 @@ _EMU: tl.constexpr = tl.constexpr(interpreting())
 @triton.jit
 def _to(v, DT: tl.constexpr):
     """v.to(DT), rounded to nearest."""
-    if _EMU and DT == tl.bfloat16 and v.dtype == tl.float32:
-        return rne_bf16(v).to(DT)
-    else:
-        return v.to(DT)
+    return round_to(v, DT, _EMU and DT == tl.bfloat16 and v.dtype == tl.float32)
 
 
 @triton.jit
