@@ -112,13 +112,18 @@ RECURRENT_CASES = [
 ]
 
 
+# The chunked pipeline's launch paths: the fused scan, the state pass and output
+# kernel, each also with its norms and decays as row factors.
+PATHS = {"fused-output": dict(fuse_output=True), "fused-row-factors": dict(fuse_output=True, scan_row_factors=True),
+         "output-kernel": dict(fuse_output=False),
+         "output-row-factors": dict(fuse_output=False, output_row_factors=True)}
+
+
 def _case_inputs(B, T, Hk, Hv, dk, dv, dtype, opts):
     return make_inputs(B, T, Hk, Hv, dk, dv, DTYPES[dtype], **opts), opts.get("l2norm", True), dk ** -0.5
 
 
-@pytest.mark.parametrize("path", [dict(fuse_output=True), dict(fuse_output=True, scan_row_factors=True),
-                                  dict(fuse_output=False), dict(fuse_output=False, output_row_factors=True)],
-                         ids=["fused-output", "fused-row-factors", "output-kernel", "output-row-factors"])
+@pytest.mark.parametrize("path", list(PATHS.values()), ids=list(PATHS))
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
 def test_chunk_kernel(case, path):
     name, *shape, dtype, opts = case
@@ -143,9 +148,7 @@ def test_chunk_kernel_launch_options(options):
     check(out, state, inputs, l2norm, scale, str(options))
 
 
-@pytest.mark.parametrize("path", [dict(fuse_output=True), dict(fuse_output=True, scan_row_factors=True),
-                                  dict(fuse_output=False), dict(fuse_output=False, output_row_factors=True)],
-                         ids=["fused-output", "fused-row-factors", "output-kernel", "output-row-factors"])
+@pytest.mark.parametrize("path", list(PATHS.values()), ids=list(PATHS))
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_chunk_kernel_positive_gates(dtype, path):
     """Log gates of both signs, as a differential program drew them from other
