@@ -58,7 +58,7 @@ GROUP = 128
 MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 
-def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False) -> list[dm.Config]:
+def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False, wide: bool = False) -> list[dm.Config]:
     if M <= 8:
         cands = tuner.candidates(dm.Problem.of(M, N, K, fmt, GROUP, torch.bfloat16, "cpu" if smoke else "cuda"))
         return [c for c in cands if c.kind == "gemv"][:2] if smoke else cands
@@ -70,6 +70,11 @@ def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False) 
         return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3)
                 for bn in (64, 128) for bk in bks for split in (1, 2, 4) for warps in (4, 8)]
     bks = (64, 128) if fmt == "int4" else (128, 256)
+    if wide:  # deeper pipelines and wider tiles: more weight bytes in flight per multiprocessor
+        return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages)
+                for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)) for bk in bks[-1:]
+                for stages in (3, 5, 8) for split in (1, 2, 4, 8, 16)
+                if stages * bn * bk <= 8 * 256 * 128]
     if quick:  # the tiles the heuristic chooses among
         return [dm.Config("mmt", BM=bm, BN=bn, BK=128, split=split, warps=4, stages=3)
                 for bn in (64, 128) for split in (1, 2, 4, 8)]
@@ -91,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     p.add_argument("--quick", action="store_true", help="at M > 8, only the tiles the heuristic chooses among")
     p.add_argument("--no-hot", action="store_true", help="time cold weights only")
+    p.add_argument("--wide", action="store_true", help="at M > 8, tiles of 64-256 rows with 3-8 pipeline stages")
     p.add_argument("--both-sums", action="store_true", help="also time each split-K config with its slices summed "
                    "by a second kernel (provider <kind>-2k) instead of by each tile's last program")
     args = p.parse_args(argv)
@@ -164,7 +170,7 @@ def main(argv=None) -> int:
                             best[mode][provider] = (us, label)
 
                 heur = dm_plans.heuristic(dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, device))
-                cands = configs(fmt, M, N, K, smoke, args.quick)
+                cands = configs(fmt, M, N, K, smoke, args.quick, args.wide)
                 if heur.kind != "cublas" and heur not in cands:
                     cands = [heur, *cands]
                 if not smoke:
