@@ -37,8 +37,8 @@ VARIANTS = {
     "split-wu-w8": dict(fuse_output=False, wu_warps=8),
     "fused": dict(fuse_output=True),
     "fused-s2": dict(fuse_output=True, num_stages=2),
-    "fused-rowf": dict(fuse_output=True, scan_row_factors=True),
-    "split-rowf": dict(fuse_output=False, output_row_factors=True),
+    "fused-tiles": dict(fuse_output=True, scan_row_factors=False),
+    "split-tiles": dict(fuse_output=False, output_row_factors=False),
     "fused-w8": dict(fuse_output=True, num_warps=8),
 }
 

@@ -191,8 +191,8 @@ def _gdn_launch(**options):
 
 # Every launch path of the chunked op (the op itself runs the default one).
 GDN_PATHS = {"split": dict(fuse_output=False), "split-inverse-fp32": dict(fuse_output=False, inverse_fp32=True),
-             "fused": dict(fuse_output=True), "fused-rowf": dict(fuse_output=True, scan_row_factors=True),
-             "split-rowf": dict(fuse_output=False, output_row_factors=True),
+             "fused": dict(fuse_output=True), "fused-tiles": dict(fuse_output=True, scan_row_factors=False),
+             "split-tiles": dict(fuse_output=False, output_row_factors=False),
              "fused-bv128": dict(fuse_output=True, block_v=128),
              "split-s1": dict(fuse_output=False, num_stages=1)}
 

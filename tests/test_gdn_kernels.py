@@ -113,10 +113,11 @@ RECURRENT_CASES = [
 
 
 # The chunked pipeline's launch paths: the fused scan, the state pass and output
-# kernel, each also with its norms and decays as row factors.
-PATHS = {"fused-output": dict(fuse_output=True), "fused-row-factors": dict(fuse_output=True, scan_row_factors=True),
+# kernel, each also with its norms and decays on q and k before the products (the
+# tiles, not the default row factors).
+PATHS = {"fused-output": dict(fuse_output=True), "fused-tile-factors": dict(fuse_output=True, scan_row_factors=False),
          "output-kernel": dict(fuse_output=False),
-         "output-row-factors": dict(fuse_output=False, output_row_factors=True)}
+         "output-tile-factors": dict(fuse_output=False, output_row_factors=False)}
 
 
 def _case_inputs(B, T, Hk, Hv, dk, dv, dtype, opts):

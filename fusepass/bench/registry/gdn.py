@@ -212,8 +212,8 @@ LAYOUTS = ("strided-l2", "contig-norm")
 VARIANTS = {
     "split": dict(fuse_output=False),
     "fused": dict(fuse_output=True),
-    "fused-rowf": dict(fuse_output=True, scan_row_factors=True),
-    "split-rowf": dict(fuse_output=False, output_row_factors=True),
+    "fused-tiles": dict(fuse_output=True, scan_row_factors=False),
+    "split-tiles": dict(fuse_output=False, output_row_factors=False),
     "split-s1": dict(fuse_output=False, num_stages=1),
     "split-inverse-fp32": dict(fuse_output=False, inverse_fp32=True),
     "fused-bv128": dict(fuse_output=True, block_v=128),
