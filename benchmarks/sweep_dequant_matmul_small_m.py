@@ -70,11 +70,11 @@ def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False, 
         return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3)
                 for bn in (64, 128) for bk in bks for split in (1, 2, 4) for warps in (4, 8)]
     bks = (64, 128) if fmt == "int4" else (128, 256)
-    if wide:  # deeper pipelines and wider tiles: more weight bytes in flight per multiprocessor
-        return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages)
+    if wide:  # deeper pipelines, wider tiles, scales loaded 0-2 tiles ahead
+        return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, ahead=ahead)
                 for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)) for bk in bks[-1:]
-                for stages in (3, 5, 8) for split in (1, 2, 4, 8, 16)
-                if stages * bn * bk <= 8 * 256 * 128]
+                for stages in (3, 5) for split in (1, 2, 4, 8, 16) for ahead in ((0, 1, 2) if fmt == "int4" else (2,))
+                if stages * bn * bk <= 5 * 256 * 128 and (bn < 256 or bm < 64)]
     if quick:  # the tiles the heuristic chooses among
         return [dm.Config("mmt", BM=bm, BN=bn, BK=128, split=split, warps=4, stages=3)
                 for bn in (64, 128) for split in (1, 2, 4, 8)]

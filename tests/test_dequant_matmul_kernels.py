@@ -45,6 +45,9 @@ PATHS = {
     "mmt": dm.Config("mmt", BM=16, BN=16, BK=32, split=1),
     "mmt-splitk": dm.Config("mmt", BM=16, BN=16, BK=32, split=2),
     "mmt-bm128": dm.Config("mmt", BM=128, BN=16, BK=32, split=2, warps=8),
+    # int4's scales loaded one and two tiles ahead, across slices of four tiles
+    "mmt-ahead1": dm.Config("mmt", BM=16, BN=16, BK=32, split=1, ahead=1),
+    "mmt-ahead2-splitk": dm.Config("mmt", BM=16, BN=16, BK=32, split=3, ahead=2),
     "cublas": dm.CUBLAS,
 }
 

@@ -26,13 +26,15 @@ class Config:
     warps: int = 4
     stages: int = 1
     perm: int = 0  # int4 mm: one dot over a permuted K order instead of two over split x
+    ahead: int = 0  # int4 mmt: tiles between a scale's load and its use (0-2; see the kernel)
 
     def label(self) -> str:
         if self.kind == "cublas":
             return "cublas"
         bm = f"BM{self.BM}-" if self.kind in ("mm", "mmt") else ""
         perm = "-perm" if self.perm else ""
-        return f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}{perm}"
+        ahead = f"-a{self.ahead}" if self.kind == "mmt" and self.ahead else ""
+        return f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}{perm}{ahead}"
 
 
 CUBLAS = Config("cublas")

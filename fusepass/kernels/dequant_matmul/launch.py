@@ -172,7 +172,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
             args.update(w=wv, stride_wn=wv.stride(0))
         return Launch(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split),
                       {**args, "x": x, "BM": cfg.BM, "DOT_F32": dot_f32, "ASM": x.is_cuda and not interpreting(),
-                       "WORDS": words}, outputs, cfg.warps, cfg.stages)
+                       "WORDS": words, "AHEAD": cfg.ahead}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mm":
         return Launch(_dequant_mm_kernel, (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split),
                       {**args, "x": x, "NG": ng, "BM": cfg.BM, "GROUP_M": _GROUP_M, "DOT_F32": dot_f32,
