@@ -144,6 +144,7 @@ def norm_cases(quick: bool):
 
 
 def dequant_cases(quick: bool):
+    from fusepass.kernels.dequant_matmul import Config
     from fusepass.quantize import Fp8Linear, Int4Linear, Int8Linear
 
     def quantized(N, K, fmt, group):
@@ -165,6 +166,23 @@ def dequant_cases(quick: bool):
                 b = _randn(N) if M == 4 else None
                 yield (f"dequant_matmul {fmt} g{group} M{M} N{N} K{K}", ops.dequant_matmul,
                        (x, q, s, z, b, fmt, group), 2e-2)
+            if fmt == "int4" and group == 128:  # int4's scales loaded ahead (plans take it at some shapes)
+                for M, split, ahead in ((16, 2, 1), (16, 1, 2), (64, 4, 2)):
+                    cfg = Config("mmt", BM=M, BN=64, BK=128, split=split, ahead=ahead)
+                    yield (f"dequant_matmul int4 {cfg.label()} M{M} N{N} K{K}", _dequant_config(cfg),
+                           (_randn(M, K), q, s, z, None, fmt, group), 2e-2)
+
+
+def _dequant_config(cfg):
+    """The dequant_matmul launcher with ``cfg`` on CUDA tensors, the op's CPU body on CPU copies."""
+    def run(x, q, s, z, b, fmt, group):
+        if x.is_cuda:
+            from fusepass.kernels.dequant_matmul import launch
+            out = torch.full((x.shape[0], q.shape[0]), float("nan"), device=x.device, dtype=x.dtype)
+            launch._launch(x, q, s, z, b, out, fmt, group, cfg)
+            return out
+        return ops.dequant_matmul(x, q, s, z, b, fmt, group)
+    return run
 
 
 def _gdn_inputs(B, T, Hk, Hv, dk, dv, state=True, strided=True):
