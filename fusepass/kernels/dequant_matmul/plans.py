@@ -124,6 +124,17 @@ def heuristic(p: Problem) -> Config:
         bk = min(128, G) if fmt == "int4" else 128
         bm = min(64, max(16, _pow2(M)))
         bn = 128 if N >= 4096 else 64
+        if fmt == "int4" and bk == 128:
+            # int4: the split rounded up to at least two programs per SM (148
+            # tiles at 18944x3584 had one slice: 66 µs against 31 with two), the
+            # scales loaded a tile ahead at 16 rows, two with eight warps
+            # beyond.  The fastest of 45 configs at 11 of 12 keys (M 16 and 64,
+            # Llama-3-8B's, Qwen2-7B's and a 5120x13824 MLP's shapes; H200,
+            # 491bb10) was this tile with its split within 2x of this one.
+            tiles = cdiv(N, bn) * cdiv(M, bm)
+            split = max(1, min(cdiv(2 * n_sm, tiles), K // bk, 16))
+            return Config("mmt", BM=bm, BN=bn, BK=bk, warps=4 if bm == 16 else 8, stages=3, split=split,
+                          ahead=1 if bm == 16 else 2)
         return Config("mmt", BM=bm, BN=bn, BK=bk, warps=4, stages=3,
                       split=max(1, _auto_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm) // 2))
     if M <= GEMV_MAX_M:
