@@ -45,15 +45,14 @@ def int4_gemv_bk(K: int, G: int, warps: int, chunks: int = 1) -> int:
     return 32 * warps * chunks * per_chunk
 
 
-def _int4_gemv(M: int, N: int, K: int, G: int, n_sm: int) -> Config:
-    # Four warps, one 16-byte chunk per thread and row (4096 values per tile),
-    # fewer warps where K is shorter, or where the rows alone make too few
-    # programs and K must be split into more slices than whole tiles allow;
-    # eight rows (four at M = 2) per program: 128 registers, four programs per
-    # SM, 64 KB of loads in flight per SM (sm_90 compile,
+def _int4_gemv(M: int, N: int, K: int, G: int, n_sm: int, warps: int = 4) -> Config:
+    # Four warps (or ``warps``), one 16-byte chunk per thread and row (4096
+    # values per tile), fewer warps where K is shorter, or where the rows alone
+    # make too few programs and K must be split into more slices than whole
+    # tiles allow; eight rows (four at M = 2) per program: 128 registers, four
+    # programs per SM, 64 KB of loads in flight per SM (sm_90 compile,
     # benchmarks/sass_dequant_matmul.py).
     bn = 8 if M == 1 else 4
-    warps = 4
     while warps > 1 and (4 * int4_gemv_bk(K, G, warps) > 5 * K  # at most a fifth of the tile past K
                          or cdiv(N, bn) * max(1, K // int4_gemv_bk(K, G, warps)) < 2 * n_sm):
         warps //= 2
@@ -139,7 +138,12 @@ def heuristic(p: Problem) -> Config:
                       split=max(1, _auto_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm) // 2))
     if M <= GEMV_MAX_M:
         if fmt == "int4" and (G % 32 == 0 or G in (2, 4, 8, 16)):
-            return _int4_gemv(M, N, K, G, n_sm)
+            # int4 at one token: two warps (2048 values a tile) below K = 16384.
+            # H200, g128, cold, six MLP shapes: 120.1 µs summed against 126.9
+            # with four warps (13824x5120 22.2 against 27.4; at most 2.6% slower
+            # elsewhere) and 116.4 for the fastest of 9-18 configs per shape
+            # (0b9dce0).  The code books keep four (not measured).
+            return _int4_gemv(M, N, K, G, n_sm, 2 if M == 1 and K < 16384 else 4)
         bk = 512
         bn = 8 if M == 1 else max(1, 8 // _pow2(M))
         return Config("gemv", BN=bn, BK=bk, split=_auto_split(cdiv(N, bn), K, bk, n_sm), warps=4)
