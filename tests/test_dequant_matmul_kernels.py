@@ -48,6 +48,8 @@ PATHS = {
     # int4's scales loaded one and two tiles ahead, across slices of four tiles
     "mmt-ahead1": dm.Config("mmt", BM=16, BN=16, BK=32, split=1, ahead=1),
     "mmt-ahead2-splitk": dm.Config("mmt", BM=16, BN=16, BK=32, split=3, ahead=2),
+    # x copied into the int4 tile's K order first, read as stored
+    "mmt-xperm-splitk": dm.Config("mmt", BM=16, BN=16, BK=32, split=3, ahead=1, xperm=1),
     "cublas": dm.CUBLAS,
 }
 

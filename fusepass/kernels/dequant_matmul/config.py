@@ -27,6 +27,7 @@ class Config:
     stages: int = 1
     perm: int = 0  # int4 mm: one dot over a permuted K order instead of two over split x
     ahead: int = 0  # int4 mmt: tiles between a scale's load and its use (0-2; see the kernel)
+    xperm: int = 0  # int4 mmt: x copied into the weight fragments' K order first, then read as stored
 
     def label(self) -> str:
         if self.kind == "cublas":
@@ -34,7 +35,8 @@ class Config:
         bm = f"BM{self.BM}-" if self.kind in ("mm", "mmt") else ""
         perm = "-perm" if self.perm else ""
         ahead = f"-a{self.ahead}" if self.kind == "mmt" and self.ahead else ""
-        return f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}{perm}{ahead}"
+        xperm = "-xp" if self.kind == "mmt" and self.xperm else ""
+        return f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}{perm}{ahead}{xperm}"
 
 
 CUBLAS = Config("cublas")

@@ -40,6 +40,17 @@ def _pairs(x: Tensor) -> Tensor:
     return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
 
 
+def _x_fragment_order(x: Tensor) -> Tensor:
+    """x [M, K] (K a multiple of 32) copied with each 32 columns in the order the
+    int4 ``mmt`` tile holds K (column 32j + 16h + 8u + 2t + e holds K index
+    32j + 8t + 4h + 2u + e; see tensor_core._dequant_mmt_kernel), so that the
+    kernel reads x's rows as stored instead of gathering pairs.  In a graph
+    (the inlined launches) the copy is a pointwise node Inductor can fuse into
+    x's producer."""
+    M, K = x.shape
+    return x.reshape(M, K // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, K)
+
+
 def _words(w: Tensor) -> Tensor:
     """A weight of bytes (int4 packed uint8 [N, K / 2], int8 [N, K]) as int32 words
     of four bytes; a row stride or offset that is not whole words is copied first."""
@@ -170,9 +181,12 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
         if words:
             wv = _words(w)
             args.update(w=wv, stride_wn=wv.stride(0))
+        xperm = bool(cfg.xperm) and fmt == "int4" and K % 32 == 0
+        xk = _x_fragment_order(x) if xperm else x
         return Launch(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split),
-                      {**args, "x": x, "BM": cfg.BM, "DOT_F32": dot_f32, "ASM": x.is_cuda and not interpreting(),
-                       "WORDS": words, "AHEAD": cfg.ahead}, outputs, cfg.warps, cfg.stages)
+                      {**args, "x": xk, "stride_xm": xk.stride(0), "BM": cfg.BM, "DOT_F32": dot_f32,
+                       "ASM": x.is_cuda and not interpreting(), "WORDS": words, "AHEAD": cfg.ahead,
+                       "XPERM": xperm}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mm":
         return Launch(_dequant_mm_kernel, (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), split),
                       {**args, "x": x, "NG": ng, "BM": cfg.BM, "GROUP_M": _GROUP_M, "DOT_F32": dot_f32,

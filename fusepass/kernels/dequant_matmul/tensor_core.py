@@ -161,6 +161,7 @@ def _dequant_mmt_kernel(
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
     ASM: tl.constexpr = False, WORDS: tl.constexpr = False, LIB: tl.constexpr = False, AHEAD: tl.constexpr = 0,
+    XPERM: tl.constexpr = False,
 ):
     # Small M, the product transposed: out^T [BN, BM] = W [BN, BK] @ x^T [BK, BM].
     # The dequantised weight tile is the dot's A operand, used from registers,
@@ -210,6 +211,8 @@ def _dequant_mmt_kernel(
         o_wd = (tl.arange(0, BK // 32) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 32, 4] words
         # column c = 32j + 16h + 8u + 2t + e of the tile holds K index 32j + 8t + 4h + 2u + e
         o_pk = (o_k // 32) * 32 + ((o_k // 2) % 4) * 8 + ((o_k // 16) % 2) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
+        if XPERM:  # x already in that order (launch._x_fragment_order): rows read as stored, 16-byte loads
+            o_pk = o_k
     k_lo = i_s * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     if FMT == "int4":
