@@ -37,6 +37,27 @@ def _auto_split(programs: int, K: int, BK: int, n_sm: int) -> int:
     return max(1, min(want, K // BK, 16))
 
 
+def _balanced_split(tiles: int, k_tiles: int, n_sm: int) -> int:
+    """K slices for ``tiles`` output tiles of ``k_tiles`` K steps each, where a
+    program's time is bound by its SM's instruction issue: the busiest SM's K
+    steps, ceil(programs / SMs) x (steps a slice + 2 for its partial sum's
+    store and reload), least, with at least 1.5 programs per SM where a split
+    of 16 or fewer allows it (148 programs on 132 SMs took 66 µs where 296
+    took 32).  H200, int4 M 16 / 64: the measured fastest split, or one within
+    3% of it, at the six MLP shapes timed (1.7-2 programs per SM; 288 programs
+    of 13 steps took 33.0 µs where 256 of 14 took 26.7, bdce73c)."""
+    best = None
+    for s in range(1, min(16, k_tiles) + 1):
+        steps = cdiv(k_tiles, s)
+        n = cdiv(k_tiles, steps)  # the slices a split of s gives (launch._k_split)
+        programs = tiles * n
+        few = programs < 1.5 * n_sm and tiles * min(16, k_tiles) >= 1.5 * n_sm
+        cost = (few, cdiv(programs, n_sm) * (steps + (2 if n > 1 else 0)), n)
+        if best is None or cost < best[0]:
+            best = (cost, n)
+    return best[1]
+
+
 def int4_gemv_bk(K: int, G: int, warps: int, chunks: int = 1) -> int:
     """The int4 GEMV's tile depth: each of the ``32 * warps`` threads holds
     ``chunks`` chunks of 16 bytes (32 values; fewer for G < 32) of every row of
@@ -124,16 +145,16 @@ def heuristic(p: Problem) -> Config:
         bm = min(64, max(16, _pow2(M)))
         bn = 128 if N >= 4096 else 64
         if fmt == "int4" and bk == 128:
-            # int4: the split rounded up to at least two programs per SM (148
-            # tiles at 18944x3584 had one slice: 66 µs against 31 with two), the
-            # scales loaded a tile ahead at 16 rows, two with eight warps
-            # beyond.  The fastest of 45 configs at 11 of 12 keys (M 16 and 64,
+            # int4: the scales loaded a tile ahead at 16 rows, two with eight
+            # warps beyond, and there x copied into the tile's K order first.
+            # The fastest of 45 configs at 11 of 12 keys (M 16 and 64,
             # Llama-3-8B's, Qwen2-7B's and a 5120x13824 MLP's shapes; H200,
-            # 491bb10) was this tile with its split within 2x of this one.
-            tiles = cdiv(N, bn) * cdiv(M, bm)
-            split = max(1, min(cdiv(2 * n_sm, tiles), K // bk, 16))
-            return Config("mmt", BM=bm, BN=bn, BK=bk, warps=4 if bm == 16 else 8, stages=3, split=split,
-                          ahead=1 if bm == 16 else 2)
+            # 491bb10) was this tile; x's copy 43.9 against 48.9 µs at M 64 on
+            # 14336x4096, level on 4096x14336, slower at M 16 (bdce73c).
+            bn = 128 if N >= 3072 else 64  # (3584x18944: 32.3 µs at M 16 against 35.0 with 64 rows)
+            return Config("mmt", BM=bm, BN=bn, BK=bk, warps=8 if bm > 16 and bn == 128 else 4, stages=3,
+                          ahead=1 if bm == 16 else 2, xperm=int(bm == 64),
+                          split=_balanced_split(cdiv(N, bn) * cdiv(M, bm), cdiv(K, bk), n_sm))
         return Config("mmt", BM=bm, BN=bn, BK=bk, warps=4, stages=3,
                       split=max(1, _auto_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm) // 2))
     if M <= GEMV_MAX_M:
