@@ -23,7 +23,7 @@ from fusepass.formats import dequantize_int4
 from fusepass.kernels import dequant_matmul as dm
 from fusepass.kernels.dequant_matmul import counters, launch, op, plans, tuner
 from fusepass.kernels.dequant_matmul.config import Problem, m_bucket, valid
-from fusepass.kernels._common import TOLERANCES, interpreting
+from fusepass.kernels._common import TOLERANCES, cdiv, interpreting
 from fusepass.testing.library_layouts import library_inputs
 from fusepass.testing import differential
 
@@ -397,6 +397,31 @@ def test_int4_gemv_tiles_give_each_thread_its_own_chunks(group):
     p = _problem(1, 1024, 4096, "int4", 128, torch.bfloat16, sms=132)
     cfg = plans.heuristic(p)
     assert cfg.kind == "gemv" and 1024 // cfg.BN * launch.splits(cfg, 4096) >= 2 * 132
+
+
+def test_int4_small_m_split_keeps_the_sms_evenly_busy():
+    """The int4 tensor-core heuristic's K split (plans._balanced_split): two measured
+    traps avoided (H200): 288 programs of 13 steps where 256 of 14 fit (33.0 against
+    26.7 µs), and one slice for 148 tiles on 132 SMs (66 against 32 µs)."""
+    sms = 132
+    for N, K, M in ((4096, 14336, 16), (4096, 14336, 64), (18944, 3584, 16), (14336, 4096, 16),
+                    (3584, 18944, 16), (5120, 13824, 64)):
+        cfg = plans.heuristic(_problem(M, N, K, "int4", 128, torch.bfloat16, sms=sms))
+        assert cfg.kind == "mmt" and cfg.ahead in (1, 2)
+        split = launch.splits(cfg, K)
+        programs = cdiv(N, cfg.BN) * cdiv(M, cfg.BM) * split
+        assert programs >= 1.5 * sms, (N, K, M, cfg.label())
+        # the busiest SM does no more K steps than with the split one below or above
+        steps = cdiv(K // cfg.BK, split)
+        busiest = cdiv(programs, sms) * (steps + 2 * (split > 1))
+        for other in (split - 1, split + 1):
+            o_steps = cdiv(K // cfg.BK, other)
+            o_n = cdiv(K // cfg.BK, o_steps)
+            o_programs = cdiv(N, cfg.BN) * cdiv(M, cfg.BM) * o_n
+            if other >= 1 and o_programs >= 1.5 * sms:
+                assert busiest <= cdiv(o_programs, sms) * (o_steps + 2 * (o_n > 1)), (N, K, M, other)
+    cfg = plans.heuristic(_problem(16, 4096, 14336, "int4", 128, torch.bfloat16, sms=sms))
+    assert launch.splits(cfg, 14336) == 8  # not 9
 
 
 def test_shipped_plans_are_valid():
