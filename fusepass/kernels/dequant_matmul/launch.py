@@ -45,8 +45,8 @@ def _x_fragment_order(x: Tensor) -> Tensor:
     int4 ``mmt`` tile holds K (column 32j + 16h + 8u + 2t + e holds K index
     32j + 8t + 4h + 2u + e; see tensor_core._dequant_mmt_kernel), so that the
     kernel reads x's rows as stored instead of gathering pairs.  In a graph
-    (the inlined launches) the copy is a pointwise node Inductor can fuse into
-    x's producer."""
+    (the inlined launches) the copy is a node Inductor compiles with the rest
+    (it may fuse it into x's producer; not measured)."""
     M, K = x.shape
     return x.reshape(M, K // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, K)
 

@@ -150,7 +150,8 @@ def heuristic(p: Problem) -> Config:
             # The fastest of 45 configs at 11 of 12 keys (M 16 and 64,
             # Llama-3-8B's, Qwen2-7B's and a 5120x13824 MLP's shapes; H200,
             # 491bb10) was this tile; x's copy 43.9 against 48.9 µs at M 64 on
-            # 14336x4096, level on 4096x14336, slower at M 16 (bdce73c).
+            # 14336x4096, level on 4096x14336, slower at M 16 (bdce73c).  Not
+            # timed on the H100, which takes the same choice.
             bn = 128 if N >= 3072 else 64  # (3584x18944: 32.3 µs at M 16 against 35.0 with 64 rows)
             return Config("mmt", BM=bm, BN=bn, BK=bk, warps=8 if bm > 16 and bn == 128 else 4, stages=3,
                           ahead=1 if bm == 16 else 2, xperm=int(bm == 64),

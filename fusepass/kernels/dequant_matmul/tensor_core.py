@@ -222,6 +222,9 @@ def _dequant_mmt_kernel(
         # each K step waits for one memory round trip: at M 16 on 4096x14336
         # (H200, ncu) the warps stalled 6.0 cycles per instruction on them
         # (long scoreboard), DRAM at 20% of its peak, 33 µs for an 11 µs floor.
+        # One tile ahead 26.5 against 32.2 µs there, two at M 64 42.7 against
+        # 62.0 (the plans' tiles, H200); carried across steps they cost layout
+        # conversions (shuffles) that AHEAD 0 does not.
         p_s = scale + o_n * stride_sn
         p_z = zero + o_n * stride_sn
         b_s1, b_z1 = _scale_row(p_s, p_z, k_lo, k_hi, m_n, G, HAS_ZERO)
