@@ -494,6 +494,13 @@ def test_plans_are_looked_up_never_tuned(plan_files, monkeypatch):
     # An entry a kernel cannot run (a GEMV at M = 1024) is not used.
     plans.save(shipped, dm.Config("gemv", BN=8, BK=512), 1.0)
     assert plans.lookup(shipped) == plans.heuristic(shipped)
+    # Nor one with a scale distance or x order the kernel does not have (a hand-edited file).
+    int4 = Problem.of(16, 4096, 14336, "int4", 128, torch.bfloat16, "cuda")
+    for bad in (dm.Config("mmt", BM=16, BN=128, BK=128, split=8, stages=3, ahead=3),
+                dm.Config("mmt", BM=16, BN=128, BK=128, split=8, stages=3, xperm=2)):
+        plans.save(int4, bad, 1.0)
+        plans.reset()
+        assert plans.lookup(int4) == plans.heuristic(int4)
 
 
 def test_plan_query_off_cuda():

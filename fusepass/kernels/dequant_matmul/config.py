@@ -122,6 +122,8 @@ def valid(cfg: Config, p: Problem) -> bool:
     M, fmt, G, dtype = p.M, p.fmt, p.group, p.dtype
     if cfg.kind == "cublas":
         return True
+    if cfg.ahead not in (0, 1, 2) or cfg.xperm not in (0, 1):
+        return False
     if cfg.kind == "gemv":
         if M > GEMV_MAX_M:
             return False
