@@ -73,11 +73,11 @@ def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False, 
     bks = (64, 128) if fmt == "int4" else (128, 256)
     if wide:  # every split, int4's scales loaded 0-2 tiles ahead (wider tiles and 5-8 stages were not
         # faster: H200, int4 M 16 / 64 on 4096x14336 and 14336x4096, 5e215f8)
-        xps = (0, 1) if fmt == "int4" and xperm else (0,)
+        xps = (0, 1) if fmt in ("int4", "int8") and xperm else (0,)
         return [dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3, ahead=ahead, xperm=xp)
                 for bn, warps in ((64, 4), (128, 4), (128, 8)) for bk in bks[-1:]
                 for split in (1, 2, 4, 8, 16) for ahead in ((0, 1, 2) if fmt == "int4" else (0,))
-                for xp in xps if not xp or (split > 1 and ahead > 0)]
+                for xp in xps if not xp or fmt == "int8" or (split > 1 and ahead > 0)]
     if quick:  # the tiles the heuristic chooses among
         return [dm.Config("mmt", BM=bm, BN=bn, BK=128, split=split, warps=4, stages=3)
                 for bn in (64, 128) for split in (1, 2, 4, 8)]
@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     p.add_argument("--quick", action="store_true", help="at M > 8, only the tiles the heuristic chooses among")
     p.add_argument("--no-hot", action="store_true", help="time cold weights only")
-    p.add_argument("--xperm", action="store_true", help="with --wide: int4 also with x copied into the tile's K "
-                   "order first (splits 2-16, scales ahead)")
+    p.add_argument("--xperm", action="store_true", help="with --wide: int4 (splits 2-16, scales ahead) and int8 also "
+                   "with x copied into the tile's K order first")
     p.add_argument("--wide", action="store_true", help="at M > 8, every split of 64- and 128-row tiles, int4 scales loaded 0-2 tiles ahead")
     p.add_argument("--both-sums", action="store_true", help="also time each split-K config with its slices summed "
                    "by a second kernel (provider <kind>-2k) instead of by each tile's last program")

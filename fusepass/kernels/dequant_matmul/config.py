@@ -27,7 +27,7 @@ class Config:
     stages: int = 1
     perm: int = 0  # int4 mm: one dot over a permuted K order instead of two over split x
     ahead: int = 0  # int4 mmt: tiles between a scale's load and its use (0-2; see the kernel)
-    xperm: int = 0  # int4 mmt: x copied into the weight fragments' K order first, then read as stored
+    xperm: int = 0  # int4 / int8 mmt: x copied into the weight fragments' K order first, then read as stored
 
     def label(self) -> str:
         if self.kind == "cublas":

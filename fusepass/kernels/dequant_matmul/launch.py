@@ -40,15 +40,18 @@ def _pairs(x: Tensor) -> Tensor:
     return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
 
 
-def _x_fragment_order(x: Tensor) -> Tensor:
-    """x [M, K] (K a multiple of 32) copied with each 32 columns in the order the
-    int4 ``mmt`` tile holds K (column 32j + 16h + 8u + 2t + e holds K index
-    32j + 8t + 4h + 2u + e; see tensor_core._dequant_mmt_kernel), so that the
-    kernel reads x's rows as stored instead of gathering pairs.  In a graph
-    (the inlined launches) the copy is a node Inductor compiles with the rest
-    (it may fuse it into x's producer; not measured)."""
+def _x_fragment_order(x: Tensor, fmt: str) -> Tensor:
+    """x [M, K] copied with K in the order the ``mmt`` tile of int32 words holds
+    it (see tensor_core._dequant_mmt_kernel): int4, column 32j + 16h + 8u + 2t
+    + e holds K index 32j + 8t + 4h + 2u + e (K a multiple of 32); int8, column
+    16j + 8h + 2t + e holds 16j + 4t + 2h + e (K a multiple of 16).  The
+    kernel then reads x's rows as stored instead of gathering pairs.  In a
+    graph (the inlined launches) the copy is a node Inductor compiles with the
+    rest (it may fuse it into x's producer; not measured)."""
     M, K = x.shape
-    return x.reshape(M, K // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, K)
+    if fmt == "int4":
+        return x.reshape(M, K // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, K)
+    return x.reshape(M, K // 16, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(M, K)
 
 
 def _words(w: Tensor) -> Tensor:
@@ -181,8 +184,8 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
         if words:
             wv = _words(w)
             args.update(w=wv, stride_wn=wv.stride(0))
-        xperm = bool(cfg.xperm) and fmt == "int4" and K % 32 == 0
-        xk = _x_fragment_order(x) if xperm else x
+        xperm = bool(cfg.xperm) and words and K % (32 if fmt == "int4" else 16) == 0
+        xk = _x_fragment_order(x, fmt) if xperm else x
         return Launch(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split),
                       {**args, "x": xk, "stride_xm": xk.stride(0), "BM": cfg.BM, "DOT_F32": dot_f32,
                        "ASM": x.is_cuda and not interpreting(), "WORDS": words, "AHEAD": cfg.ahead,

@@ -202,6 +202,8 @@ def _dequant_mmt_kernel(
         o_wd = (tl.arange(0, BK // 16) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 16, 4] words
         # column c = 16j + 8h + 2t + e of the tile holds K index 16j + 4t + 2h + e
         o_pk = (o_k // 16) * 16 + ((o_k // 2) % 4) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
+        if XPERM:  # x already in that order (launch._x_fragment_order)
+            o_pk = o_k
     if FMT == "int4":
         ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
         # 16-bit x with its scales and zero points in the same dtype: the model's
