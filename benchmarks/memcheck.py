@@ -166,10 +166,14 @@ def dequant_cases(quick: bool):
                 b = _randn(N) if M == 4 else None
                 yield (f"dequant_matmul {fmt} g{group} M{M} N{N} K{K}", ops.dequant_matmul,
                        (x, q, s, z, b, fmt, group), 2e-2)
-            if fmt == "int4" and group == 128:  # int4's scales loaded ahead (plans take it at some shapes)
-                for M, split, ahead in ((16, 2, 1), (16, 1, 2), (64, 4, 2)):
-                    cfg = Config("mmt", BM=M, BN=64, BK=128, split=split, ahead=ahead)
-                    yield (f"dequant_matmul int4 {cfg.label()} M{M} N{N} K{K}", _dequant_config(cfg),
+            if (fmt == "int4" and group == 128) or fmt == "int8":
+                # int4's scales loaded ahead, x copied into the tile's K order (plans take both at some shapes)
+                for M, split, ahead, xperm in ((16, 2, 1, 0), (16, 1, 2, 0), (64, 4, 2, 0), (64, 2, 2, 1), (16, 4, 1, 1)):
+                    if fmt == "int8" and not xperm:
+                        continue
+                    cfg = Config("mmt", BM=M, BN=64, BK=128, split=split, stages=3, ahead=ahead if fmt == "int4" else 0,
+                                 xperm=xperm)
+                    yield (f"dequant_matmul {fmt} {cfg.label()} M{M} N{N} K{K}", _dequant_config(cfg),
                            (_randn(M, K), q, s, z, None, fmt, group), 2e-2)
 
 
