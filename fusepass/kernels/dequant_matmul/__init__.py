@@ -40,7 +40,9 @@ Four ways to run it on CUDA; a plan (``plans.lookup``) picks one per
   with fp32 FMAs.
 - ``mmt``: from two rows to a few hundred.  Tensor cores on the product
   transposed, out^T = W x^T: the dequantised weight tile is the dot's A
-  operand, x^T (rows padded to 16) the B operand.
+  operand, x^T (rows padded to 16) the B operand, its K order the tile's
+  (gathered, or copied into that order first: ``Config.xperm``); int4's
+  scales may be loaded one or two K steps ahead (``Config.ahead``).
 - ``mm``: the same with x as the A operand, where it measured faster.
 - ``cublas``: large M, where the product is compute-bound: one Triton pass
   writes the dequantised weight in x's dtype, then ``torch.mm``.  Fused
