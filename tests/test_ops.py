@@ -647,7 +647,7 @@ def test_inlined_launches_compute_the_op(op, make, fake_cuda, poisoned_empty):
 
 
 @pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")
-@pytest.mark.parametrize("path", ["gemv", "gemv-splitk", "mm-splitk", "mmt", "mmt-splitk", "cublas"])
+@pytest.mark.parametrize("path", ["gemv", "gemv-splitk", "mm-splitk", "mmt", "mmt-splitk", "mmt-ahead-xperm", "cublas"])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empty):
     """Each of dequant_matmul's paths put into a graph computes the op: a split
@@ -658,7 +658,10 @@ def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empt
 
     cfg = {"gemv": Config("gemv", BN=8, BK=64), "gemv-splitk": Config("gemv", BN=8, BK=32, split=3),
            "mm-splitk": Config("mm", BM=16, BN=16, BK=32, split=2), "mmt": Config("mmt", BM=16, BN=16, BK=32),
-           "mmt-splitk": Config("mmt", BM=16, BN=16, BK=32, split=2), "cublas": Config("cublas")}[path]
+           "mmt-splitk": Config("mmt", BM=16, BN=16, BK=32, split=2),
+           # int4's scales two steps ahead, x copied into the tile's K order as a node of the graph
+           "mmt-ahead-xperm": Config("mmt", BM=16, BN=16, BK=32, split=3, ahead=2, xperm=1),
+           "cublas": Config("cublas")}[path]
     monkeypatch.setattr(dm_op, "_plan", lambda *a: cfg)
     torch.manual_seed(0)
     M = 3 if cfg.kind == "gemv" else 17
