@@ -24,7 +24,8 @@ import torch
 
 from fusepass.formats import KERNEL_DTYPES, LIBRARY_FORMATS
 from fusepass.kernels._common import cdiv
-from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M, CUBLAS, Config, Problem, _pow2, codebook_chunk, valid
+from fusepass.kernels.dequant_matmul.config import (GEMV_MAX_M, CUBLAS, Config, Problem, _k_split, _pow2, codebook_chunk,
+                                                    valid)
 
 log = logging.getLogger("fusepass")
 
@@ -37,8 +38,8 @@ def _auto_split(programs: int, K: int, BK: int, n_sm: int) -> int:
     return max(1, min(want, K // BK, 16))
 
 
-def _balanced_split(tiles: int, k_tiles: int, n_sm: int) -> int:
-    """K slices for ``tiles`` output tiles of ``k_tiles`` K steps each, where a
+def _balanced_split(tiles: int, K: int, BK: int, n_sm: int) -> int:
+    """K slices for ``tiles`` output tiles of K / BK steps each, where a
     program's time is bound by its SM's instruction issue: the busiest SM's K
     steps, ceil(programs / SMs) x (steps a slice + 2 for its partial sum's
     store and reload), least, with at least 1.5 programs per SM where a split
@@ -46,10 +47,11 @@ def _balanced_split(tiles: int, k_tiles: int, n_sm: int) -> int:
     took 32).  H200, int4 M 16 / 64: the measured fastest split, or one within
     3% of it, at the six MLP shapes timed (1.7-2 programs per SM; 288 programs
     of 13 steps took 33.0 µs where 256 of 14 took 26.7, bdce73c)."""
+    k_tiles = cdiv(K, BK)
     best = None
     for s in range(1, min(16, k_tiles) + 1):
-        steps = cdiv(k_tiles, s)
-        n = cdiv(k_tiles, steps)  # the slices a split of s gives (launch._k_split)
+        k_split, n, _ = _k_split(K, BK, s)  # the slices a split of s gives
+        steps = k_split // BK
         programs = tiles * n
         few = programs < 1.5 * n_sm and tiles * min(16, k_tiles) >= 1.5 * n_sm
         cost = (few, cdiv(programs, n_sm) * (steps + (2 if n > 1 else 0)), n)
@@ -155,7 +157,7 @@ def heuristic(p: Problem) -> Config:
             bn = 128 if N >= 3072 else 64  # (3584x18944: 32.3 µs at M 16 against 35.0 with 64 rows)
             return Config("mmt", BM=bm, BN=bn, BK=bk, warps=8 if bm > 16 and bn == 128 else 4, stages=3,
                           ahead=1 if bm == 16 else 2, xperm=int(bm == 64),
-                          split=_balanced_split(cdiv(N, bn) * cdiv(M, bm), cdiv(K, bk), n_sm))
+                          split=_balanced_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm))
         return Config("mmt", BM=bm, BN=bn, BK=bk, warps=4, stages=3,
                       split=max(1, _auto_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm) // 2))
     if M <= GEMV_MAX_M:

@@ -202,8 +202,6 @@ def _dequant_mmt_kernel(
         o_wd = (tl.arange(0, BK // 16) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 16, 4] words
         # column c = 16j + 8h + 2t + e of the tile holds K index 16j + 4t + 2h + e
         o_pk = (o_k // 16) * 16 + ((o_k // 2) % 4) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
-        if XPERM:  # x already in that order (launch._x_fragment_order)
-            o_pk = o_k
     if FMT == "int4":
         ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
         # 16-bit x with its scales and zero points in the same dtype: the model's
@@ -213,8 +211,8 @@ def _dequant_mmt_kernel(
         o_wd = (tl.arange(0, BK // 32) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 32, 4] words
         # column c = 32j + 16h + 8u + 2t + e of the tile holds K index 32j + 8t + 4h + 2u + e
         o_pk = (o_k // 32) * 32 + ((o_k // 2) % 4) * 8 + ((o_k // 16) % 2) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
-        if XPERM:  # x already in that order (launch._x_fragment_order): rows read as stored, 16-byte loads
-            o_pk = o_k
+    if XPERM:  # (word tiles only) x already in that order (launch._x_fragment_order): rows read as stored
+        o_pk = o_k
     k_lo = i_s * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     if FMT == "int4":
