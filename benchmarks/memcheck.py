@@ -310,13 +310,17 @@ def library_cases(quick: bool):
     # real-size configs of tests/test_dequant_matmul_kernels.py's GPU test).
     paths = {"gemv": dm.Config("gemv", BN=8, BK=256, split=1), "gemv-splitk": dm.Config("gemv", BN=16, BK=256, split=4),
              "mm": dm.Config("mm", BM=16, BN=64, BK=32, split=1, stages=3),
-             "mm-splitk": dm.Config("mm", BM=64, BN=128, BK=32, split=2), "cublas": dm.CUBLAS}
+             "mm-splitk": dm.Config("mm", BM=64, BN=128, BK=32, split=2), "cublas": dm.CUBLAS,
+             # the code books' and HQQ's words on the transposed kernel (the plans' from three rows)
+             "mmt-ahead": dm.Config("mmt", BM=16, BN=128, BK=64, split=3, stages=3, ahead=1),
+             "mmt-xperm": dm.Config("mmt", BM=64, BN=64, BK=64, split=2, stages=3, ahead=2, xperm=1)}
     N, K = (4096, 4096) if not quick else (40, 192)
-    for (path, cfg), fmt in itertools.product(paths.items(), LIBRARY_FORMATS if not quick else ("gptq4", "hqq4")):
+    for (path, cfg), fmt in itertools.product(paths.items(), LIBRARY_FORMATS if not quick else ("gptq4", "hqq4", "nf4")):
         M = 1 if cfg.kind == "gemv" else 77
-        if not valid(cfg, Problem(m_bucket(M), N, K, fmt, 0, torch.bfloat16, "memcheck", 132)):
-            continue
         x, w, s, z, g, group = _library_inputs(fmt, M, N, K, torch.bfloat16, seed=M)
+        G = group if fmt in ("nf4", "fp4", "hqq4") else 0
+        if not valid(cfg, Problem(m_bucket(M), N, K, fmt, G, torch.bfloat16, "memcheck", 132)):
+            continue
         yield (f"dequant_matmul[{path}] {fmt} M{M} N{N} K{K}", _library_path(cfg, N),
                (x, w, s, z, None, fmt, group, g), 2e-2)
 

@@ -117,7 +117,7 @@ def compile_config(fmt, group, M, N, K, dtype, cfg, x_dtype=None):
     real_run = launch._run
     # Compile as the GPU would run it: the inline-PTX code conversions where the GPU takes them
     # (launch.gemv_asm for the GEMV), tensor-core dots in 16 bit.
-    asm = launch.gemv_asm(fmt, group, N, cfg) if cfg.kind == "gemv" else fmt == "int4" and group >= 8
+    asm = launch.gemv_asm(fmt, group, N, cfg) if cfg.kind == "gemv" else cfg.kind == "mmt"  # (as the launcher)
 
     def capture(*a, **kw):
         if isinstance(a[0], triton.runtime.jit.JITFunction):  # _run(kernel, grid, warmup, *args, **meta)

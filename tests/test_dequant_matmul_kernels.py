@@ -55,7 +55,7 @@ PATHS = {
 
 
 def _problem(M, N, K, fmt, group, dtype, gpu="test", sms=132):
-    return Problem(m_bucket(max(1, M)), N, K, fmt, group if fmt in ("int4", "nf4", "fp4") else 0, dtype, gpu, sms)
+    return Problem(m_bucket(max(1, M)), N, K, fmt, group if fmt in ("int4", "nf4", "fp4", "hqq4") else 0, dtype, gpu, sms)
 
 
 def _valid(cfg, M, K, fmt, group, dtype):
@@ -817,6 +817,64 @@ def test_library_reference_is_the_libraries_dequantization():
         assert torch.equal(ours, theirs), fmt
 
 
+# id -> (fmt, N, K, group, config, M, dtype): the code books (int4's words) and HQQ (int8's words, rows
+# paired) on the transposed kernel
+LIB_MMT_CASES = {
+    "nf4-g64-BK32-M3-bf16": ("nf4", 40, 192, 64, dm.Config("mmt", BM=16, BN=16, BK=32), 3, torch.bfloat16),
+    # BK 128 over blocks of 64, split in two, the absmax a tile ahead, x in the tile's K order
+    "nf4-g64-BK128-M17-fp16-ahead-xperm": ("nf4", 40, 256, 64, dm.Config("mmt", BM=32, BN=16, BK=128, split=2,
+                                                                          ahead=2, xperm=1), 17, torch.float16),
+    "fp4-g32-BK64-M5-bf16-splitk": ("fp4", 24, 256, 32, dm.Config("mmt", BM=16, BN=32, BK=64, split=3, ahead=1), 5,
+                                    torch.bfloat16),
+    "fp4-g128-BK32-M16-fp16": ("fp4", 40, 256, 128, dm.Config("mmt", BM=16, BN=16, BK=32, ahead=1), 16,
+                               torch.float16),
+    # HQQ: N = 40 (a tile of 16 rows straddles the halves at 20), N = 22 (odd halves)
+    "hqq4-g64-BK32-M3-bf16": ("hqq4", 40, 192, 64, dm.Config("mmt", BM=16, BN=16, BK=32), 3, torch.bfloat16),
+    "hqq4-g64-BK128-M17-fp16-ahead-xperm": ("hqq4", 40, 256, 64, dm.Config("mmt", BM=32, BN=16, BK=128, split=2,
+                                                                            ahead=2, xperm=1), 17, torch.float16),
+    "hqq4-g32-BK64-M5-bf16-splitk": ("hqq4", 22, 256, 32, dm.Config("mmt", BM=16, BN=32, BK=64, split=3, ahead=1),
+                                     5, torch.bfloat16),
+    "hqq4-g16-BK64-M16-fp16": ("hqq4", 40, 256, 16, dm.Config("mmt", BM=16, BN=16, BK=64, ahead=2, xperm=1), 16,
+                               torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", list(LIB_MMT_CASES))
+def test_library_mmt_matches_reference(case):
+    """NF4 / FP4 and HQQ read as words by the transposed kernel: N = 40, 24 and 22
+    (not whole tiles of rows), blocks inside a tile and tiles inside a block,
+    split K, scales loaded ahead, x copied into the tile's K order; unwritten
+    outputs NaN."""
+    fmt, N, K, group, cfg, M, dtype = LIB_MMT_CASES[case]
+    p = _problem(M, N, K, fmt, group, dtype)
+    assert valid(cfg, p)
+    x, w, s, z, g, _ = library_inputs(fmt, M, N, K, dtype, seed=M, group=group)
+    b = torch.randn(N).to(dtype) if M % 2 else None
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    launch._launch(x, w, s, z, b, out, fmt, group, cfg)
+    ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group)
+    assert torch.isfinite(out).all(), "unwritten (NaN) outputs"
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_library_mmt_valid():
+    """The libraries' transposed kernel needs 16-bit x, blocks of a multiple of
+    32 (code books) or 16 (HQQ, N even) that tiles of BK lie in or cover whole,
+    and K in whole tiles; not GPTQ's."""
+    cfg = dm.Config("mmt", BM=16, BN=64, BK=128)
+    assert valid(cfg, _problem(16, 4096, 4096, "nf4", 64, torch.bfloat16))
+    assert valid(cfg, _problem(16, 4096, 4096, "fp4", 256, torch.float16))
+    assert not valid(cfg, _problem(16, 4096, 4096, "nf4", 64, torch.float32))
+    assert not valid(cfg, _problem(16, 4096, 4032, "nf4", 48, torch.bfloat16))  # blocks of 48
+    assert not valid(cfg, _problem(16, 4096, 4160, "nf4", 64, torch.bfloat16))  # K not whole tiles of 128
+    assert valid(cfg, _problem(16, 4096, 4096, "hqq4", 64, torch.bfloat16))
+    assert valid(cfg, _problem(16, 4096, 4096, "hqq4", 16, torch.bfloat16))
+    assert not valid(cfg, _problem(16, 4097, 4096, "hqq4", 64, torch.bfloat16))  # rows do not pair
+    assert not valid(cfg, _problem(16, 4096, 4104, "hqq4", 8, torch.bfloat16))
+    assert not valid(cfg, _problem(16, 4096, 4096, "gptq4", 0, torch.bfloat16))
+
+
 @pytest.mark.parametrize("fmt", ["nf4", "gptq4", "hqq4"])
 def test_library_op_cuda_body_under_interpreter(fmt):
     """The op's CUDA body (plan, launch) on CPU tensors with the Triton interpreter."""
@@ -977,32 +1035,43 @@ def test_codebook_gemv_takes_its_loop_on_whole_chunks(monkeypatch):
 
 
 def test_library_gemv_plans():
-    """The GEMV range of HQQ (even N) and GPTQ plans their own loops: HQQ a
-    16-byte chunk per thread and pair, GPTQ 128 columns; odd N, nf4 and more rows
-    take the paths that read value by value."""
+    """The GEMV range of HQQ (even N; one or two rows on a large weight) and GPTQ
+    plans their own loops: HQQ a 16-byte chunk per thread and pair, GPTQ 128
+    columns; odd N and more rows of GPTQ take the paths that read value by value."""
     for M in (1, 2, 5, 8):
         for N, K in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (22, 128)):
-            p = _problem(M, N, K, "hqq4", 0, torch.bfloat16)
+            p = _problem(M, N, K, "hqq4", 64, torch.bfloat16)
             cfg = plans.heuristic(p)
-            assert valid(cfg, p) and cfg.kind == "gemv" and cfg.BK == 512 * cfg.warps, (M, N, K, cfg)
-            assert launch.gemv_asm("hqq4", 64, N, cfg)
+            if M > 2 and N >= 2048:  # the transposed kernel from three rows on a large weight
+                assert valid(cfg, p) and cfg.kind == "mmt", (M, N, K, cfg)
+            else:
+                assert valid(cfg, p) and cfg.kind == "gemv" and cfg.BK == 512 * cfg.warps, (M, N, K, cfg)
+                assert launch.gemv_asm("hqq4", 64, N, cfg)
             for fmt in ("gptq4", "gptq4_v1"):
                 p = _problem(M, N, K, fmt, 0, torch.float16)
                 cfg = plans.heuristic(p)
                 assert valid(cfg, p) and cfg.kind == "gemv" and cfg.BN == 128, (M, N, K, cfg)
-    p = _problem(1, 4097, 4096, "hqq4", 0, torch.bfloat16)
+    p = _problem(1, 4097, 4096, "hqq4", 64, torch.bfloat16)
     assert plans.heuristic(p).BK == 256 and not launch.hqq_pairs("hqq4", 4097)
     assert not launch.gemv_asm("hqq4", 64, 4096, dm.Config("gemv", BN=8, BK=256))  # a thread's chunk is not whole
     assert plans.heuristic(_problem(9, 4096, 4096, "gptq4", 0, torch.bfloat16)).kind == "mm"
-    # The code books: the int4 GEMV's tiles where blocks are whole chunks, each thread a whole chunk (the
-    # shuffles convert four bytes at a time); blocks of 48 value by value.
-    for M in (1, 4, 8):
-        for N, K in ((4096, 4096), (14336, 4096), (4096, 14336)):
+    # The code books: at one or two rows (and fp32 x, or a small N, to eight) the int4 GEMV's tiles where
+    # blocks are whole chunks, each thread a whole chunk (the shuffles convert four bytes at a time); from
+    # three rows to 256 the transposed kernel on words; blocks of 48 value by value.
+    for M in (1, 2, 4, 8, 16, 64, 256):
+        for N, K in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)):
             for fmt, G in (("nf4", 64), ("fp4", 64), ("nf4", 128), ("nf4", 32)):
-                p = _problem(M, N, K, fmt, G, torch.bfloat16)
-                cfg = plans.heuristic(p)
-                assert cfg.kind == "gemv" and launch.own_loop(fmt, N, G, cfg) and launch.gemv_asm(fmt, G, N, cfg), \
-                    (M, N, K, fmt, G, cfg)
+                for dtype in (torch.bfloat16, torch.float32):
+                    p = _problem(M, N, K, fmt, G, dtype)
+                    cfg = plans.heuristic(p)
+                    assert valid(cfg, p), (M, N, K, fmt, G, dtype, cfg)
+                    if M > 2 and N >= 2048 and dtype != torch.float32:
+                        assert cfg.kind == "mmt" and cfg.BK == 128, (M, N, K, fmt, G, dtype, cfg)
+                    elif M <= 8:
+                        assert cfg.kind == "gemv" and launch.own_loop(fmt, N, G, cfg) \
+                            and launch.gemv_asm(fmt, G, N, cfg), (M, N, K, fmt, G, dtype, cfg)
+    p = _problem(16, 4096, 4160, "nf4", 64, torch.bfloat16)  # K not whole tiles of 128: tiles of 64
+    assert plans.heuristic(p).BK == 64
     p = _problem(1, 4096, 4032, "nf4", 48, torch.bfloat16)
     assert not launch.own_loop("nf4", 4096, 48, plans.heuristic(p))
 
@@ -1057,6 +1126,9 @@ def test_gpu_library_layouts_real_sizes(fmt):
     N, K = 4096, 4096
     paths = [dm.Config("gemv", BN=8, BK=256, split=1), dm.Config("gemv", BN=16, BK=256, split=4),
              dm.Config("mm", BM=16, BN=64, BK=32, split=1, stages=3), dm.Config("mm", BM=64, BN=128, BK=32, split=2),
+             # (the code books' transposed kernel: its shuffles run only here)
+             dm.Config("mmt", BM=16, BN=128, BK=128, split=8, stages=3, ahead=1),
+             dm.Config("mmt", BM=64, BN=128, BK=128, split=2, warps=8, stages=3, ahead=2, xperm=1),
              dm.CUBLAS]
     for cfg in paths:
         for M, dtype in ((1, torch.bfloat16), (5, torch.float16), (77, torch.bfloat16)):

@@ -46,8 +46,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 GEMV_MAX_M = 8  # the GEMV's per-row FMA loop is unrolled M times
 _GROUP_M = 8
 # Formats whose plan depends on the group (block) size: int4's tiles lie inside
-# a group; the code books' GEMV loop runs on whole blocks (codebook_chunk).
-_BLOCKED = ("int4", "nf4", "fp4")
+# a group; the code books' GEMV loop runs on whole blocks (codebook_chunk); the
+# transposed kernel's tiles lie inside a group or cover whole ones (code books, HQQ).
+_BLOCKED = ("int4", "nf4", "fp4", "hqq4")
 
 
 def _pow2(n: int) -> int:
@@ -135,8 +136,14 @@ def valid(cfg: Config, p: Problem) -> bool:
             return cfg.BK % 16 == 0
         return True
     if cfg.kind == "mmt":  # 16-deep dots of 16-bit operands; int4 tiles within one group
-        return (dtype != torch.float32 and cfg.BK >= 32 and cfg.BM >= 16 and (fmt != "int4" or G % cfg.BK == 0)
-                and fmt not in LIBRARY_FORMATS)  # (the library layouts have a gemv, mm and dequant path)
+        if dtype == torch.float32 or cfg.BK < 32 or cfg.BM < 16:
+            return False
+        whole = (G % cfg.BK == 0 or cfg.BK % G == 0) and p.K % cfg.BK == 0  # (no K mask on the words)
+        if fmt in ("nf4", "fp4"):  # int4's words: an absmax per 32 codes
+            return G % 32 == 0 and whole
+        if fmt == "hqq4":  # int8's words, rows paired (N even): a scale and zero point per 16 codes
+            return G % 16 == 0 and p.N % 2 == 0 and whole
+        return (fmt != "int4" or G % cfg.BK == 0) and fmt not in LIBRARY_FORMATS  # (GPTQ: gemv, mm, dequant)
     # mm: tensor cores need 16-deep dots of 16-bit operands (fp32 runs the
     # "ieee" dot: exact, but no faster than the cuBLAS path, which the plan
     # takes instead), and an int4 tile within one group.

@@ -55,7 +55,7 @@ def _x_fragment_order(x: Tensor, fmt: str) -> Tensor:
 
 
 def _words(w: Tensor) -> Tensor:
-    """A weight of bytes (int4 packed uint8 [N, K / 2], int8 [N, K]) as int32 words
+    """A weight of bytes (int4 / nf4 / fp4 packed uint8 [N, K / 2], int8 [N, K]) as int32 words
     of four bytes; a row stride or offset that is not whole words is copied first."""
     if w.stride(0) % 4 or w.storage_offset() % 4:
         w = w.contiguous()
@@ -179,13 +179,16 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "NG": ng, "BM": _pow2(M), "ASM": asm,
                        "LOOP": loop}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mmt":
-        # int4 always, int8 in whole tiles: the weight read as int32 words (see the kernel)
-        words = fmt == "int4" or (fmt == "int8" and even and K % 4 == 0)
+        # int4, the code books and HQQ always, int8 in whole tiles: the weight read
+        # as int32 words (see the kernel); the code books' words hold codes in
+        # int4's order, HQQ's bytes (as a [N / 2, K] matrix) values in int8's
+        nibbles = fmt == "int4" or fmt in CODEBOOKS
+        words = nibbles or fmt == "hqq4" or (fmt == "int8" and even and K % 4 == 0)
         if words:
-            wv = _words(w)
+            wv = _words(w.contiguous().view(N // 2, K) if fmt == "hqq4" else w)
             args.update(w=wv, stride_wn=wv.stride(0))
-        xperm = bool(cfg.xperm) and words and K % (32 if fmt == "int4" else 16) == 0
-        xk = _x_fragment_order(x, fmt) if xperm else x
+        xperm = bool(cfg.xperm) and words and K % (32 if nibbles else 16) == 0
+        xk = _x_fragment_order(x, "int4" if nibbles else fmt) if xperm else x
         return Launch(_dequant_mmt_kernel, (cdiv(N, cfg.BN), cdiv(M, cfg.BM), split),
                       {**args, "x": xk, "stride_xm": xk.stride(0), "BM": cfg.BM, "DOT_F32": dot_f32,
                        "ASM": x.is_cuda and not interpreting(), "WORDS": words, "AHEAD": cfg.ahead,

@@ -111,6 +111,26 @@ def _gptq_gemv(M: int, N: int, K: int, n_sm: int) -> Config:
     return Config("gemv", BN=128, BK=bk, warps=4, split=_auto_split(cdiv(N, 128), K, bk, n_sm))
 
 
+def _library_mmt(p: Problem) -> Config | None:
+    """The code books (NF4 / FP4) and HQQ from three rows to 256 on a large
+    weight: the transposed kernel on words with int4's tiles (its heuristic
+    below), the deepest tile of 128, 64 or 32 that ``valid`` allows (whole
+    tiles of K, within or across blocks; HQQ's rows paired); None where none
+    is.  Not yet timed against the GEMV at M 3-8."""
+    M, N, K, n_sm = p.M, p.N, p.K, p.sms
+    if not (2 < M <= 256 and N >= 2048 and p.dtype != torch.float32):
+        return None
+    bm = min(64 if M <= 64 else 128, max(16, _pow2(M)))
+    bn = 128 if N >= 3072 and M <= 64 else 64
+    for bk in (128, 64, 32):
+        cfg = Config("mmt", BM=bm, BN=bn, BK=bk, warps=8 if bm > 16 and bn == 128 else 4, stages=3,
+                     ahead=1 if bm == 16 else 2, xperm=int(bm == 64),
+                     split=_balanced_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm))
+        if valid(cfg, p):
+            return cfg
+    return None
+
+
 def heuristic(p: Problem) -> Config:
     """The plan when there is no measured one (no entry for this GPU, the interpreter)."""
     M, N, K, fmt, G, dtype, n_sm = p.M, p.N, p.K, p.fmt, p.group, p.dtype, p.sms
@@ -118,6 +138,9 @@ def heuristic(p: Problem) -> Config:
         # The GEMV for a few rows (HQQ's, GPTQ's and the code books' with loops of their own),
         # the tensor-core kernel to 256 rows in 16-bit, dequantise + cuBLAS
         # beyond; only the first two timed (BENCHMARKS.md), none swept.
+        tc = _library_mmt(p) if fmt in ("nf4", "fp4", "hqq4") else None
+        if tc is not None:
+            return tc
         if M <= GEMV_MAX_M and fmt == "hqq4" and N % 2 == 0:
             return _hqq_gemv(M, N, K, n_sm)
         if M <= GEMV_MAX_M and fmt.startswith("gptq4"):

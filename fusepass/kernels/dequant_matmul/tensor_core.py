@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from fusepass.kernels.dequant_matmul.tiles import (
+    _codebook_word,
     _dot,
     _finish,
     _int4_dequant,
@@ -14,7 +15,9 @@ from fusepass.kernels.dequant_matmul.tiles import (
     _int4_pairs,
     _int8_to_f32,
     _int8_word,
+    _lane_table,
     _library_tile,
+    _nibble_word,
     _nibbles_to_f32,
     _word_128,
 )
@@ -188,6 +191,18 @@ def _dequant_mmt_kernel(
     # for bit the model's: 3.30 / 3.64 instructions per value (bf16 / fp16) at
     # BM 16 against 4.37 / 4.34 with fp32 FMAs, 3.93 / 4.27 against 4.89 /
     # 4.86 at BM 64, and 137 registers against 168 at BM 16.
+    #
+    # The code books (bitsandbytes' NF4 / FP4, blocks of G, a multiple of 32,
+    # and K a multiple of BK) are read as int4's words, each code's value a
+    # shuffle from the lane holding it (_codebook_word: the high nibble the
+    # even code), times its block's absmax in fp32 and rounded to x's dtype
+    # once; a tile may span blocks (one absmax per 32 codes of a row).
+    #
+    # HQQ's 4-bit (N even, groups of a multiple of 16, K a multiple of BK): its
+    # bytes are a [N / 2, K] matrix, row n's codes in the high nibbles of byte
+    # row n for n < N / 2 and in the low nibbles of row n - N / 2 beyond; read
+    # as int8's words, each row's nibble shifted down, (q - z) s in fp32 (the
+    # reference's rounding) and rounded to x's dtype once.
     i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -198,7 +213,15 @@ def _dequant_mmt_kernel(
     p_x = x + o_m.to(tl.int64)[None, :] * stride_xm
     dt = x.dtype.element_ty
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    if FMT == "int8" and WORDS:
+    CODES: tl.constexpr = FMT == "nf4" or FMT == "fp4"
+    HQQ: tl.constexpr = FMT == "hqq4"
+    SCALED: tl.constexpr = FMT == "int4" or CODES or HQQ  # scales (and zero points) per group, along K
+    ZP: tl.constexpr = HAS_ZERO or HQQ
+    if HQQ:
+        N2 = N // 2
+        p_w = w + tl.where(o_n < N2, o_n, o_n - N2).to(tl.int64)[:, None] * stride_wn
+        b_sh = tl.where(o_n < N2, 4, 0)[:, None, None]
+    if (FMT == "int8" or HQQ) and WORDS:
         o_wd = (tl.arange(0, BK // 16) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 16, 4] words
         # column c = 16j + 8h + 2t + e of the tile holds K index 16j + 4t + 2h + e
         o_pk = (o_k // 16) * 16 + ((o_k // 2) % 4) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
@@ -208,6 +231,7 @@ def _dequant_mmt_kernel(
         # form computes the weight in that dtype, and so does _int4_pairs
         PAIRS: tl.constexpr = ((dt == tl.bfloat16 or dt == tl.float16) and scale.dtype.element_ty == dt
                                and (not HAS_ZERO or zero.dtype.element_ty == dt))
+    if FMT == "int4" or CODES:
         o_wd = (tl.arange(0, BK // 32) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 32, 4] words
         # column c = 32j + 16h + 8u + 2t + e of the tile holds K index 32j + 8t + 4h + 2u + e
         o_pk = (o_k // 32) * 32 + ((o_k // 2) % 4) * 8 + ((o_k // 16) % 2) * 4 + ((o_k // 8) % 2) * 2 + o_k % 2
@@ -215,7 +239,7 @@ def _dequant_mmt_kernel(
         o_pk = o_k
     k_lo = i_s * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    if FMT == "int4":
+    if SCALED:
         # The tile's scales and zero points, AHEAD (1 or 2) tiles before their
         # use.  The weight and x go through the pipeline's asynchronous copies;
         # these 2-byte gathers cannot, and loaded in the tile that uses them
@@ -225,23 +249,43 @@ def _dequant_mmt_kernel(
         # One tile ahead 26.5 against 32.2 µs there, two at M 64 42.7 against
         # 62.0 (the plans' tiles, H200); carried across steps they cost layout
         # conversions (shuffles) that AHEAD 0 does not.
-        p_s = scale + o_n * stride_sn
-        p_z = zero + o_n * stride_sn
-        b_s1, b_z1 = _scale_row(p_s, p_z, k_lo, k_hi, m_n, G, HAS_ZERO)
-        b_s2, b_z2 = _scale_row(p_s, p_z, k_lo + BK, k_hi, m_n, G, HAS_ZERO)
+        if CODES:  # [BN, BK / 32]: an absmax per 32 codes (one block when BK <= G)
+            p_s = scale + o_n[:, None] * stride_sn + (tl.arange(0, BK // 32) * 32 // G)[None, :]
+            p_z = p_s
+            m_s = m_n[:, None]
+        elif HQQ:  # [BN, BK / 16]: a scale and zero point per 16 codes
+            o_g = (tl.arange(0, BK // 16) * 16 // G)[None, :]
+            p_s = scale + o_n[:, None] * stride_sn + o_g
+            p_z = zero + o_n[:, None] * stride_sn + o_g
+            m_s = m_n[:, None]
+        else:
+            p_s = scale + o_n * stride_sn
+            p_z = zero + o_n * stride_sn
+            m_s = m_n
+        b_s1, b_z1 = _scale_row(p_s, p_z, k_lo, k_hi, m_s, G, ZP)
+        b_s2, b_z2 = _scale_row(p_s, p_z, k_lo + BK, k_hi, m_s, G, ZP)
     for k0 in range(k_lo, k_hi, BK):
-        if FMT == "int4":
+        if SCALED:
             if AHEAD == 0:
-                b_sk, b_zk = _scale_row(p_s, p_z, k0, k_hi, m_n, G, HAS_ZERO)
+                b_sk, b_zk = _scale_row(p_s, p_z, k0, k_hi, m_s, G, ZP)
             elif AHEAD == 1:
                 b_sk, b_zk = b_s1, b_z1
-                b_s1, b_z1 = _scale_row(p_s, p_z, k0 + BK, k_hi, m_n, G, HAS_ZERO)
+                b_s1, b_z1 = _scale_row(p_s, p_z, k0 + BK, k_hi, m_s, G, ZP)
             else:
                 b_sk, b_zk = b_s1, b_z1
                 b_s1, b_z1 = b_s2, b_z2
-                b_s2, b_z2 = _scale_row(p_s, p_z, k0 + 2 * BK, k_hi, m_n, G, HAS_ZERO)
+                b_s2, b_z2 = _scale_row(p_s, p_z, k0 + 2 * BK, k_hi, m_s, G, ZP)
+        if FMT == "int4" or CODES:
             b_wd = tl.load(p_w[:, :, None] + k0 // 8 + o_wd, mask=m_n[:, None, None], other=0)  # [BN, BK / 32, 4]
-            if PAIRS:
+            if CODES:
+                b_s = b_sk.to(tl.float32)[:, :, None]
+                tab = _lane_table(zero, b_wd, ASM)
+                b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7 = _codebook_word(b_wd, tab, zero, ASM)
+                b_e0 = tl.join((b_0 * b_s).to(dt), (b_1 * b_s).to(dt))
+                b_e1 = tl.join((b_2 * b_s).to(dt), (b_3 * b_s).to(dt))
+                b_e2 = tl.join((b_4 * b_s).to(dt), (b_5 * b_s).to(dt))
+                b_e3 = tl.join((b_6 * b_s).to(dt), (b_7 * b_s).to(dt))
+            elif PAIRS:
                 b_s = b_sk.to(tl.float32)[:, None, None, None]
                 if HAS_ZERO:
                     b_z = b_zk.to(tl.float32)[:, None, None, None]
@@ -266,12 +310,22 @@ def _dequant_mmt_kernel(
             b_w = tl.reshape(tl.permute(b_w, (0, 1, 5, 4, 2, 3)), [BN, BK])
             b_x = tl.load(p_x + (k0 + o_pk)[:, None], mask=m_m[None, :], other=0)  # [BK, BM], rows permuted
         elif WORDS:
-            # int8, whole tiles: int32 words of four values, [BN, BK / 16, 4] per
+            # int8 (and HQQ), whole tiles: int32 words of four values, [BN, BK / 16, 4] per
             # tile, word 4j + t holding K 16j + 4t + b; byte b = 2h + e goes to
             # column 16j + 8h + 2t + e, the A fragment's place, as for int4.
             b_wd = tl.load(p_w[:, :, None] + k0 // 4 + o_wd, mask=m_n[:, None, None], other=0)  # [BN, BK / 16, 4]
-            b_0, b_1, b_2, b_3 = _int8_word(b_wd, ASM)
-            b_w = tl.join(tl.join(b_0.to(dt), b_1.to(dt)), tl.join(b_2.to(dt), b_3.to(dt)))  # [.., 4 (t), 2 (e), 2 (h)]
+            if HQQ:
+                b_s = b_sk.to(tl.float32)[:, :, None]
+                b_z = b_zk.to(tl.float32)[:, :, None]
+                b_0, b_1, b_2, b_3 = _nibble_word((b_wd >> b_sh) & 0x0F0F0F0F, ASM)
+                b_0 = ((b_0 - b_z) * b_s).to(dt)
+                b_1 = ((b_1 - b_z) * b_s).to(dt)
+                b_2 = ((b_2 - b_z) * b_s).to(dt)
+                b_3 = ((b_3 - b_z) * b_s).to(dt)
+            else:
+                b_0, b_1, b_2, b_3 = _int8_word(b_wd, ASM)
+                b_0, b_1, b_2, b_3 = b_0.to(dt), b_1.to(dt), b_2.to(dt), b_3.to(dt)
+            b_w = tl.join(tl.join(b_0, b_1), tl.join(b_2, b_3))  # [.., 4 (t), 2 (e), 2 (h)]
             b_w = tl.reshape(tl.permute(b_w, (0, 1, 4, 2, 3)), [BN, BK])
             b_x = tl.load(p_x + (k0 + o_pk)[:, None], mask=m_m[None, :], other=0)  # [BK, BM], rows permuted
         else:
@@ -287,7 +341,7 @@ def _dequant_mmt_kernel(
             else:
                 b_w = b_q.to(tl.float8e4nv, bitcast=True).to(dt)
         acc = _dot(b_w, b_x, acc, DOT_F32)
-    if FMT != "int4":
+    if FMT == "int8" or FMT == "fp8":
         acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
     m_o = m_n[:, None] & m_m[None, :]
     o_o = o_m.to(tl.int64)[None, :] * N + o_n[:, None]

@@ -172,6 +172,65 @@ def _codebook_pair(b_q, tab, code, ASM: tl.constexpr):
 
 
 @triton.jit
+def _codebook_word(b_w, tab, code, ASM: tl.constexpr):
+    """int32 words of eight codes of a code-book format (byte b holds codes 2b, the
+    high nibble, and 2b + 1, the low: bitsandbytes' order) -> eight fp32 tensors
+    CODE[q_0] .. CODE[q_7]: a shift and a shuffle per value, as _codebook_pair
+    (``tab`` from _lane_table; elsewhere a lookup in the 16 values at ``code``)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            shr.b32 t, $8, 4;
+            shfl.sync.idx.b32 $0, $9, t, 0x1f, 0xffffffff;
+            shfl.sync.idx.b32 $1, $9, $8, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 12;
+            shfl.sync.idx.b32 $2, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 8;
+            shfl.sync.idx.b32 $3, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 20;
+            shfl.sync.idx.b32 $4, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 16;
+            shfl.sync.idx.b32 $5, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 28;
+            shfl.sync.idx.b32 $6, $9, t, 0x1f, 0xffffffff;
+            shr.b32 t, $8, 24;
+            shfl.sync.idx.b32 $7, $9, t, 0x1f, 0xffffffff;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            args=[b_w, tab], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    return (tl.load(code + ((b_w >> 4) & 0xF)), tl.load(code + (b_w & 0xF)),
+            tl.load(code + ((b_w >> 12) & 0xF)), tl.load(code + ((b_w >> 8) & 0xF)),
+            tl.load(code + ((b_w >> 20) & 0xF)), tl.load(code + ((b_w >> 16) & 0xF)),
+            tl.load(code + ((b_w >> 28) & 0xF)), tl.load(code + ((b_w >> 24) & 0xF)))
+
+
+@triton.jit
+def _nibble_word(b_t, ASM: tl.constexpr):
+    """int32 words of four nibbles, one in the low bits of each byte (the rest 0)
+    -> four fp32 tensors q_0 .. q_3 in byte order, exact: each byte placed in
+    2**23's low mantissa bits by one PRMT, then 2**23 off in one FADD."""
+    if ASM:
+        b_0, b_1, b_2, b_3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 c;
+            mov.b32 c, 0x4B000000;
+            prmt.b32 $0, $4, c, 0x7440;
+            prmt.b32 $1, $4, c, 0x7441;
+            prmt.b32 $2, $4, c, 0x7442;
+            prmt.b32 $3, $4, c, 0x7443;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[b_t], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        b_0 = ((b_t & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_1 = (((b_t >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_2 = (((b_t >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        b_3 = (((b_t >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return b_0 - 8388608.0, b_1 - 8388608.0, b_2 - 8388608.0, b_3 - 8388608.0
+
+
+@triton.jit
 def _int8_word(b_w, ASM: tl.constexpr):
     """int32 words of four int8 values -> four fp32 tensors, byte order: each
     byte + 128 (the sign bit flipped, once per word) placed in 2**23's low

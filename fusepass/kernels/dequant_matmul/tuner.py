@@ -111,13 +111,14 @@ def candidates(p: Problem) -> list[Config]:
                 add(Config("mm", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=stages, perm=perm))
     if M <= 64:
         # The product transposed (the weight tile as the dot's A operand); int4
-        # also with its scales loaded one and two tiles ahead, and from 32 rows
+        # and the code books also with their scales loaded one and two tiles ahead, and from 32 rows
         # with x copied into the tile's K order first (int8 at every M).
         for bn, warps in ((64, 4), (128, 4), (128, 8)):
-            for bk in ((64, 128) if fmt == "int4" else (128, 256)):
+            for bk in ((64, 128) if fmt in ("int4", "nf4", "fp4") else (128, 256)):
                 for split in (1, 2, 4, 8):
-                    for ahead in ((0, 1, 2) if fmt == "int4" else (0,)):
-                        for xperm in ((0, 1) if (fmt == "int4" and bm_small >= 32 and ahead == 2) or fmt == "int8"
+                    for ahead in ((0, 1, 2) if fmt in ("int4", "nf4", "fp4") else (0,)):
+                        for xperm in ((0, 1) if (fmt in ("int4", "nf4", "fp4") and bm_small >= 32 and ahead == 2)
+                                      or fmt == "int8"
                                       else (0,)):
                             add(Config("mmt", BM=bm_small, BN=bn, BK=min(bk, G) if fmt == "int4" else bk,
                                        split=split, warps=warps, stages=3, ahead=ahead, xperm=xperm))
