@@ -15,7 +15,6 @@ from fusepass.kernels.dequant_matmul.tiles import (
     _int4_pairs,
     _int8_to_f32,
     _int8_word,
-    _lane_table,
     _library_tile,
     _nibble_word,
     _nibbles_to_f32,
@@ -220,7 +219,6 @@ def _dequant_mmt_kernel(
     if HQQ:
         N2 = N // 2
         p_w = w + tl.where(o_n < N2, o_n, o_n - N2).to(tl.int64)[:, None] * stride_wn
-        b_sh = tl.where(o_n < N2, 4, 0)[:, None, None]
     if (FMT == "int8" or HQQ) and WORDS:
         o_wd = (tl.arange(0, BK // 16) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, BK / 16, 4] words
         # column c = 16j + 8h + 2t + e of the tile holds K index 16j + 4t + 2h + e
@@ -279,8 +277,7 @@ def _dequant_mmt_kernel(
             b_wd = tl.load(p_w[:, :, None] + k0 // 8 + o_wd, mask=m_n[:, None, None], other=0)  # [BN, BK / 32, 4]
             if CODES:
                 b_s = b_sk.to(tl.float32)[:, :, None]
-                tab = _lane_table(zero, b_wd, ASM)
-                b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7 = _codebook_word(b_wd, tab, zero, ASM)
+                b_0, b_1, b_2, b_3, b_4, b_5, b_6, b_7 = _codebook_word(b_wd, zero, FMT, ASM)  # (zero: the code book)
                 b_e0 = tl.join((b_0 * b_s).to(dt), (b_1 * b_s).to(dt))
                 b_e1 = tl.join((b_2 * b_s).to(dt), (b_3 * b_s).to(dt))
                 b_e2 = tl.join((b_4 * b_s).to(dt), (b_5 * b_s).to(dt))
@@ -317,7 +314,10 @@ def _dequant_mmt_kernel(
             if HQQ:
                 b_s = b_sk.to(tl.float32)[:, :, None]
                 b_z = b_zk.to(tl.float32)[:, :, None]
-                b_0, b_1, b_2, b_3 = _nibble_word((b_wd >> b_sh) & 0x0F0F0F0F, ASM)
+                # (the row's half from an arange made here: a tensor made before the
+                # loop would fix the tile's layout, converted through shared memory)
+                b_hi = (i_n * BN + tl.arange(0, BN) < N2)[:, None, None]
+                b_0, b_1, b_2, b_3 = _nibble_word(tl.where(b_hi, b_wd >> 4, b_wd) & 0x0F0F0F0F, ASM)
                 b_0 = ((b_0 - b_z) * b_s).to(dt)
                 b_1 = ((b_1 - b_z) * b_s).to(dt)
                 b_2 = ((b_2 - b_z) * b_s).to(dt)

@@ -4,9 +4,12 @@ with the second kernel that sums split-K slices where no counters can be had."""
 
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
 
+from fusepass.formats import CODEBOOKS
 from fusepass.kernels._common import rne_bf16
 
 
@@ -171,34 +174,41 @@ def _codebook_pair(b_q, tab, code, ASM: tl.constexpr):
     return tl.load(code + (b_i >> 4)), tl.load(code + (b_i & 0xF))
 
 
+def _codebook_asm(values) -> str:
+    """_codebook_word's PTX for one code book: every lane takes entry (lane id mod 16)
+    from immediates (a chain of selects that depends on the lane id only: ptxas
+    hoists it out of the kernel's loop), then a shift and a shuffle per code."""
+    imm = ["0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0] for v in values]
+    table = "".join(f"            setp.eq.u32 p, l, {i};\n            selp.b32 v, {imm[i]}, v, p;\n"
+                    for i in range(1, 16))
+    shuffles = "".join(f"            shr.b32 t, $8, {8 * b + 4};\n            shfl.sync.idx.b32 ${2 * b}, v, t, 0x1f, 0xffffffff;\n"
+                       + (f"            shr.b32 t, $8, {8 * b};\n" if b else "            mov.b32 t, $8;\n")
+                       + f"            shfl.sync.idx.b32 ${2 * b + 1}, v, t, 0x1f, 0xffffffff;\n" for b in range(4))
+    return ("{\n            .reg .b32 t, l, v;\n            .reg .pred p;\n            mov.u32 l, %laneid;\n"
+            f"            and.b32 l, l, 15;\n            mov.b32 v, {imm[0]};\n{table}{shuffles}            }}")
+
+
+_NF4_ASM: tl.constexpr = tl.constexpr(_codebook_asm(CODEBOOKS["nf4"]))
+_FP4_ASM: tl.constexpr = tl.constexpr(_codebook_asm(CODEBOOKS["fp4"]))
+
+
 @triton.jit
-def _codebook_word(b_w, tab, code, ASM: tl.constexpr):
+def _codebook_word(b_w, code, FMT: tl.constexpr, ASM: tl.constexpr):
     """int32 words of eight codes of a code-book format (byte b holds codes 2b, the
     high nibble, and 2b + 1, the low: bitsandbytes' order) -> eight fp32 tensors
-    CODE[q_0] .. CODE[q_7]: a shift and a shuffle per value, as _codebook_pair
-    (``tab`` from _lane_table; elsewhere a lookup in the 16 values at ``code``)."""
+    CODE[q_0] .. CODE[q_7].  ASM: a shift and a shuffle per value, as
+    _codebook_pair, from a table (FMT's, fusepass.formats.CODEBOOKS) every lane
+    builds from immediates in the same asm.  A table held in a tensor
+    (_lane_table) is bound to the layout it was built in: the tensor-core
+    kernel's layout conversions moved it to other lanes (wrong sums at 32 rows
+    and more, H200), and a table address as an operand made Triton convert
+    the whole dequantised tile through shuffles (sm_90 SASS).  Elsewhere a
+    lookup in the 16 values at ``code``."""
     if ASM:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t;
-            shr.b32 t, $8, 4;
-            shfl.sync.idx.b32 $0, $9, t, 0x1f, 0xffffffff;
-            shfl.sync.idx.b32 $1, $9, $8, 0x1f, 0xffffffff;
-            shr.b32 t, $8, 12;
-            shfl.sync.idx.b32 $2, $9, t, 0x1f, 0xffffffff;
-            shr.b32 t, $8, 8;
-            shfl.sync.idx.b32 $3, $9, t, 0x1f, 0xffffffff;
-            shr.b32 t, $8, 20;
-            shfl.sync.idx.b32 $4, $9, t, 0x1f, 0xffffffff;
-            shr.b32 t, $8, 16;
-            shfl.sync.idx.b32 $5, $9, t, 0x1f, 0xffffffff;
-            shr.b32 t, $8, 28;
-            shfl.sync.idx.b32 $6, $9, t, 0x1f, 0xffffffff;
-            shr.b32 t, $8, 24;
-            shfl.sync.idx.b32 $7, $9, t, 0x1f, 0xffffffff;
-            }""",
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-            args=[b_w, tab], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+            asm=_NF4_ASM if FMT == "nf4" else _FP4_ASM,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[b_w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
     return (tl.load(code + ((b_w >> 4) & 0xF)), tl.load(code + (b_w & 0xF)),
             tl.load(code + ((b_w >> 12) & 0xF)), tl.load(code + ((b_w >> 8) & 0xF)),
             tl.load(code + ((b_w >> 20) & 0xF)), tl.load(code + ((b_w >> 16) & 0xF)),
