@@ -1035,29 +1035,29 @@ def test_codebook_gemv_takes_its_loop_on_whole_chunks(monkeypatch):
 
 
 def test_library_gemv_plans():
-    """The GEMV range of HQQ (even N; one or two rows on a large weight) and GPTQ
+    """The GEMV range of HQQ (even N) and GPTQ
     plans their own loops: HQQ a 16-byte chunk per thread and pair, GPTQ 128
     columns; odd N and more rows of GPTQ take the paths that read value by value."""
     for M in (1, 2, 5, 8):
         for N, K in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (22, 128)):
             p = _problem(M, N, K, "hqq4", 64, torch.bfloat16)
             cfg = plans.heuristic(p)
-            if M > 2 and N >= 2048:  # the transposed kernel from three rows on a large weight
-                assert valid(cfg, p) and cfg.kind == "mmt", (M, N, K, cfg)
-            else:
-                assert valid(cfg, p) and cfg.kind == "gemv" and cfg.BK == 512 * cfg.warps, (M, N, K, cfg)
-                assert launch.gemv_asm("hqq4", 64, N, cfg)
+            assert valid(cfg, p) and cfg.kind == "gemv" and cfg.BK == 512 * cfg.warps, (M, N, K, cfg)
+            assert launch.gemv_asm("hqq4", 64, N, cfg)
             for fmt in ("gptq4", "gptq4_v1"):
                 p = _problem(M, N, K, fmt, 0, torch.float16)
                 cfg = plans.heuristic(p)
                 assert valid(cfg, p) and cfg.kind == "gemv" and cfg.BN == 128, (M, N, K, cfg)
+    for M in (16, 64, 256):  # beyond the GEMV, the transposed kernel on a large weight
+        p = _problem(M, 4096, 4096, "hqq4", 64, torch.bfloat16)
+        assert plans.heuristic(p).kind == "mmt" and valid(plans.heuristic(p), p)
     p = _problem(1, 4097, 4096, "hqq4", 64, torch.bfloat16)
     assert plans.heuristic(p).BK == 256 and not launch.hqq_pairs("hqq4", 4097)
     assert not launch.gemv_asm("hqq4", 64, 4096, dm.Config("gemv", BN=8, BK=256))  # a thread's chunk is not whole
     assert plans.heuristic(_problem(9, 4096, 4096, "gptq4", 0, torch.bfloat16)).kind == "mm"
-    # The code books: at one or two rows (and fp32 x, or a small N, to eight) the int4 GEMV's tiles where
+    # The code books: to four rows (and fp32 x to eight) the int4 GEMV's tiles where
     # blocks are whole chunks, each thread a whole chunk (the shuffles convert four bytes at a time); from
-    # three rows to 256 the transposed kernel on words; blocks of 48 value by value.
+    # five rows to 256 the transposed kernel on words; blocks of 48 value by value.
     for M in (1, 2, 4, 8, 16, 64, 256):
         for N, K in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)):
             for fmt, G in (("nf4", 64), ("fp4", 64), ("nf4", 128), ("nf4", 32)):
@@ -1065,7 +1065,7 @@ def test_library_gemv_plans():
                     p = _problem(M, N, K, fmt, G, dtype)
                     cfg = plans.heuristic(p)
                     assert valid(cfg, p), (M, N, K, fmt, G, dtype, cfg)
-                    if M > 2 and N >= 2048 and dtype != torch.float32:
+                    if M > 4 and dtype != torch.float32:
                         assert cfg.kind == "mmt" and cfg.BK == 128, (M, N, K, fmt, G, dtype, cfg)
                     elif M <= 8:
                         assert cfg.kind == "gemv" and launch.own_loop(fmt, N, G, cfg) \

@@ -248,37 +248,41 @@ def check_activation(x: torch.Tensor) -> str | None:
 #   4096x4096 against Inductor on their torch forms' 25.0 and 28.5 at M = 1;
 #   beyond the GEMV's 8 rows they are read value by value (tiles._library_tile):
 #   52.6 (HQQ) and 143.7 µs (GPTQ) at M = 16 against bf16 cuBLAS's 13.5.
-# - NF4 / FP4, blocks of 64: at M = 1 7.1-7.4 / 17.1-17.2 / 18.1-18.2 µs on
-#   4096x4096 / 4096x14336 / 14336x4096 against bitsandbytes' own kernel's
-#   10.6 / 29.5 / 28.9 (1.42-1.73x), at M = 4 1.53-1.78x; at M = 8 14336x4096
-#   takes 86.8 against its 67.6, and at M = 16 (value by value) 131-453 against
-#   30-110.  Double quantization's absmax is expanded in the graph first (one
+# - NF4 / FP4, blocks of 64 (b711263): at M = 1 7.3-7.4 / 16.9-17.0 / 19.0-19.3
+#   µs on 4096x4096 / 4096x14336 / 14336x4096 against bitsandbytes' own
+#   kernel's 10.5-10.6 / 29.4-29.5 / 29.2-30.4 (1.43-1.74x); from 5 rows the
+#   transposed kernel: 1.31-2.37x its time at M = 8-32, at M = 64 0.95-1.58x
+#   (4096x4096: 30.2 against 28.8) and at 128 1.02-1.23x.  Double
+#   quantization's absmax is expanded in the graph first (one
 #   Inductor kernel): compiled, six layers in turn at M = 1, 20.4 / 19.9 µs
 #   per layer on 14336x4096 / 4096x14336 against bitsandbytes' 29.1 / 29.8
 #   (plain NF4 in the same run: 18.1 / 16.8; benchmarks/bnb_compiled.py).
-_LIBRARY_GEMV = {"hqq4": GEMV_MAX_M, "gptq4": GEMV_MAX_M, "nf4": 4, "fp4": 4}  # format -> most rows on CUDA
+_LIBRARY_ROWS = {"hqq4": GEMV_MAX_M, "gptq4": GEMV_MAX_M, "nf4": 32, "fp4": 32}  # format -> most rows on CUDA
 _BNB_KERNEL = "left to bitsandbytes' kernel on CUDA: "
 _INDUCTOR_PATH = "left to Inductor's path on CUDA: "
 
 
 def check_library_device(x: torch.Tensor, fmt: str, n=None) -> str | None:
     """A refusal on CUDA for a library layout (``fmt`` nf4, fp4, hqq4, gptq4) where fusepass's kernel is
-    slower than the library's or Inductor's path: beyond the rows its GEMV loop wins at (``_LIBRARY_GEMV``),
+    slower than the library's or Inductor's path: beyond the rows it measured faster to (``_LIBRARY_ROWS``),
     and HQQ at an odd N (``n``, rows that do not pair)."""
     if x.device.type != "cuda":
         return None
     bnb = fmt in ("nf4", "fp4")
     where = _BNB_KERNEL if bnb else _INDUCTOR_PATH
-    most = _LIBRARY_GEMV.get(fmt, 0)
+    most = _LIBRARY_ROWS.get(fmt, 0)
     rows = math.prod(x.shape[:-1])
     if not isinstance(rows, int):
-        return where + f"the row count is dynamic ({rows}); fusepass's {fmt} loop covers at most {most} rows"
+        return where + f"the row count is dynamic ({rows}); fusepass's {fmt} kernels are faster to {most} rows"
     if rows > most:
         if bnb:
-            return where + (f"{rows} rows; fusepass's {fmt} loop is faster to {most} (H200, 14336x4096, M = 8: "
-                            "86.8 against bitsandbytes' 67.6 µs)")
+            return where + (f"{rows} rows; fusepass's {fmt} kernels are faster to {most} (H200, 4096x4096, M = 64: "
+                            "30.2 against bitsandbytes' 28.8 µs)")
+        if fmt == "hqq4":
+            return where + (f"{rows} rows; beyond {most} fusepass's hqq4 kernel is slower than bf16 cuBLAS (H200, "
+                            "4096x4096, M = 16: 33.0 against 13.6 µs)")
         return (where + f"{rows} rows; beyond {most} fusepass reads {fmt} value by value (H200, 4096x4096, "
-                f"M = 16: {'52.6' if fmt == 'hqq4' else '143.7'} µs against bf16 cuBLAS's 13.5)")
+                "M = 16: 143.7 µs against bf16 cuBLAS's 13.5)")
     if fmt == "hqq4" and isinstance(n, int) and n % 2:
         return where + f"N = {n} is odd: HQQ's rows n and n + N / 2 do not pair (fusepass would read it value by value)"
     return None

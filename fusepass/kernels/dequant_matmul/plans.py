@@ -112,13 +112,17 @@ def _gptq_gemv(M: int, N: int, K: int, n_sm: int) -> Config:
 
 
 def _library_mmt(p: Problem) -> Config | None:
-    """The code books (NF4 / FP4) and HQQ from three rows to 256 on a large
-    weight: the transposed kernel on words with int4's tiles (its heuristic
-    below), the deepest tile of 128, 64 or 32 that ``valid`` allows (whole
-    tiles of K, within or across blocks; HQQ's rows paired); None where none
-    is.  Not yet timed against the GEMV at M 3-8."""
+    """The code books (NF4 / FP4) from five rows to 256 and HQQ from nine (on a
+    large weight): the transposed kernel on words with int4's tiles (its
+    heuristic below), the deepest tile of 128, 64 or 32 that ``valid`` allows
+    (whole tiles of K, within or across blocks; HQQ's rows paired); None
+    where none is.  H200, blocks of 64, Llama-3-8B's shapes, cold (e76ba96 /
+    b711263): NF4 17.1-48.6 µs at M = 4 against the GEMV's 14.5-43.7, 17.3-49.1
+    at M = 8 against 27.6-86.8; HQQ 32.3-105.1 at M = 4-8 against its pairs
+    GEMV's 11.4-62.7, 33.0-105.3 at M = 16 against the value-by-value ``mm``'s
+    52.8-191.8."""
     M, N, K, n_sm = p.M, p.N, p.K, p.sms
-    if not (2 < M <= 256 and N >= 2048 and p.dtype != torch.float32):
+    if not ((8 if p.fmt == "hqq4" else 4) < M <= 256 and (N >= 2048 or p.fmt != "hqq4") and p.dtype != torch.float32):
         return None
     bm = min(64 if M <= 64 else 128, max(16, _pow2(M)))
     bn = 128 if N >= 3072 and M <= 64 else 64
