@@ -113,23 +113,34 @@ def _gptq_gemv(M: int, N: int, K: int, n_sm: int) -> Config:
 
 def _library_mmt(p: Problem) -> Config | None:
     """The code books (NF4 / FP4) from five rows to 256 and HQQ from nine (on a
-    large weight): the transposed kernel on words with int4's tiles (its
-    heuristic below), the deepest tile of 128, 64 or 32 that ``valid`` allows
-    (whole tiles of K, within or across blocks; HQQ's rows paired); None
-    where none is.  H200, blocks of 64, Llama-3-8B's shapes, cold (e76ba96 /
+    large weight): the transposed kernel on words; None where no tile of 128,
+    64 or 32 is ``valid`` (whole tiles of K, within or across blocks; HQQ's
+    rows paired).  H200, blocks of 64, Llama-3-8B's shapes, cold (e76ba96 /
     b711263): NF4 17.1-48.6 µs at M = 4 against the GEMV's 14.5-43.7, 17.3-49.1
     at M = 8 against 27.6-86.8; HQQ 32.3-105.1 at M = 4-8 against its pairs
     GEMV's 11.4-62.7, 33.0-105.3 at M = 16 against the value-by-value ``mm``'s
-    52.8-191.8."""
+    52.8-191.8.
+
+    The code books' tiles: the absmax two tiles ahead, four warps, 64 rows (128
+    64 deep at M = 32; 64 deep beyond), twice the balanced split: the fastest or
+    within 1% of it of 34-72 configs at M = 8, 16, 32 on 4096x14336 and at
+    M = 16, 32 on 14336x4096 (M = 64-256 not swept), 0.89-0.98x the time of int4's tiles there
+    (41.8 against 47.4 µs at M = 16 on 4096x14336; H200, 768b90f,
+    benchmarks/sweep_dequant_library.py).  HQQ takes int4's tiles (its
+    heuristic below), not swept."""
     M, N, K, n_sm = p.M, p.N, p.K, p.sms
     if not ((8 if p.fmt == "hqq4" else 4) < M <= 256 and (N >= 2048 or p.fmt != "hqq4") and p.dtype != torch.float32):
         return None
     bm = min(64 if M <= 64 else 128, max(16, _pow2(M)))
-    bn = 128 if N >= 3072 and M <= 64 else 64
-    for bk in (128, 64, 32):
-        cfg = Config("mmt", BM=bm, BN=bn, BK=bk, warps=8 if bm > 16 and bn == 128 else 4, stages=3,
-                     ahead=1 if bm == 16 else 2, xperm=int(bm == 64),
-                     split=_balanced_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm))
+    codes = p.fmt in ("nf4", "fp4")
+    bn = (128 if bm == 32 else 64) if codes else (128 if N >= 3072 and M <= 64 else 64)
+    for bk in ((128, 64, 32) if not codes or bm == 16 else (64, 32)):
+        split = _balanced_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm)
+        if codes:
+            cfg = Config("mmt", BM=bm, BN=bn, BK=bk, warps=4, stages=3, ahead=2, split=min(16, 2 * split, cdiv(K, bk)))
+        else:
+            cfg = Config("mmt", BM=bm, BN=bn, BK=bk, warps=8 if bm > 16 and bn == 128 else 4, stages=3,
+                         ahead=1 if bm == 16 else 2, xperm=int(bm == 64), split=split)
         if valid(cfg, p):
             return cfg
     return None
