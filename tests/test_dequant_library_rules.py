@@ -129,7 +129,7 @@ def test_gptq_torch_form(v1, act_order):
 
 def test_library_layouts_on_cuda(monkeypatch):
     """On CUDA the library layouts go to fusepass only at the row counts their own loops were
-    measured faster at (HQQ and GPTQ to 8 rows against Inductor; NF4 / FP4 to 32 against
+    measured faster at (HQQ and GPTQ to 8 rows against Inductor; NF4 / FP4 to 64 against
     bitsandbytes' kernel; HQQ at even N), refused elsewhere with the reason.  The CPU path always
     fuses."""
     import types
@@ -140,7 +140,7 @@ def test_library_layouts_on_cuda(monkeypatch):
     def cuda(*shape):
         return types.SimpleNamespace(device=torch.device("cuda"), shape=shape)
 
-    for fmt, most in (("hqq4", 8), ("gptq4", 8), ("nf4", 32), ("fp4", 32)):
+    for fmt, most in (("hqq4", 8), ("gptq4", 8), ("nf4", 64), ("fp4", 64)):
         assert dm.check_library_device(cuda(most // 2, 2, 64), fmt, 24) is None, fmt
         reason = dm.check_library_device(cuda(most + 1, 64), fmt, 24)
         assert f"{most + 1} rows" in reason, fmt
@@ -198,7 +198,7 @@ def test_gpu_hqq_and_gptq_fuse_at_decode_sizes():
 def test_gpu_bnb_4bit_fuses_at_decode_sizes():
     """On the GPU bitsandbytes' Linear4bit (NF4, FP4, NF4 with double quantization; with a bias) is
     fused at one and four tokens (the code books' GEMV loop) and sixteen (the transposed kernel) and
-    left to bitsandbytes' kernel at 64, with the reason; all within the table of eager."""
+    left to bitsandbytes' kernel at 128, with the reason; all within the table of eager."""
     bnb = pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     for quant, nested in (("nf4", False), ("fp4", False), ("nf4", True)):
@@ -207,7 +207,7 @@ def test_gpu_bnb_4bit_fuses_at_decode_sizes():
         lin.weight = bnb.nn.Params4bit(torch.randn(768, 1024) / 32, requires_grad=False, quant_type=quant,
                                        compress_statistics=nested)
         lin = lin.cuda().eval()
-        for rows, fused in ((1, True), (4, True), (16, True), (64, False)):
+        for rows, fused in ((1, True), (4, True), (16, True), (128, False)):
             x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
             torch._dynamo.reset()
             with torch.no_grad():

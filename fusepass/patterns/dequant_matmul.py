@@ -248,16 +248,16 @@ def check_activation(x: torch.Tensor) -> str | None:
 #   4096x4096 against Inductor on their torch forms' 25.0 and 28.5 at M = 1;
 #   beyond the GEMV's 8 rows they are read value by value (tiles._library_tile):
 #   52.6 (HQQ) and 143.7 µs (GPTQ) at M = 16 against bf16 cuBLAS's 13.5.
-# - NF4 / FP4, blocks of 64 (b711263): at M = 1 7.3-7.4 / 16.9-17.0 / 19.0-19.3
+# - NF4 / FP4, blocks of 64 (18b60b9): at M = 1 7.3-7.4 / 16.8-17.2 / 18.2-18.3
 #   µs on 4096x4096 / 4096x14336 / 14336x4096 against bitsandbytes' own
-#   kernel's 10.5-10.6 / 29.4-29.5 / 29.2-30.4 (1.43-1.74x); from 5 rows the
-#   transposed kernel: 1.31-2.37x its time at M = 8-32, at M = 64 0.95-1.58x
-#   (4096x4096: 30.2 against 28.8) and at 128 1.02-1.23x.  Double
-#   quantization's absmax is expanded in the graph first (one
+#   kernel's 10.4-10.5 / 29.4-29.5 / 29.1 (1.41-1.75x), at M = 4 1.50-1.78x;
+#   from 5 rows the transposed kernel: 1.43-2.68x its time at M = 8-32 and
+#   1.17-1.78x at 64 (4096x4096: 24.8 against 29.1), not measured beyond.
+#   Double quantization's absmax is expanded in the graph first (one
 #   Inductor kernel): compiled, six layers in turn at M = 1, 20.4 / 19.9 µs
 #   per layer on 14336x4096 / 4096x14336 against bitsandbytes' 29.1 / 29.8
 #   (plain NF4 in the same run: 18.1 / 16.8; benchmarks/bnb_compiled.py).
-_LIBRARY_ROWS = {"hqq4": GEMV_MAX_M, "gptq4": GEMV_MAX_M, "nf4": 32, "fp4": 32}  # format -> most rows on CUDA
+_LIBRARY_ROWS = {"hqq4": GEMV_MAX_M, "gptq4": GEMV_MAX_M, "nf4": 64, "fp4": 64}  # format -> most rows on CUDA
 _BNB_KERNEL = "left to bitsandbytes' kernel on CUDA: "
 _INDUCTOR_PATH = "left to Inductor's path on CUDA: "
 
@@ -276,8 +276,8 @@ def check_library_device(x: torch.Tensor, fmt: str, n=None) -> str | None:
         return where + f"the row count is dynamic ({rows}); fusepass's {fmt} kernels are faster to {most} rows"
     if rows > most:
         if bnb:
-            return where + (f"{rows} rows; fusepass's {fmt} kernels are faster to {most} (H200, 4096x4096, M = 64: "
-                            "30.2 against bitsandbytes' 28.8 µs)")
+            return where + (f"{rows} rows; fusepass's {fmt} kernels are measured faster to {most} (H200, "
+                            "4096x4096, M = 64: 24.8 against bitsandbytes' 29.1 µs), not beyond")
         if fmt == "hqq4":
             return where + (f"{rows} rows; beyond {most} fusepass's hqq4 kernel is slower than bf16 cuBLAS (H200, "
                             "4096x4096, M = 16: 33.0 against 13.6 µs)")

@@ -18,12 +18,13 @@ Other libraries' layouts, read where they lie (``fusepass.formats``,
 book times a per-block absmax), GPTQ's words packed along K on a [K, N]
 weight with ``g_idx`` and the layer's shift table (``g_idx``, ``shifts``:
 "gptq4", "gptq4_v1"), HQQ's halves packed along dim 0 ("hqq4").  At up to
-eight rows HQQ's (even N) and GPTQ's layouts have GEMV loops of their own,
-each stored byte read once with wide loads (``gemv._hqq_gemv``,
-``_gptq_gemv``); the rest (nf4 and fp4, HQQ of odd N, the ``mm``
-tensor-core kernel, dequantise + cuBLAS) gathers each value from its layout
-(``tiles._library_tile``): correct for any shape, not tuned for speed.  No
-library plan is measured yet (no ``mmt``, no shipped plans).
+eight rows HQQ's (even N), GPTQ's and the code books' layouts have GEMV
+loops of their own, each stored byte read once with wide loads
+(``gemv._hqq_gemv``, ``_gptq_gemv``, the int4 loop); from five rows (code
+books) and nine (HQQ, even N) the ``mmt`` kernel reads them as words; the
+rest (HQQ of odd N, GPTQ beyond eight rows, the ``mm`` kernel, dequantise +
+cuBLAS) gathers each value from its layout (``tiles._library_tile``):
+correct for any shape, not tuned for speed.  No shipped plans for them.
 
 The product accumulates in fp32 with the scale applied to the fp32 result
 (or to the dequantised tile), so it agrees within the dtype table with both
@@ -41,8 +42,9 @@ Four ways to run it on CUDA; a plan (``plans.lookup``) picks one per
 - ``mmt``: from two rows to a few hundred.  Tensor cores on the product
   transposed, out^T = W x^T: the dequantised weight tile is the dot's A
   operand, x^T (rows padded to 16) the B operand, its K order the tile's
-  (gathered, or copied into that order first: ``Config.xperm``); int4's
-  scales may be loaded one or two K steps ahead (``Config.ahead``).
+  (gathered, or copied into that order first: ``Config.xperm``); int4's, the
+  code books' and HQQ's scales may be loaded one or two K steps ahead
+  (``Config.ahead``).
 - ``mm``: the same with x as the A operand, where it measured faster.
 - ``cublas``: large M, where the product is compute-bound: one Triton pass
   writes the dequantised weight in x's dtype, then ``torch.mm``.  Fused
