@@ -34,9 +34,13 @@ from fusepass.testing.library_layouts import library_inputs  # noqa: E402
 def configs(p: dm.Problem) -> list[dm.Config]:
     """The heuristic's plan, the GEMV's (M <= 8), and the transposed kernel's tiles around the heuristic's."""
     out = [plans.heuristic(p)]
-    if p.M <= dm.GEMV_MAX_M:  # the formats' own GEMV loops
+    if p.M <= dm.GEMV_MAX_M:  # the formats' own GEMV loops (the code books: every tile the tuner would time)
         out.append(plans._hqq_gemv(p.M, p.N, p.K, p.sms) if p.fmt == "hqq4"
                    else plans._int4_gemv(p.M, p.N, p.K, p.group, p.sms))
+        if p.fmt in ("nf4", "fp4"):
+            out += [c for c in tuner.candidates(p) if c.kind == "gemv"]
+    if p.M <= 2:
+        return [c for c in dict.fromkeys(out) if valid(c, p)]
     bm = min(64 if p.M <= 64 else 128, max(16, 1 << (p.M - 1).bit_length()))
     for bn, warps in ((64, 4), (128, 4), (128, 8)):
         for bk in (64, 128):
@@ -57,7 +61,7 @@ def configs(p: dm.Problem) -> list[dm.Config]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="nf4,hqq4")
-    ap.add_argument("--ms", default="4,8,16,32,64,128")
+    ap.add_argument("--ms", default="4,8,16,32,64,128", help="at M <= 2 only the GEMV loops")
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--json", default=None)
