@@ -858,6 +858,22 @@ def test_library_mmt_matches_reference(case):
     torch.testing.assert_close(out, ref, atol=tol.atol, rtol=tol.rtol)
 
 
+@pytest.mark.parametrize("case", ["nf4-g64-BK128-M17-fp16-ahead-xperm", "hqq4-g32-BK64-M5-bf16-splitk"])
+def test_library_mmt_non_finite_activation_like_the_dequantised_matmul(case):
+    """An infinite activation gives what the dequantised matmul gives (NaN where a
+    weight is 0, as NF4's code 7 is), not a finite number."""
+    fmt, N, K, group, cfg, M, dtype = LIB_MMT_CASES[case]
+    x, w, s, z, g, _ = library_inputs(fmt, M, N, K, dtype, seed=3, group=group)
+    x[0, 5] = float("inf")
+    x[M - 1, 100] = float("-inf")
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    launch._launch(x, w, s, z, None, out, fmt, group, cfg)
+    ref = dm.dequant_matmul_reference(x, w, s, z, None, fmt, group)
+    assert torch.isinf(ref).any()
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, ref, equal_nan=True, atol=tol.atol, rtol=tol.rtol)
+
+
 def test_library_mmt_valid():
     """The libraries' transposed kernel needs 16-bit x, blocks of a multiple of
     32 (code books) or 16 (HQQ, N even) that tiles of BK lie in or cover whole,
