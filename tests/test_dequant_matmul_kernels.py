@@ -1152,6 +1152,8 @@ def test_gpu_library_layouts_real_sizes(fmt):
         for M, dtype in ((1, torch.bfloat16), (5, torch.float16), (77, torch.bfloat16)):
             if cfg.kind == "gemv" and M > 8 or (fmt == "fp4" and dtype == torch.float16):
                 continue
+            if cfg.kind == "mmt" and M == 1:  # (a compile each: the plans take it from five rows)
+                continue
             if not _valid(cfg, M, K, fmt, 64 if fmt in ("nf4", "fp4") else 32, dtype):
                 continue
             x, w, s, z, g, group = (t.cuda() if isinstance(t, torch.Tensor) else t
