@@ -271,10 +271,16 @@ def check_library_device(x: torch.Tensor, fmt: str, n=None) -> str | None:
     bnb = fmt in ("nf4", "fp4")
     where = _BNB_KERNEL if bnb else _INDUCTOR_PATH
     most = _LIBRARY_ROWS.get(fmt, 0)
+    fp32 = bnb and getattr(x, "dtype", None) == torch.float32
+    if fp32:  # the tensor-core kernel takes 16-bit x: fp32 keeps the GEMV's four rows
+        most = 4
     rows = math.prod(x.shape[:-1])
     if not isinstance(rows, int):
         return where + f"the row count is dynamic ({rows}); fusepass's {fmt} kernels are faster to {most} rows"
     if rows > most:
+        if fp32:
+            return where + (f"{rows} rows of fp32 activations; fusepass's {fmt} GEMV is measured faster to {most} "
+                            "rows (its tensor-core kernel takes 16-bit activations)")
         if bnb:
             return where + (f"{rows} rows; fusepass's {fmt} kernels are measured faster to {most} (H200, "
                             "4096x4096, M = 64: 24.8 against bitsandbytes' 29.1 µs), not beyond")
