@@ -27,10 +27,10 @@ fp32 dequantize-then-matmul reference before it is timed.
     python -m fusepass.bench.registry.dequant_library --cpu-smoke --out DIR # every path, tiny shapes
     fusepass bench --ops dequant_library [--quick]                          # the registry's suite
 
-Each fusepass row names the op's plan (``plan``): at M = 1 HQQ's and GPTQ's
-layouts run GEMV loops of their own (kernels.dequant_matmul.gemv, to M = 8:
-``--ms 1,2,4,8`` times that range), the code books the GEMV that reads value
-by value, M = 16 and 64 the tensor-core kernel.  The table ends with the
+Each fusepass row names the op's plan (``plan``): HQQ's, GPTQ's and the code
+books' layouts run GEMV loops of their own (kernels.dequant_matmul.gemv) to
+M = 8 (the code books to 4), beyond that the tensor-core kernel (the code
+books and HQQ on word tiles, GPTQ value by value).  The table ends with the
 HQQ and GPTQ times over fusepass's own int4 of the same weight.
 
 ``--gpu-run`` times each provider in a CUDA graph on cold weights (the
@@ -306,8 +306,8 @@ def time_us(fn, ops, x, device: str, rep_ms: float) -> tuple[float, int]:
 
 
 def _plan(fmt: str, M: int, N: int, K: int, device: str) -> str:
-    """The op's plan for this row: "gemv" (HQQ's and GPTQ's own loops at M <= 8, value by value for
-    the code books), "tensor-core", "dequant+cublas"; "reference" off CUDA."""
+    """The op's plan for this row: "gemv" (the formats' own loops), "tensor-core", "dequant+cublas";
+    "reference" off CUDA."""
     from fusepass.kernels.dequant_matmul import dequant_matmul_plan
 
     op_fmt = {"nf4-dq": "nf4", "gptq4-act": "gptq4"}.get(fmt, fmt)
