@@ -124,12 +124,13 @@ def _library_mmt(p: Problem) -> Config | None:
     The code books' tiles: the absmax two tiles ahead, four warps, 64 rows (128
     64 deep at M = 32; 64 deep beyond), twice the balanced split: the fastest or
     within 1% of it of 34-72 configs at M = 8, 16, 32 on 4096x14336 and at
-    M = 16, 32 on 14336x4096 (M = 64-256 not swept), 0.89-0.98x the time of int4's tiles there
-    (41.8 against 47.4 µs at M = 16 on 4096x14336; H200, 768b90f,
-    benchmarks/sweep_dequant_library.py).  HQQ takes int4's tiles (its
-    heuristic below), not swept."""
+    M = 16, 32 on 14336x4096 (M = 64-256 not swept), 0.89-0.98x the time of
+    int4's heuristic tiles on the same weights (41.8 against 47.4 µs at M = 16
+    on 4096x14336; H200, 768b90f, benchmarks/sweep_dequant_library.py).  HQQ
+    takes int4's tiles (its heuristic below), not swept."""
     M, N, K, n_sm = p.M, p.N, p.K, p.sms
-    if not ((8 if p.fmt == "hqq4" else 4) < M <= 256 and (N >= 2048 or p.fmt != "hqq4") and p.dtype != torch.float32):
+    hqq = p.fmt == "hqq4"
+    if not ((8 if hqq else 4) < M <= 256 and (N >= 2048 or not hqq) and p.dtype != torch.float32):
         return None
     bm = min(64 if M <= 64 else 128, max(16, _pow2(M)))
     codes = p.fmt in ("nf4", "fp4")
