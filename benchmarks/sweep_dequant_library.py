@@ -39,10 +39,8 @@ def configs(p: dm.Problem) -> list[dm.Config]:
                    else plans._int4_gemv(p.M, p.N, p.K, p.group, p.sms))
         if p.fmt in ("nf4", "fp4"):
             out += [c for c in tuner.candidates(p) if c.kind == "gemv"]
-    if p.M <= 2:
-        return [c for c in dict.fromkeys(out) if valid(c, p)]
     bm = min(64 if p.M <= 64 else 128, max(16, 1 << (p.M - 1).bit_length()))
-    for bn, warps in ((64, 4), (128, 4), (128, 8)):
+    for bn, warps in ((64, 4), (128, 4), (128, 8)) if p.M > 2 else ():
         for bk in (64, 128):
             base = _balanced_split(cdiv(p.N, bn) * cdiv(p.M, bm), p.K, bk, p.sms)
             for split in sorted({max(1, base // 2), base, min(16, base * 2)}):
@@ -50,12 +48,7 @@ def configs(p: dm.Problem) -> list[dm.Config]:
                     for xperm in ((0, 1) if bm >= 32 else (0,)):
                         out.append(dm.Config("mmt", BM=bm, BN=bn, BK=bk, split=split, warps=warps, stages=3,
                                              ahead=ahead, xperm=xperm))
-    seen, keep = set(), []
-    for c in out:
-        if c not in seen and valid(c, p):
-            seen.add(c)
-            keep.append(c)
-    return keep
+    return [c for c in dict.fromkeys(out) if valid(c, p)]  # (in order, once each)
 
 
 def main(argv=None) -> int:

@@ -152,8 +152,9 @@ def heuristic(p: Problem) -> Config:
     M, N, K, fmt, G, dtype, n_sm = p.M, p.N, p.K, p.fmt, p.group, p.dtype, p.sms
     if fmt in LIBRARY_FORMATS:
         # The GEMV for a few rows (HQQ's, GPTQ's and the code books' with loops of their own),
-        # the tensor-core kernel to 256 rows in 16-bit, dequantise + cuBLAS
-        # beyond; only the first two timed (BENCHMARKS.md), none swept.
+        # the tensor-core kernel to 256 rows in 16-bit (the code books and HQQ on
+        # words, _library_mmt; GPTQ value by value), dequantise + cuBLAS beyond;
+        # timed in BENCHMARKS.md, only the code books' tiles swept.
         tc = _library_mmt(p) if fmt in ("nf4", "fp4", "hqq4") else None
         if tc is not None:
             return tc

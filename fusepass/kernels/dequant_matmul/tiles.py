@@ -174,6 +174,23 @@ def _codebook_pair(b_q, tab, code, ASM: tl.constexpr):
     return tl.load(code + (b_i >> 4)), tl.load(code + (b_i & 0xF))
 
 
+def _byte_asm(flip: bool) -> str:
+    first = "xor.b32 t, $4, 0x80808080;" if flip else "mov.b32 t, $4;"
+    return f"""{{
+            .reg .b32 t, c;
+            mov.b32 c, 0x4B000000;
+            {first}
+            prmt.b32 $0, t, c, 0x7440;
+            prmt.b32 $1, t, c, 0x7441;
+            prmt.b32 $2, t, c, 0x7442;
+            prmt.b32 $3, t, c, 0x7443;
+            }}"""
+
+
+_BYTE_ASM: tl.constexpr = tl.constexpr(_byte_asm(False))
+_BYTE_FLIP_ASM: tl.constexpr = tl.constexpr(_byte_asm(True))
+
+
 def _codebook_asm(values) -> str:
     """_codebook_word's PTX for one code book: every lane takes entry (lane id mod 16)
     from immediates (a chain of 15 selects on the lane id, which ptxas computes
@@ -217,54 +234,38 @@ def _codebook_word(b_w, code, FMT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _byte_word(b_w, FLIP: tl.constexpr, ASM: tl.constexpr):
+    """int32 words of four bytes -> four fp32 tensors 2**23 + byte, byte order: each
+    byte (its sign bit flipped first with FLIP, once per word: int8's v + 128)
+    placed in 2**23's low mantissa bits by one PRMT; the caller's FADD takes
+    2**23 (+ 128) off, exactly.  int8 words (FLIP) and HQQ's nibbles, one in the
+    low bits of each byte."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm=_BYTE_FLIP_ASM if FLIP else _BYTE_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[b_w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    b_t = b_w ^ -2139062144 if FLIP else b_w  # 0x80808080
+    b_0 = ((b_t & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    b_1 = (((b_t >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    b_2 = (((b_t >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    b_3 = (((b_t >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return b_0, b_1, b_2, b_3
+
+
+@triton.jit
 def _nibble_word(b_t, ASM: tl.constexpr):
     """int32 words of four nibbles, one in the low bits of each byte (the rest 0)
-    -> four fp32 tensors q_0 .. q_3 in byte order, exact: each byte placed in
-    2**23's low mantissa bits by one PRMT, then 2**23 off in one FADD."""
-    if ASM:
-        b_0, b_1, b_2, b_3 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 c;
-            mov.b32 c, 0x4B000000;
-            prmt.b32 $0, $4, c, 0x7440;
-            prmt.b32 $1, $4, c, 0x7441;
-            prmt.b32 $2, $4, c, 0x7442;
-            prmt.b32 $3, $4, c, 0x7443;
-            }""",
-            constraints="=r,=r,=r,=r,r",
-            args=[b_t], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        b_0 = ((b_t & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
-        b_1 = (((b_t >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
-        b_2 = (((b_t >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
-        b_3 = (((b_t >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    -> four fp32 tensors q_0 .. q_3 in byte order, exact (_byte_word)."""
+    b_0, b_1, b_2, b_3 = _byte_word(b_t, False, ASM)
     return b_0 - 8388608.0, b_1 - 8388608.0, b_2 - 8388608.0, b_3 - 8388608.0
 
 
 @triton.jit
 def _int8_word(b_w, ASM: tl.constexpr):
     """int32 words of four int8 values -> four fp32 tensors, byte order: each
-    byte + 128 (the sign bit flipped, once per word) placed in 2**23's low
-    mantissa bits by one PRMT, then one FADD of 2**23 + 128."""
-    if ASM:
-        b_0, b_1, b_2, b_3 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t, c;
-            mov.b32 c, 0x4B000000;
-            xor.b32 t, $4, 0x80808080;
-            prmt.b32 $0, t, c, 0x7440;
-            prmt.b32 $1, t, c, 0x7441;
-            prmt.b32 $2, t, c, 0x7442;
-            prmt.b32 $3, t, c, 0x7443;
-            }""",
-            constraints="=r,=r,=r,=r,r",
-            args=[b_w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        b_t = b_w ^ -2139062144  # 0x80808080
-        b_0 = ((b_t & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
-        b_1 = (((b_t >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
-        b_2 = (((b_t >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
-        b_3 = (((b_t >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    byte + 128 as 2**23 + byte (_byte_word), then one FADD of 2**23 + 128."""
+    b_0, b_1, b_2, b_3 = _byte_word(b_w, True, ASM)
     return b_0 - 8388736.0, b_1 - 8388736.0, b_2 - 8388736.0, b_3 - 8388736.0
 
 
