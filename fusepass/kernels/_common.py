@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 log = logging.getLogger("fusepass")
 T = TypeVar("T")
@@ -171,6 +172,51 @@ def scalar_fp32(v, IS_PTR: tl.constexpr):
         return tl.cast(v, tl.float32)
 
 
+# -- programmatic dependent launch -------------------------------------------
+#
+# A kernel launched with ``Launch(pdl=True)`` may start while the kernel
+# before it in the stream is still running, once every program of that one
+# has passed ``pdl_release`` (or ended): its programs sit resident and do
+# what needs nothing of the previous kernel, then ``pdl_wait`` until it has
+# ended and its writes are visible.  Rules for the kernels here:
+# - a PDL kernel reads nothing before its ``pdl_wait`` unless the previous
+#   kernel is one of the same op's, known to ``pdl_release`` only after its
+#   own ``pdl_wait``: then what kernels before that one wrote has ended and
+#   may be read early (another library's kernel may release earlier);
+# - ``pdl_release`` goes after the kernel's own ``pdl_wait``.
+# Without the launch attribute (the graph's inlined launches, other GPUs) both
+# are no-ops; the constexpr keeps them out of the interpreter, which has no
+# inline asm.
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel has ended and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel's programs start (each program of this one calls it)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each of ``ptrs`` and keep it past lines
+    read once (evict_last); no register is written and nothing waits."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Whether a launch on ``t``'s device may carry the PDL attribute (sm_90+)."""
+    return (t.is_cuda and not interpreting() and torch.version.cuda is not None
+            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
 def is_ptr(value: float | torch.Tensor) -> bool:
     """The ``IS_PTR`` flag for a :func:`scalar_arg` result."""
     return isinstance(value, torch.Tensor)
@@ -273,6 +319,7 @@ class Launch:
     outputs: tuple[str, ...] = ()
     num_warps: int = 4
     num_stages: int | None = None
+    pdl: bool = False  # launched with programmatic dependent launch (see pdl_wait); ``run`` only
 
     def __post_init__(self) -> None:
         names = kernel_arg_names(self.kernel)
@@ -288,13 +335,18 @@ class Launch:
         return {"num_warps": self.num_warps} if self.num_stages is None else \
             {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
+    def _launch_meta(self) -> dict[str, Any]:
+        # The graph's inlined launch (``traced``) has no way to carry the PDL
+        # attribute through Inductor's launcher: there the kernel's waits are no-ops.
+        return {**self._meta(), "launch_pdl": True} if self.pdl and not interpreting() else self._meta()
+
     def run(self) -> None:
         """Launch now (the op's CUDA body, the tuner, tests under the interpreter)."""
-        self.kernel[self.grid](**self.args, **self._meta())
+        self.kernel[self.grid](**self.args, **self._launch_meta())
 
     def warmup(self) -> None:
         """Compile without running (the tuner compiles its candidates in parallel first)."""
-        self.kernel.warmup(**self.args, grid=self.grid, **self._meta())
+        self.kernel.warmup(**self.args, grid=self.grid, **self._launch_meta())
 
     def traced(self) -> dict[str, Tensor]:
         """The launch as a functional graph node; returns fresh tensors for the
