@@ -27,10 +27,10 @@ from fusepass.kernels.moe import decode, experts as ex, router as rt
 VARIANTS = {  # name: (router pdl, experts pdl, prefetch)
     "default": (False, False, ""),
     "pdl": (True, True, ""),
-    "pdl experts": (False, True, ""),
-    "pdl, down prefetches": (True, True, "down"),
-    "up prefetches down": (False, False, "up"),
-    "pdl, up prefetches down": (True, True, "up"),
+    "pdl-experts": (False, True, ""),
+    "pdl-pf-down": (True, True, "down"),  # each down program its own rows, before its wait
+    "pf-up": (False, False, "up"),  # each gate_up program a share of its expert's down rows
+    "pdl-pf-up": (True, True, "up"),
 }
 
 
