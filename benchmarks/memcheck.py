@@ -385,6 +385,7 @@ def _router_paths(E):
 
     BEA = cdiv_pow2(E)
     return {"split-fma": rt.RouterConfig(BT=4, BE=8, BK=64, dot=False),
+            "split-fma-pdl": rt.RouterConfig(BT=4, BE=8, BK=64, dot=False, pdl=True, release=True),
             "split-dot": rt.RouterConfig(BT=16, BE=16, BK=64, dot=True),
             "whole-fma": rt.RouterConfig(BT=4, BE=BEA, BK=max(16, 4096 // (4 * BEA)), dot=False),
             "whole-dot": rt.RouterConfig(BT=16, BE=BEA, BK=64, dot=True, warps=8 if BEA >= 256 else 4)}
@@ -407,6 +408,26 @@ def _experts_plan(plan):
         if args[0].is_cuda:
             from fusepass.kernels.moe import experts as ex
             return ex.experts_fwd(*args, plan=plan)
+        return ops.moe_experts(*args)
+    return run
+
+
+def _experts_decode(**cfg):
+    """moe_experts through the decode launches with the heuristic's tiles changed by ``cfg``
+    (e.g. pdl=True) on CUDA tensors, the op's body on CPU copies."""
+    def run(*args):
+        if args[0].is_cuda:
+            import dataclasses
+
+            from fusepass.kernels._common import sm_count
+            from fusepass.kernels.moe import decode
+            from fusepass.kernels.moe import experts as ex
+            x, ids, w1 = args[0], args[1], args[3]
+            trans, fmt, group = args[13], args[14], args[15]
+            I = w1.shape[2 if trans else 1] // 2
+            base = decode.decode_heuristic(x.shape[0], ids.shape[1], x.shape[1], I, trans, sm_count(x.device),
+                                           group if fmt == "int4" else 0)
+            return ex.experts_fwd(*args, plan="decode", cfg=dataclasses.replace(base, **cfg))
         return ops.moe_experts(*args)
     return run
 
@@ -468,6 +489,10 @@ def _moe_experts_cases(quick: bool, build):
         tail = (act, layout, trans, "none", 0, alpha, limit)
         for T in Ts_m:
             yield f"moe_experts {name} T{T}", ops.moe_experts, (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2
+        for T in (1, 4) if not name.startswith("odd") else (1, 7):  # both decode launches with and without PDL
+            for pdl in (False, True):
+                yield (f"moe_experts[decode pdl={pdl}] {name} T{T}", _experts_decode(pdl=pdl),
+                       (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
         # Every plan once (the op takes grouped_mm only from T * k = 16384 up, on
         # sm90); torch._grouped_mm needs 16-byte aligned rows: H, I multiples of 8.
         plans = ("decode", "sorted") + (("grouped_mm",) if H % 8 == 0 and I % 8 == 0 else ())
@@ -485,6 +510,9 @@ def _moe_experts_cases(quick: bool, build):
         for T in (1, 64) if not quick else (1,):
             yield (f"moe_experts qwen3-30b-a3b {label} T{T}", ops.moe_experts,
                    (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
+        for pdl in (False, True):
+            yield (f"moe_experts[decode pdl={pdl}] qwen3-30b-a3b {label} T1", _experts_decode(pdl=pdl),
+                   (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
         for plan in ("decode", "sorted") if not quick else ("sorted",):  # grouped_mm: plain weights only
             yield (f"moe_experts[{plan}] qwen3-30b-a3b {label} T8", _experts_plan(plan),
                    (x[:8], ids[:8], tw[:8], *weights, *tail), 2e-2)

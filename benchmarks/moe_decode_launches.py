@@ -1,7 +1,6 @@
 """The MoE decode path's launch options timed against each other on the GPU:
-programmatic dependent launch (router -> gate_up -> down, ``RouterConfig.pdl``,
-``DecodeConfig.pdl``) and the down weight asked of L2 ahead of the down kernel
-(``DecodeConfig.prefetch`` "up" / "down").
+programmatic dependent launch (router -> gate_up -> down: ``RouterConfig.pdl``
+and ``release``, ``DecodeConfig.pdl``).
 
 Each variant is checked against the fp32 reference and against the default
 launch bit for bit, then timed as CUDA-graph replays: the router and the
@@ -24,13 +23,11 @@ from fusepass.bench.registry import moe as M
 from fusepass.kernels._common import sm_count
 from fusepass.kernels.moe import decode, experts as ex, router as rt
 
-VARIANTS = {  # name: (router pdl, experts pdl, prefetch)
-    "default": (False, False, ""),
-    "pdl": (True, True, ""),
-    "pdl-experts": (False, True, ""),
-    "pdl-pf-down": (True, True, "down"),  # each down program its own rows, before its wait
-    "pf-up": (False, False, "up"),  # each gate_up program a share of its expert's down rows
-    "pdl-pf-up": (True, True, "up"),
+VARIANTS = {  # name: (router launched with PDL, router releases at its start, experts' two launches with PDL)
+    "none": (False, False, False),
+    "experts": (False, False, True),
+    "release+experts": (False, True, True),
+    "all": (True, True, True),
 }
 
 
@@ -79,14 +76,14 @@ def main() -> None:
     p.add_argument("--int4", action="store_true", help="also the int4 experts (g128)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rep", type=float, default=30.0)
-    p.add_argument("--profile", action="store_true", help="per-kernel times of the default and pdl variants")
+    p.add_argument("--profile", action="store_true", help="per-kernel times of the none and all variants")
     a = p.parse_args()
     bw = M.copy_bandwidth("cuda", False)
     rows, prof_rows = [], []
     for name in a.models.split(","):
         blk = M.Block(name, "cuda")
         m = blk.m
-        for quant_name in ("bf16", "int4") if a.int4 else ("bf16",):
+        for quant_name in ("bf16", "int4") if a.int4 and not m["transposed"] else ("bf16",):
             quant = blk.quantized() if quant_name == "int4" else None
             for T in (int(t) for t in a.ts.split(",")):
                 x = torch.randn(T, m["H"], device="cuda", dtype=torch.bfloat16)
@@ -98,9 +95,9 @@ def main() -> None:
                                                  blk.group if quant is not None else 0)
                 base_out = None
                 for v in a.variants.split(","):
-                    rp, dp, pf = VARIANTS[v]
-                    rcfg = dataclasses.replace(base_r, pdl=rp)
-                    dcfg = dataclasses.replace(base_d, pdl=dp, prefetch=pf)
+                    rp, rr, dp = VARIANTS[v]
+                    rcfg = dataclasses.replace(base_r, pdl=rp, release=rr)
+                    dcfg = dataclasses.replace(base_d, pdl=dp)
                     out = chain(blk, x, quant, rcfg, dcfg)
                     torch.cuda.synchronize()
                     if base_out is None:
@@ -114,7 +111,7 @@ def main() -> None:
                     rows.append([name, quant_name, T, v, f"{t_all:.1f}", f"{t_ex:.1f}", f"{floor:.1f}",
                                  f"{t_all / floor:.2f}", f"{err:.1e}", "yes" if same else "NO"])
                     print(rows[-1], flush=True)
-                    if a.profile and v in ("default", "pdl"):
+                    if a.profile and v in ("none", "all"):
                         kt = kernel_times(lambda: chain(blk, x, quant, rcfg, dcfg))
                         for k_name, us in kt.items():
                             prof_rows.append([name, quant_name, T, v, k_name, f"{us:.2f}"])

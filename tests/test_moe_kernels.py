@@ -537,6 +537,8 @@ def test_decode_kernels_compile_for_sm90_with_vector_loads():
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("spill    0") >= 12, proc.stdout
+    # the PDL launches: gate_up waits then releases the down kernel, which only waits
+    assert "pdl wait 1 release 1" in proc.stdout and "pdl wait 1 release 0" in proc.stdout, proc.stdout
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the launches on CPU tensors, under the interpreter")

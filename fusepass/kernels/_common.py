@@ -203,14 +203,6 @@ def pdl_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line at each of ``ptrs`` and keep it past lines
-    read once (evict_last); no register is written and nothing waits."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 def pdl_supported(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device may carry the PDL attribute (sm_90+)."""
     return (t.is_cuda and not interpreting() and torch.version.cuda is not None

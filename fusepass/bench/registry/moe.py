@@ -543,6 +543,9 @@ def compile_sm90(fn, types: dict, consts: dict, warps: int = 4, stages: int = 3,
     consts = dict(consts)
     if unit in fn.arg_names:
         consts.setdefault(unit, 1)
+    for param in fn.params:  # constexprs left to their defaults stay constexprs
+        if param.is_constexpr and param.has_default:
+            consts.setdefault(param.name, param.default)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or n in DIV16)}
@@ -555,6 +558,7 @@ def resources(kernel) -> dict:
     import triton
 
     out = {"loads": dict(Counter(re.findall(r"ld\.global[.\w]*", kernel.asm["ptx"])))}
+    out["pdl"] = tuple(kernel.asm["ptx"].count(f"griddepcontrol.{op}") for op in ("wait", "launch_dependents"))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -572,24 +576,22 @@ def narrow_loads(res: dict) -> int:
 
 
 def decode_up(fmt="none", halves=True, act="silu", BM=1, BN=16, BK=256, BS=8, defer=True, bias=False, trans=False,
-              group=128, warps=4, pdl=False, pf_rows=0):
+              group=128, warps=4, pdl=False):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
-    types = dict(x=BF16, x2=I32, ids=I64, w=w, bias=BF16, scale=BF16, zero=BF16, h=BF16, w2=w, pf_n="i32",
-                 pf_rows="i32", pf_len="i32", stride_w2e="i32", stride_w2n="i32")
+    types = dict(x=BF16, x2=I32, ids=I64, w=w, bias=BF16, scale=BF16, zero=BF16, h=BF16)
     consts = dict(ACT=act, HALVES=halves, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4",
                   HAS_BIAS=bias, ALPHA=1.702, LIMIT=7.0, BS=BS, BM=BM, BN=BN, BK=BK, DEFER=defer, TRANS=trans,
-                  PDL=pdl, PF_R=pf_rows, PF_L=16 if pf_rows else 0, PF_STEP=64)
+                  PDL=pdl)
     vb = decode.int4_chunk(fmt, trans, group, BK)
     consts.update(VB=vb, ASM=vb >= 4)
     return compile_sm90(decode._moe_decode_up_kernel, types, consts, warps, unit="stride_wn" if trans else "stride_wk")
 
 
-def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4, pdl=False,
-                pf_lines=0):
+def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4, pdl=False):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
-    types = dict(h=BF16, h2=I32, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16, pf_len="i32")
+    types = dict(h=BF16, h2=I32, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16)
     consts = dict(ROUND_W=True, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4", HAS_BIAS=bias,
-                  KP=KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans, PDL=pdl, PF_L=pf_lines, PF_STEP=64)
+                  KP=KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans, PDL=pdl)
     vb = decode.int4_chunk(fmt, trans, group, BK)
     consts.update(VB=vb, ASM=vb >= 4)
     return compile_sm90(decode._moe_decode_down_kernel, types, consts, warps,
@@ -615,10 +617,8 @@ def ptx_kernels(only: str | None):
             ("decode down, int4 g128 (chunks, BN2 2 warps)", lambda: decode_down(fmt="int4", BN=2, BK=256,
                                                                                 defer=False, warps=2)),
             ("decode down, deferred sum BN4 BK128", lambda: decode_down()),
-            ("decode up, Qwen3 T1, PDL, down rows to L2", lambda: decode_up(BN=8, BK=1024, defer=False, pdl=True,
-                                                                          pf_rows=64)),
-            ("decode down, Qwen3 T1, PDL, own rows to L2", lambda: decode_down(BN=4, BK=256, defer=False, pdl=True,
-                                                                             pf_lines=16)),
+            ("decode up, Qwen3 T1, PDL", lambda: decode_up(BN=8, BK=1024, defer=False, pdl=True)),
+            ("decode down, Qwen3 T1, PDL", lambda: decode_down(BN=4, BK=256, defer=False, pdl=True)),
             ("decode down, int4 g128, PDL", lambda: decode_down(fmt="int4", BN=2, BK=256, defer=False, warps=2,
                                                                 pdl=True)),
         ],
@@ -634,7 +634,7 @@ def ptx_kernels(only: str | None):
             ("router T1, one-pass top-k", lambda: compile_sm90(rt._moe_router_kernel, _ROUTER_TYPES,
                                                                 _router(RANK=True))),
             ("router T1, one-pass top-k, PDL", lambda: compile_sm90(rt._moe_router_kernel, _ROUTER_TYPES,
-                                                                     _router(RANK=True, PDL=True))),
+                                                                     _router(RANK=True, PDL=True, RELEASE=True))),
             ("router T64 (tl.dot)", lambda: compile_sm90(rt._moe_router_kernel, _ROUTER_TYPES, _router(
                 SPLIT=False, USE_DOT=True, BT=32, BE=128, BK=64))),
         ],
@@ -692,8 +692,12 @@ def ptx_report(only: str | None) -> int:
         # int4 chunks read their group's scale and zero point per row and chunk:
         # two 2-byte loads a row (of 2048 codes), not the weights.
         bad += spills > 0 or narrow_loads(res) > (NARROW_MAX_INT4 if "int4" in name else NARROW_MAX)
+        # PDL kernels wait once; the others carry no grid-dependency instruction at all.
+        wait, release = res["pdl"]
+        bad += wait != ("PDL" in name)
+        pdl = f"  pdl wait {wait} release {release}" if wait or release else ""
         print(f"{name:52s} regs {res.get('regs', '?'):>3}  spill {spills:>4}  narrow loads {narrow_loads(res):>3}  "
-              f"{res['loads']}")
+              f"{res['loads']}{pdl}")
     return 1 if bad else 0
 
 

@@ -169,10 +169,10 @@ def _moe_router_kernel(
     SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CB: tl.constexpr, SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr, F32: tl.constexpr,
     BT: tl.constexpr, BE: tl.constexpr, BEA: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
-    RANK: tl.constexpr = False, PDL: tl.constexpr = False,
+    RANK: tl.constexpr = False, PDL: tl.constexpr = False, RELEASE: tl.constexpr = False,
 ):
     pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_release(RELEASE)
     i_t, i_e = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -299,6 +299,7 @@ class RouterConfig:
     warps: int = 4
     rank: bool = False  # top-k by each expert's place (one pass; BT * BEA**2 compares)
     pdl: bool = False  # launched with programmatic dependent launch (``_common.pdl_wait``)
+    release: bool = False  # let a PDL launch after it (the experts' gate_up) start at once
 
 
 def router_heuristic(T: int, E: int, H: int) -> RouterConfig:
@@ -367,7 +368,8 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
         HAS_BIAS=bias is not None, HAS_CB=correction_bias is not None, SPLIT=split,
         USE_DOT=cfg.dot and BEA >= 16 and cfg.BT >= 16, F32=f32,
         BT=cfg.BT, BE=cfg.BE if split else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k),
-        RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps), PDL=cfg.pdl and pdl_supported(x))
+        RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps), PDL=cfg.pdl and pdl_supported(x),
+        RELEASE=cfg.release and pdl_supported(x))
     outputs = ("logits", "tw", "tid") + (("ctr",) if split else ())
     return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps, pdl=args["PDL"])
 
