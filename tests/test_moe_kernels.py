@@ -573,3 +573,24 @@ def test_inlined_router_split_and_whole(T):
     assert torch.equal(tid, etid)
     torch.testing.assert_close(tw.double(), etw.double(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits.double(), elogits.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_launches_take_pdl_where_measured_faster(monkeypatch):
+    """The heuristic launches both decode kernels with PDL for [E, N, K]
+    experts and not for gpt-oss's transposed ones (slower there, H200); the
+    launch attribute is passed only where the kernel is compiled (never to the
+    interpreter, which has no launch options), and never for CPU tensors."""
+    from fusepass.kernels import _common
+
+    assert decode.decode_heuristic(1, 8, 2048, 768, False, 132, 0).pdl
+    assert decode.decode_heuristic(4, 8, 2048, 768, False, 132, 128).pdl
+    assert not decode.decode_heuristic(1, 4, 2880, 2880, True, 132, 0).pdl
+    assert not rt.router_heuristic(1, 128, 2048).release
+    assert not _common.pdl_supported(torch.zeros(1))
+    kernel = decode._moe_decode_down_kernel
+    launch = _common.Launch(kernel, (1,), dict.fromkeys(kernel.arg_names), pdl=True)
+    monkeypatch.setattr(_common, "interpreting", lambda: True)
+    assert "launch_pdl" not in launch._launch_meta()
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    assert launch._launch_meta()["launch_pdl"] is True
+    assert "launch_pdl" not in dataclasses.replace(launch, pdl=False)._launch_meta()

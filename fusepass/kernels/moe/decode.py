@@ -288,7 +288,15 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     where reducing every tile (8 columns x 1024) ran 1448 and 1047 µs.  A tile
     holds 4096 fp32 partial products (BM x BN x BK; 32 registers a thread at 4
     warps).  down: the token's k experts at once, BN2 output columns, fewer
-    until the grid has two programs an SM."""
+    until the grid has two programs an SM.
+
+    Both launches with PDL for [E, N, K] weights (the down kernel's programs
+    resident and its ids read while the gate_up kernel finishes): H200,
+    Qwen3-30B-A3B block (benchmarks/moe_decode_launches.py, commit f70421a),
+    router + experts at T = 1 / 4 35.6 / 161.7 µs against 37.0 / 162.9 in
+    bf16, 22.0 / 78.0 against 23.3 / 79.0 in int4; gpt-oss-20b's transposed
+    experts ran slower with it (125.2 / 331.8 against 121.8 / 330.1)."""
+    pdl = not transposed
     BM = 1 if T == 1 else 2 if T <= 8 else 4
     KP = cdiv_pow2(k)
     BN = 16
@@ -311,8 +319,8 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
         warps = max(1, min(4, BK // (2 * vb) // 32))
         warps2 = max(1, min(4, KP * BK2 // (2 * vb) // 32))
         return DecodeConfig(BM=BM, BN=4, BK=BK, warps=warps, BN2=min(BN2, 2), BK2=BK2, warps2=warps2, defer=False,
-                            defer2=False)
-    return DecodeConfig(BM=BM, BN=BN, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4, defer=True, defer2=True)
+                            defer2=False, pdl=pdl)
+    return DecodeConfig(BM=BM, BN=BN, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4, defer=True, defer2=True, pdl=pdl)
 
 
 def _strides(w: Tensor, transposed: bool) -> tuple[int, int]:

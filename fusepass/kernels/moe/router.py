@@ -299,7 +299,10 @@ class RouterConfig:
     warps: int = 4
     rank: bool = False  # top-k by each expert's place (one pass; BT * BEA**2 compares)
     pdl: bool = False  # launched with programmatic dependent launch (``_common.pdl_wait``)
-    release: bool = False  # let a PDL launch after it (the experts' gate_up) start at once
+    # Let a PDL launch after it (the experts' gate_up) start at once.  Off: at
+    # T = 1 on an H200 it saved 0.1 µs before bf16 experts and cost 3.9 before
+    # int4 ones (router + experts 25.9 against 22.0; moe_decode_launches.py).
+    release: bool = False
 
 
 def router_heuristic(T: int, E: int, H: int) -> RouterConfig:
