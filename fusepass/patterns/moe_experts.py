@@ -113,11 +113,14 @@ def grouped(x, ids, tw, w_gate_up, w_down, act=silu_halves):
     return y[inv].view(T, k, H).sum(dim=1).to(x.dtype)
 
 
-def batched(x, ids, tw, w_gate_up, w_down, act=silu_halves):
-    """transformers' ``batched_mm`` experts: each pair's expert weights gathered, one bmm each."""
+def batched(x, ids, tw, w_gate_up, w_down, act=silu_halves, clamp_ids=False):
+    """transformers' ``batched_mm`` experts: each pair's expert weights gathered, one bmm each
+    (``clamp_ids``: the ids clamped into [0, E) first, as transformers 5.17 does always)."""
     T, H = x.shape
     k = ids.shape[1]
     flat = ids.reshape(-1)
+    if clamp_ids:
+        flat = flat.clamp(0, w_gate_up.shape[0] - 1)
     rows = x.repeat_interleave(k, dim=0)
     gu = torch.bmm(w_gate_up[flat], rows.unsqueeze(-1)).squeeze(-1)
     y = torch.bmm(w_down[flat], act(gu).unsqueeze(-1)).squeeze(-1)
@@ -141,6 +144,11 @@ def search_grouped(x, scores, w_gate_up, w_down):
 def search_batched(x, scores, w_gate_up, w_down):
     ids, tw = route(scores, 2)
     return batched(x, ids, tw, w_gate_up, w_down)
+
+
+def search_batched_clamped(x, scores, w_gate_up, w_down):
+    ids, tw = route(scores, 2)
+    return batched(x, ids, tw, w_gate_up, w_down, clamp_ids=True)
 
 
 def search_einsum(x, scores, w_gate_up_t, b_gate_up, w_down_t, b_down):
@@ -327,10 +335,14 @@ def _activations(core: list[torch.fx.Node]) -> tuple[list[str], list[str], list[
     layouts = ["interleaved"] if any(n.target == aten.slice.Tensor and len(n.args) > 4 and n.args[4] == 2
                                      for n in core) else ["halves"]
     pairs: list[tuple[float, float]] = [(0.0, 0.0)]
-    if targets & _CLAMPS:
+    # Clamps of values (gpt-oss's activation), not of the expert ids (transformers
+    # 5.17's batched_mm clamps them into [0, E) before its gathers).
+    clamps = [n for n in core if n.target in _CLAMPS and _moe.tensor(n) is not None
+              and _moe.tensor(n).is_floating_point()]
+    if clamps:
         alphas = [float(a) for n in core if n.target == aten.mul.Tensor for a in n.args[1:2]
                   if isinstance(a, float) and a not in (0.0, 1.0, -1.0)]
-        limits = [abs(float(a)) for n in core if n.target in _CLAMPS for a in list(n.args[1:]) + list(n.kwargs.values())
+        limits = [abs(float(a)) for n in clamps for a in list(n.args[1:]) + list(n.kwargs.values())
                   if isinstance(a, (int, float)) and not isinstance(a, bool) and a != 0]
         pairs = [(a, lim) for a in dict.fromkeys(alphas or [1.702]) for lim in dict.fromkeys(limits)]
         return ["gpt_oss"], layouts, pairs[:6]
@@ -707,6 +719,7 @@ RULE = Rule(
     forms=[
         Form("grouped_mm", search_grouped, _replace_plain),
         Form("batched_mm", search_batched, _replace_plain),
+        Form("batched_mm_clamped_ids", search_batched_clamped, _replace_plain),
         Form("einsum_transposed_bias", search_einsum, _replace_einsum, example_inputs=_einsum_inputs),
     ],
     example_inputs=example_inputs,
