@@ -115,6 +115,30 @@ def test_every_familys_block_is_one_router_and_one_experts_call(impl):
             assert torch.equal(a, e), f"{family} {impl}: {(a.float() - e.float()).abs().max().item()}"
 
 
+@pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
+def test_expert_parallel_sentinel_handling_is_still_one_experts_call(impl):
+    """transformers' experts under expert parallelism clamp the ids into [0, E)
+    before gathering and zero the sentinels' weights (transformers 5.17's
+    batched_mm clamped always): a clamp of ids is not gpt-oss's activation
+    clamp.  Every family's block is still one router and one experts call, and
+    equal to eager (ids are never sentinels here: the op and the masks agree)."""
+    model = Blocks(impl, torch.bfloat16).eval()
+    for block in model.blocks:
+        block.experts._is_expert_parallel = True
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend="fusepass", options={"cpp.simdlen": 1})(x)
+    report = fusepass.last_report()
+    experts = [h for h in report.hits if h.rule == "moe_experts"]
+    assert len(experts) == len(FAMILIES), str(report)
+    assert not [r for r in report.refusals if r.rule.startswith("moe")], str(report)
+    for family, a, e in zip(FAMILIES, actual, expected):
+        assert torch.equal(a, e), f"{family} {impl}: {(a.float() - e.float()).abs().max().item()}"
+
+
 @pytest.mark.parametrize("impl,fmt", [("grouped_mm", "int4"), ("batched_mm", "int8"), ("eager", "fp8")])
 def test_quantized_expert_stacks_reach_the_op_packed(impl, fmt):
     """``fusepass.quantize`` stores the stacks as codes; the rule finds their
