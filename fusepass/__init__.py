@@ -7,7 +7,7 @@
 Public surface: :func:`last_report`, :func:`reset_reports`, :class:`Rule`,
 :class:`Form`, :class:`NearMiss`, :func:`register_rule`, :func:`quantize`
 (weight-only int8/int4/fp8 linears whose forward the rules fuse),
-:func:`load_quantized` (GPTQ, AWQ and compressed-tensors int4 checkpoints into them),
+:func:`load_quantized` (GPTQ, AWQ, compressed-tensors and HQQ int4 checkpoints into them),
 :mod:`fusepass.testing` and the ``fusepass`` command.  Importing fusepass registers its ops; rules
 load lazily, on the first compile.
 """

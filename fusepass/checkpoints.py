@@ -26,6 +26,18 @@ Layouts read (K = in_features, N = out_features, G = the checkpoint's group):
     "compressed-tensors" weight_packed int32 [N, K / 8] weight_zero_point int32           [N, K / G]   (q - zp) * s,
     (pack-quantized)     along K, lowest bits first,    [ceil(N / 8), K / G] along N      or [N, 1]    q, zp signed
                          each code q + 8                (asymmetric only), each zp + 8
+    "hqq" (4-bit,        W_q uint8 [R / 2, G], R =      zero [R, 1] float (not rounded)   [R, 1]       (Q - zero) * scale,
+    axis 1, 4bit_u8)     N K / G: W [N, K] as R rows                                                   Q [R, G] as W [N, K]
+                         of G, row r < R / 2 the high
+                         nibbles, r + R / 2 the low
+
+HQQ's state dict is HQQLinear's own (``W_q``, ``scale``, ``zero``, ``shape``
+and its meta entries, safetensors-encoded or not): from a saved HQQ model
+loaded into a plain one, or ``model.state_dict()`` of a model quantized in
+memory (transformers' ``HqqConfig``), whose HQQLinear modules are replaced.
+HQQ's PyTorch path rounds ``Q - zero`` to the compute dtype before the
+scale; the loaded layer, as fusepass's int4, subtracts in fp32 (the same
+weight to the dtype's last bit or two).
 
 and GPTQ's and compressed-tensors' ``g_idx`` (the group of each input
 column).  With act-order (``desc_act``, ``actorder``) the groups are not
@@ -55,13 +67,18 @@ from .formats import unpack_words as _unpack_words
 from .formats import dequantize_int4 as _dequantize_int4
 from .quantize import Int4Linear
 
-FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors")
+FORMATS = ("gptq", "gptq_v2", "awq", "compressed-tensors", "hqq")
 # AWQ keeps the 8 codes of a word in this column order (nibble i holds column ORDER[i])
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _KEYS = {"gptq": ("qweight", "qzeros", "scales"), "gptq_v2": ("qweight", "qzeros", "scales"),
-         "awq": ("qweight", "qzeros", "scales"), "compressed-tensors": ("weight_packed", "weight_scale")}
+         "awq": ("qweight", "qzeros", "scales"), "compressed-tensors": ("weight_packed", "weight_scale"),
+         "hqq": ("W_q", "scale", "zero", "shape")}
 _OPTIONAL = {"gptq": ("g_idx", "bias"), "gptq_v2": ("g_idx", "bias"), "awq": ("bias",),
-             "compressed-tensors": ("weight_shape", "weight_zero_point", "weight_g_idx", "bias")}
+             "compressed-tensors": ("weight_shape", "weight_zero_point", "weight_g_idx", "bias"),
+             # HQQLinear's meta entries (the rest of its state dict is taken and left unread)
+             "hqq": ("bias", "nbits", "group_size", "axis", "packing", "view_as_float", "quant_scale", "quant_zero",
+                     "offload_meta", "unpack_view_dtype", "compute_dtype", "encoded_state_dict",
+                     "stores_quant_config", "channel_wise", "optimize", "round_zero")}
 
 
 class PackedInt4Linear(Int4Linear):
@@ -222,6 +239,44 @@ def _read_compressed(t: dict[str, Tensor]) -> _Layer | str:
     return _Layer(codes, scale.float(), zero, k // groups, None if g_idx is None else g_idx.long(), t.get("bias"))
 
 
+def _meta(v, kind):
+    """One of HQQLinear's meta entries, as stored or safetensors-encoded (a string as its
+    characters' codes in uint8, a number as a one-value tensor, a shape as a tensor)."""
+    if not isinstance(v, Tensor):
+        return v if kind is not str or isinstance(v, str) else str(v)
+    if kind is str:
+        return "".join(chr(c) for c in v.reshape(-1).tolist())
+    if kind is tuple:
+        return tuple(int(c) for c in v.reshape(-1).tolist())
+    return kind(v.item())
+
+
+def _read_hqq(t: dict[str, Tensor]) -> _Layer | str:
+    w_q, scale, zero = t["W_q"], t["scale"], t["zero"]
+    shape = _meta(t["shape"], tuple)
+    nbits = _meta(t.get("nbits", 4), int)
+    axis = _meta(t.get("axis", 1), int)
+    packing = _meta(t.get("packing", "4bit_u8"), str)
+    for key in ("view_as_float", "quant_scale", "quant_zero", "offload_meta"):
+        if key in t and _meta(t[key], bool):
+            return f"HQQ's {key} is set: fusepass reads plain uint8 codes and float scales and zeros in place"
+    if nbits != 4 or packing != "4bit_u8":
+        return f"HQQ {nbits}-bit packed {packing!r}: fusepass's kernel reads 4-bit codes packed 4bit_u8"
+    if axis != 1:
+        return "HQQ groups along axis 0 (down the output features): fusepass's groups run along K (axis 1)"
+    if len(shape) != 2 or w_q.dtype != torch.uint8 or w_q.dim() != 2:
+        return f"W_q {w_q.dtype}{tuple(w_q.shape)} for shape {shape}: not uint8 [R / 2, G] of a 2-D weight"
+    n, k = shape
+    group = w_q.shape[1]
+    rows = 2 * w_q.shape[0]
+    if rows * group != n * k or k % group or scale.numel() != rows or zero.numel() != rows:
+        return (f"shapes disagree: W_q {tuple(w_q.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)} "
+                f"for a [{n}, {k}] weight (4-bit HQQ: W_q [N K / G / 2, G], scale and zero [N K / G, 1])")
+    codes = torch.cat([w_q >> 4, w_q & 15]).reshape(n, k)  # rows r < R / 2 high nibbles, then the low ones
+    return _Layer(codes, scale.reshape(n, k // group).float(), zero.reshape(n, k // group).float(), group, None,
+                  t.get("bias"))
+
+
 def _convert(layer: _Layer, dtype: torch.dtype, summary: LoadSummary, name: str) -> PackedInt4Linear | str:
     codes, scale, zero, group = layer.codes, layer.scale, layer.zero, layer.group
     n, k = codes.shape
@@ -278,21 +333,28 @@ def load_quantized(model: nn.Module, state_dict: Mapping[str, Tensor], format: s
     used: set[str] = set()
     required, optional = _KEYS[format], _OPTIONAL[format]
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
         prefix = f"{name}." if name else ""
+        # (HQQ: also a model's own HQQLinear modules, from its own state dict)
+        library = format == "hqq" and not isinstance(module, nn.Linear) and hasattr(module, "W_q")
+        if not isinstance(module, nn.Linear) and not library:
+            continue
         if not all(prefix + key in state_dict for key in required):
             continue
         tensors = {key: state_dict[prefix + key] for key in required + optional if prefix + key in state_dict}
         layer = (_read_gptq(tensors, v1=format == "gptq") if format.startswith("gptq")
-                 else _read_awq(tensors) if format == "awq" else _read_compressed(tensors))
-        if not isinstance(layer, str):
+                 else _read_awq(tensors) if format == "awq" else _read_hqq(tensors) if format == "hqq"
+                 else _read_compressed(tensors))
+        if not isinstance(layer, str) and not library:
             if tuple(layer.codes.shape) != (module.out_features, module.in_features):
                 layer = (f"the checkpoint's weight is [{layer.codes.shape[0]}, {layer.codes.shape[1]}], "
                          f"the model's linear [{module.out_features}, {module.in_features}]")
             elif layer.bias is None and module.bias is not None:
                 layer = "the model's linear has a bias, the checkpoint none"
-        new = _convert(layer, _layer_dtype(module, dtype), summary, name) if not isinstance(layer, str) else layer
+        if library and dtype is None and not isinstance(layer, str):
+            layer_dtype = tensors["scale"].dtype  # HQQ's compute dtype
+        else:
+            layer_dtype = _layer_dtype(module, dtype)
+        new = _convert(layer, layer_dtype, summary, name) if not isinstance(layer, str) else layer
         if isinstance(new, str):
             summary.skipped.append((name, new))
             continue

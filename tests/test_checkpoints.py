@@ -1,10 +1,12 @@
-"""fusepass.load_quantized: int4 checkpoints of GPTQ, AWQ and compressed-tensors
-loaded into fusepass's int4 layers without their libraries.
+"""fusepass.load_quantized: int4 checkpoints of GPTQ, AWQ, compressed-tensors and
+HQQ loaded into fusepass's int4 layers without their libraries.
 
-The GPTQ and AWQ tensors are written here from the formats' published
+The GPTQ, AWQ and HQQ tensors are written here from the formats' published
 descriptions (int32 words of eight codes, GPTQ's zero points stored minus
-one, AWQ's 0 2 4 6 1 3 5 7 word order, g_idx); compressed-tensors' by its own
-compressor, whose decompression is the reference.  Each loaded layer must
+one, AWQ's 0 2 4 6 1 3 5 7 word order, g_idx; HQQ's rows of a group with
+their halves in one byte's two nibbles); compressed-tensors' by its own
+compressor, whose decompression is the reference, and HQQ's also by the
+library's own quantizer where it is installed.  Each loaded layer must
 compute the checkpoint's weight, dequantized in fp32 from the stored tensors.
 """
 
@@ -213,3 +215,88 @@ def test_llama_from_gptq_checkpoint_runs_fused():
         out, report = compile_and_run(lambda i: model(i).logits, [ids], rules=["dequant_matmul_int4"])
     assert report.count("dequant_matmul_int4") == 14, str(report)
     assert_close(out, expected, "llama loaded from GPTQ tensors")
+
+
+# -- HQQ: its 4-bit layout (axis 1, 4bit_u8) from its description, and from the library ------
+
+def _encoded(v):
+    """A meta entry as HQQ's safetensors encoding stores it."""
+    if isinstance(v, str):
+        return torch.tensor([ord(c) for c in v], dtype=torch.uint8)
+    if isinstance(v, bool):
+        return torch.tensor(int(v), dtype=torch.uint8)
+    if isinstance(v, tuple):
+        return torch.tensor(v)
+    return torch.tensor(v, dtype=torch.int32)
+
+
+def hqq_tensors(w, group, encoded=False, **meta):
+    """HQQ's 4-bit layout of w [N, K]: W [N, K] as R = N K / G rows of G, each row's
+    scale and (unrounded) zero; rows r < R / 2 in W_q's high nibbles, r + R / 2 in the low."""
+    n, k = w.shape
+    rows = w.reshape(-1, group)
+    lo, hi = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-4)
+    zero = -lo / scale  # HQQ keeps the zero point a float
+    q = torch.round(rows / scale + zero).clamp(0, 15).to(torch.uint8)
+    half = q.shape[0] // 2
+    ref = ((q.float() - zero) * scale).reshape(n, k)
+    entries = dict(nbits=4, group_size=group, axis=1, packing="4bit_u8", shape=(n, k), view_as_float=False,
+                   quant_scale=False, quant_zero=False)
+    entries.update(meta)
+    if encoded:
+        entries = {key: _encoded(v) for key, v in entries.items()}
+    elif isinstance(entries["shape"], tuple):
+        entries["shape"] = torch.Size(entries["shape"])
+    return {"W_q": (q[:half] << 4) | q[half:], "scale": scale, "zero": zero, **entries}, ref
+
+
+@pytest.mark.parametrize("group,encoded", [(64, False), (64, True), (128, True), (512, False)],
+                         ids=["g64", "g64-encoded", "g128-encoded", "g512-regrouped"])
+def test_hqq(group, encoded):
+    k = max(K, group)
+    w = torch.randn(N, k)
+    tensors, ref = hqq_tensors(w, group, encoded)
+    model, summary, bias = _load_one(tensors, "hqq", k=k)
+    assert summary.converted == ["0"] and not summary.unused, str(summary)
+    assert model[0].zero is not None and model[0].group_size == min(group, 256)
+    _check(model, ref, bias)
+
+
+def test_hqq_refusals_say_why():
+    w = torch.randn(N, K)
+    for meta, words in ((dict(nbits=3), "3-bit"), (dict(axis=0), "axis 0"), (dict(quant_scale=True), "quant_scale"),
+                        (dict(packing="2bit_u8"), "2bit_u8")):
+        tensors, _ = hqq_tensors(w, 64, **meta)
+        model, summary, _ = _load_one(tensors, "hqq")
+        assert not isinstance(model[0], PackedInt4Linear), meta
+        assert words in dict(summary.skipped)["0"], summary.skipped
+
+
+def test_hqq_linear_in_memory_is_replaced_and_runs_fused():
+    """A model quantized by HQQ in memory (its PyTorch backend), converted from its own
+    state dict: the HQQLinear modules become fusepass's int4 layers, computing HQQ's
+    weight, and the compiled model runs one fused int4 call per layer."""
+    hqq = pytest.importorskip("hqq.core.quantize")
+    hqq.HQQLinear.set_backend(hqq.HQQBackend.PYTORCH)
+    torch.manual_seed(3)
+    cfg = hqq.BaseQuantizeConfig(nbits=4, group_size=64, axis=1)
+    layers = [torch.nn.Linear(256, 96, bias=True), torch.nn.Linear(96 * 2, 128, bias=False)]
+    model = torch.nn.Sequential(
+        hqq.HQQLinear(layers[0], quant_config=cfg, compute_dtype=torch.float32, device="cpu"),
+        torch.nn.Unflatten(-1, (96, 1)), torch.nn.Flatten(-2), torch.nn.Identity())
+    model[3] = torch.nn.Sequential(torch.nn.Linear(96, 192), torch.nn.SiLU(),
+                                   hqq.HQQLinear(layers[1], quant_config=cfg, compute_dtype=torch.float32,
+                                                 device="cpu"))
+    model.eval()
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        expected = model(x)
+    summary = fusepass.load_quantized(model, model.state_dict(), "hqq")
+    assert summary.converted == ["0", "3.2"] and not summary.unused and not summary.skipped, str(summary)
+    assert isinstance(model[0], PackedInt4Linear) and isinstance(model[3][2], PackedInt4Linear)
+    with torch.no_grad():
+        assert_close(model(x), expected, "converted HQQ layers")
+        out, report = compile_and_run(model, [x], rules=["dequant_matmul_int4"])
+    assert report.count("dequant_matmul_int4") == 2, str(report)
+    assert_close(out, expected, "converted HQQ layers, compiled")
