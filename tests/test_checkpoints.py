@@ -300,3 +300,27 @@ def test_hqq_linear_in_memory_is_replaced_and_runs_fused():
         out, report = compile_and_run(model, [x], rules=["dequant_matmul_int4"])
     assert report.count("dequant_matmul_int4") == 2, str(report)
     assert_close(out, expected, "converted HQQ layers, compiled")
+
+
+def test_llama_quantized_by_hqq_runs_fused():
+    """A transformers Llama quantized in memory by HQQ's own model helper, converted from
+    its state dict: every linear it quantized runs fusepass's int4 op, logits as HQQ's."""
+    transformers = pytest.importorskip("transformers")
+    hqq = pytest.importorskip("hqq.core.quantize")
+    hf = pytest.importorskip("hqq.models.hf.base")
+    hqq.HQQLinear.set_backend(hqq.HQQBackend.PYTORCH)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    hf.AutoHQQHFModel.quantize_model(model, quant_config=hqq.BaseQuantizeConfig(nbits=4, group_size=32, axis=1),
+                                     compute_dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 96, (1, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+    summary = fusepass.load_quantized(model, model.state_dict(), "hqq")
+    assert len(summary.converted) == 14 and not summary.skipped and not summary.unused, str(summary)
+    with torch.no_grad():
+        out, report = compile_and_run(lambda i: model(i).logits, [ids], rules=["dequant_matmul_int4"])
+    assert report.count("dequant_matmul_int4") == 14, str(report)
+    assert_close(out, expected, "llama quantized by HQQ, converted, compiled")
