@@ -147,6 +147,7 @@ def test_library_layouts_on_cuda(monkeypatch):
         assert ("bitsandbytes' kernel" if fmt in ("nf4", "fp4") else "Inductor's path") in reason, fmt
         assert "dynamic" in dm.check_library_device(cuda(_Sym(), 64), fmt, 24)
     assert "odd" in dm.check_library_device(cuda(1, 64), "hqq4", 25)
+    assert "load_quantized" in dm.check_library_device(cuda(16, 64), "hqq4", 24)  # the way to the int4 kernel
     # fp32 activations keep the code books' GEMV range (the tensor-core kernel takes 16-bit x)
     fp32 = types.SimpleNamespace(device=torch.device("cuda"), shape=(16, 64), dtype=torch.float32)
     assert "fp32" in dm.check_library_device(fp32, "nf4", 24)

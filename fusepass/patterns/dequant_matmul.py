@@ -286,7 +286,8 @@ def check_library_device(x: torch.Tensor, fmt: str, n=None) -> str | None:
                             "4096x4096, M = 64: 24.8 against bitsandbytes' 29.1 µs), not beyond")
         if fmt == "hqq4":
             return where + (f"{rows} rows; beyond {most} fusepass's hqq4 kernel is slower than bf16 cuBLAS (H200, "
-                            "4096x4096, M = 16: 33.0 against 13.6 µs)")
+                            "4096x4096, M = 16: 33.0 against 13.6 µs); fusepass.load_quantized(model, "
+                            "model.state_dict(), 'hqq') makes the layers fusepass's int4 (15.2 µs there)")
         return (where + f"{rows} rows; beyond {most} fusepass reads {fmt} value by value (H200, 4096x4096, "
                 "M = 16: 143.7 µs against bf16 cuBLAS's 13.5)")
     if fmt == "hqq4" and isinstance(n, int) and n % 2:
