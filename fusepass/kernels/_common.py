@@ -23,7 +23,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # grid-dependency control (programmatic dependent launch); Triton 3.6 has it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # a Triton without it: no launch asks for PDL (pdl_supported), the calls stay no-ops
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 log = logging.getLogger("fusepass")
 T = TypeVar("T")
@@ -205,7 +218,7 @@ def pdl_release(PDL: tl.constexpr):
 
 def pdl_supported(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device may carry the PDL attribute (sm_90+)."""
-    return (t.is_cuda and not interpreting() and torch.version.cuda is not None
+    return (_HAS_GDC and t.is_cuda and not interpreting() and torch.version.cuda is not None
             and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
