@@ -218,8 +218,12 @@ def pdl_release(PDL: tl.constexpr):
 
 def pdl_supported(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device may carry the PDL attribute (sm_90+)."""
-    return (_HAS_GDC and t.is_cuda and not interpreting() and torch.version.cuda is not None
-            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return _HAS_GDC and t.is_cuda and not interpreting() and _hopper_or_later(t.device)
+
+
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def is_ptr(value: float | torch.Tensor) -> bool:
