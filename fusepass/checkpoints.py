@@ -175,7 +175,7 @@ class _Layer:
     parameters [N, K] / [N, K / G] (zero None: 8), the group of each column."""
 
     codes: Tensor  # uint8 [N, K]
-    scale: Tensor  # [N, groups]
+    scale: Tensor  # [N, groups], in the dtype the checkpoint stores
     zero: Tensor | None  # float [N, groups], or None (8)
     group: int
     g_idx: Tensor | None  # [K] or None (k // group)
@@ -196,7 +196,7 @@ def _read_gptq(t: dict[str, Tensor], v1: bool) -> _Layer | str:
     if v1:
         zero = zero + 1  # stored minus one
     g_idx = t.get("g_idx")
-    return _Layer(codes, scales.t().float(), zero, k // groups, None if g_idx is None else g_idx.long(), t.get("bias"))
+    return _Layer(codes, scales.t(), zero, k // groups, None if g_idx is None else g_idx.long(), t.get("bias"))
 
 
 def _read_awq(t: dict[str, Tensor]) -> _Layer | str:
@@ -210,7 +210,7 @@ def _read_awq(t: dict[str, Tensor]) -> _Layer | str:
                 f"scales {tuple(scales.shape)} (4-bit: qweight [K, N / 8], qzeros [K / G, N / 8], scales [K / G, N])")
     codes = _awq_columns(unpack_words(qweight, 1)).t()
     zero = _awq_columns(unpack_words(qzeros, 1)).t().float()
-    return _Layer(codes, scales.t().float(), zero, k // groups, None, t.get("bias"))
+    return _Layer(codes, scales.t(), zero, k // groups, None, t.get("bias"))
 
 
 def _read_compressed(t: dict[str, Tensor]) -> _Layer | str:
@@ -236,7 +236,7 @@ def _read_compressed(t: dict[str, Tensor]) -> _Layer | str:
             return f"weight_zero_point {tuple(zp.shape)} is neither packed [{-(-n // 8)}, {groups}] nor [{n}, {groups}]"
         zero = zp.float() + 8
     g_idx = t.get("weight_g_idx")
-    return _Layer(codes, scale.float(), zero, k // groups, None if g_idx is None else g_idx.long(), t.get("bias"))
+    return _Layer(codes, scale, zero, k // groups, None if g_idx is None else g_idx.long(), t.get("bias"))
 
 
 def _meta(v, kind):
@@ -273,7 +273,7 @@ def _read_hqq(t: dict[str, Tensor]) -> _Layer | str:
         return (f"shapes disagree: W_q {tuple(w_q.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)} "
                 f"for a [{n}, {k}] weight (4-bit HQQ: W_q [N K / G / 2, G], scale and zero [N K / G, 1])")
     codes = torch.cat([w_q >> 4, w_q & 15]).reshape(n, k)  # rows r < R / 2 high nibbles, then the low ones
-    return _Layer(codes, scale.reshape(n, k // group).float(), zero.reshape(n, k // group).float(), group, None,
+    return _Layer(codes, scale.reshape(n, k // group), zero.reshape(n, k // group).float(), group, None,
                   t.get("bias"))
 
 
@@ -308,11 +308,13 @@ def _convert(layer: _Layer, dtype: torch.dtype, summary: LoadSummary, name: str)
                             None if zero is None else zero.to(dtype).contiguous(), bias, kg, perm)
 
 
-def _layer_dtype(module: nn.Module, dtype: torch.dtype | None) -> torch.dtype:
+def _layer_dtype(module: nn.Module, dtype: torch.dtype | None, stored: torch.dtype) -> torch.dtype:
+    """``dtype``, else the linear's weight's, else (a library's module, e.g. HQQLinear:
+    no float weight) the dtype the checkpoint stores its scales in."""
     if dtype is not None:
         return dtype
     w = getattr(module, "weight", None)
-    return w.dtype if isinstance(w, Tensor) and w.dtype.is_floating_point else torch.get_default_dtype()
+    return w.dtype if isinstance(w, Tensor) and w.dtype.is_floating_point else stored
 
 
 def load_quantized(model: nn.Module, state_dict: Mapping[str, Tensor], format: str, *, bits: int = 4,
@@ -350,11 +352,8 @@ def load_quantized(model: nn.Module, state_dict: Mapping[str, Tensor], format: s
                          f"the model's linear [{module.out_features}, {module.in_features}]")
             elif layer.bias is None and module.bias is not None:
                 layer = "the model's linear has a bias, the checkpoint none"
-        if library and dtype is None and not isinstance(layer, str):
-            layer_dtype = tensors["scale"].dtype  # HQQ's compute dtype
-        else:
-            layer_dtype = _layer_dtype(module, dtype)
-        new = _convert(layer, layer_dtype, summary, name) if not isinstance(layer, str) else layer
+        new = layer if isinstance(layer, str) else _convert(layer, _layer_dtype(module, dtype, layer.scale.dtype),
+                                                             summary, name)
         if isinstance(new, str):
             summary.skipped.append((name, new))
             continue
