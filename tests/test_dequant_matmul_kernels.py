@@ -93,7 +93,7 @@ def _run(x, w, s, z, b, fmt, group, cfg):
     """The launcher into a NaN-poisoned output (and workspace, see _poisoned_workspace)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
-    out = torch.full((x2.shape[0], w.shape[0]), float("nan"), dtype=x.dtype)
+    out = torch.full((x2.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
     launch._launch(x2, w, s, z, b, out, fmt, group if fmt == "int4" else 0, cfg)
     return out.view(*x.shape[:-1], w.shape[0])
 
@@ -142,6 +142,55 @@ def test_gemv_non_finite_activation_like_the_dequantised_matmul(fid):
     ref = dm.dequant_matmul_reference(x, w, s, z, b, fmt, group)
     assert torch.isinf(ref).any()
     torch.testing.assert_close(out, ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("path", ["gemv", "gemv-splitk"])
+@pytest.mark.parametrize("asym", [True, False])
+def test_int4_gemv_folded_non_finite_like_the_dequantised_matmul(device, path, asym):
+    """One row of x (the GEMV that takes the zero point off each chunk's sum):
+    an infinite activation, and sums that overflow only in the folded form
+    (sum (128 + q) x), give what the dequantised matmul gives: the kernel sees
+    the non-finite sums and re-does the slice value by value.  On the GPU at
+    a real size, with the inline-PTX conversion."""
+    if device == "cpu":
+        cfg, N, K, G = PATHS[path], 24, (384 if path == "gemv-splitk" else 128), 32
+    else:
+        cfg = dm.Config("gemv", BN=4, BK=2048, warps=2, split=3 if path == "gemv-splitk" else 1)
+        N, K, G = 4096, 6144, 128
+    x, w, s, z, _ = (t.to(device) if t is not None else None
+                     for t in _inputs(1, N, K, "int4", G, asym, torch.float32, bias=False))
+    for case in ("inf", "overflow"):
+        xc = x.clone()
+        if case == "inf":
+            xc[0, 5], xc[0, K - 3] = float("inf"), float("-inf")  # (split-K: the first and last slices)
+        else:
+            xc[0, 40:72] = 1e36  # finite sums of (q - z) x; a folded sum of (128 + q) x is not (> 3.4e38)
+        out = _run(xc, w, s, z, None, "int4", G, cfg)
+        ref = dm.dequant_matmul_reference(xc, w, s, z, None, "int4", G)
+        if case == "inf":
+            assert torch.isinf(ref).any()
+        else:
+            assert torch.isfinite(ref).all()
+        fin = ref[torch.isfinite(ref)]
+        big = fin.abs().max().item() if fin.numel() else 1.0
+        torch.testing.assert_close(out, ref, equal_nan=True, rtol=1e-5, atol=1e-5 * big)
+
+
+@pytest.mark.parametrize("group", [8, 16, 32, 128])
+@pytest.mark.parametrize("zdtype", [torch.float32, torch.bfloat16, None])
+@pytest.mark.parametrize("did", ["bf16", "fp16", "fp32"])
+def test_int4_gemv_folded_matches_per_value(group, zdtype, did):
+    """The folded GEMV (fold=1, M = 1) and the per-value one (fold=0) both
+    within the dtype table of the reference, chunks of 4-16 bytes, fp32 and
+    16-bit zero points, no zero point (8 subtracted)."""
+    dtype = DTYPES[did]
+    K = 256
+    x, w, s, _, b = _inputs(1, 24, K, "int4", group, False, dtype)
+    z = None if zdtype is None else (torch.rand(24, K // group, generator=torch.Generator().manual_seed(5)) * 15).to(zdtype)
+    for fold in (1, 0):
+        cfg = dm.Config("gemv", BN=4, BK=128, split=2, fold=fold)
+        _assert_close(_run(x, w, s, z, b, "int4", group, cfg), x, w, s, z, b, "int4", group)
 
 
 @pytest.mark.parametrize("path", ["gemv", "mmt", "mm-splitk", "cublas"])

@@ -329,13 +329,131 @@ def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N,
 
 
 @triton.jit
+def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn, DT: tl.constexpr,
+                      G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr):
+    """[1, BN] int4 sums of one row of x over K in [k_lo, k_hi), the zero point
+    taken off each chunk's sum: s (sum (128 + q) x - (128 + z) sum x).  Per value
+    one PRMT (_nibbles_128) and one FMA in a chain, where _nibble_gemv spends an
+    FADD (q - z) and a product summed by FMUL, FFMA and FADD per pair (sm_90
+    SASS of the hot loop: see benchmarks/sass_dequant_matmul.py); sum x is made
+    once per tile for the BN rows.  128 + q has 8 significant bits, so each
+    product with a 16-bit x is exact; the cancellation against (128 + z) sum x
+    costs ~2**-24 * 136 * sum |x| of a chunk, far under the output's rounding.
+    Not finite where x is not (inf - inf): the caller re-does such a slice."""
+    VB: tl.constexpr = 16 if G >= 32 else G // 2
+    NCH: tl.constexpr = BK // (2 * VB)
+    o_c = tl.arange(0, NCH)
+    o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
+    o_r = tl.arange(0, BN)
+    acc2 = tl.zeros([BN, NCH], dtype=tl.float32)  # chunks last: spread over the threads
+    for k0 in range(k_lo, k_hi, BK):
+        kp0 = tl.multiple_of(k0 // 2, BK // 2)
+        m_c = 2 * kp0 + o_c * (2 * VB) < k_hi
+        o_g = (2 * kp0 + o_c * (2 * VB)) // G
+        if EVEN_K:
+            b_x = tl.load(x2 + kp0 + o_b)
+        else:
+            b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
+        b_xe, b_xo = _pair_to_f32(b_x, DT)
+        b_xs = tl.sum(b_xe, axis=1) + tl.sum(b_xo, axis=1)  # [NCH]
+        for r in tl.static_range(BN):
+            n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
+            p_wr = w + n.to(tl.int64) * stride_wn + kp0
+            if EVEN_K:
+                b_q = tl.load(p_wr + o_b)
+            else:
+                b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
+            b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
+            if HAS_ZERO:
+                b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
+            else:
+                b_c = 136.0
+            b_e, b_o = _nibbles_128(b_q, ASM)
+            b_a = tl.sum(b_e * b_xe, axis=1) + tl.sum(b_o * b_xo, axis=1)
+            b_d = (b_a - b_c * b_xs) * b_s
+            # (the where folds away: each register's row is a constant)
+            acc2 += tl.where(o_r[:, None] == r, b_d[None, :], 0.0)
+    return tl.sum(acc2, axis=1)[None, :]
+
+
+@triton.jit
+def _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn, FMT: tl.constexpr,
+                 G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    """[BM, BN] sums of int4, and of the code books' whole blocks (nf4 / fp4: the
+    same bytes per value, the high nibble the even k, an fp32 absmax per block),
+    over K in [k_lo, k_hi), value by value as the dequantised matmul."""
+    # A thread owns a chunk of VB packed bytes (16: one vector load, 32 codes
+    # inside one group) of each of the BN rows, and the VB matching pairs of
+    # x's values (x2: x viewed as int32 pairs, or int64 for fp32 x).  Each
+    # row's bytes are a tensor of the same shape as x's pairs, so Triton gives
+    # both one layout (the same threads hold a byte and its pair of x: no
+    # shuffles); the rows are a static loop with one sum per row and chunk.
+    # Each int4 code becomes (128 + q) - (128 + z) = q - z in one FADD
+    # (_nibbles_128: one PRMT per value), a code book's its value in one
+    # shuffle (_codebook_pair); then one FMA; a chunk's sum is scaled once.
+    # The zero point is subtracted from each value (_int4_gemv_folded takes it
+    # off a chunk's sum instead, where it can).
+    VB: tl.constexpr = 16 if G >= 32 else G // 2  # (the plans' G are powers of two)
+    NCH: tl.constexpr = BK // (2 * VB)
+    o_c = tl.arange(0, NCH)
+    o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
+    o_r = tl.arange(0, BN)
+    o_m = tl.arange(0, BM)
+    ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
+    tab = _lane_table(zero, tl.zeros([NCH, VB], dtype=tl.int32), ASM and FMT != "int4")  # (the code book)
+    # [BM, BN, NCH]: chunks last, so that Triton spreads them over the threads
+    # and keeps a thread's rows in its registers.
+    acc3 = tl.zeros([BM, BN, NCH], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        kp0 = tl.multiple_of(k0 // 2, BK // 2)  # k_lo and the step are whole tiles
+        m_c = 2 * kp0 + o_c * (2 * VB) < k_hi  # [NCH]: chunks inside the slice (a group never straddles it)
+        o_g = (2 * kp0 + o_c * (2 * VB)) // G  # [NCH]: each chunk's group
+        if BM == 1:
+            if EVEN_K:
+                b_x = tl.load(x2 + kp0 + o_b)
+            else:
+                b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
+            b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
+        for r in tl.static_range(BN):
+            n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
+            p_wr = w + n.to(tl.int64) * stride_wn + kp0
+            if EVEN_K:
+                b_q = tl.load(p_wr + o_b)
+            else:
+                b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
+            b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
+            if FMT != "int4":
+                b_e, b_o = _codebook_pair(b_q, tab, zero, ASM)  # (zero: the code book)
+            else:  # (the low nibble the even k)
+                b_e, b_o = _int4_minus_zero(b_q, zero + n * stride_sn + o_g, m_c, HAS_ZERO, ZERO_F32, ASM)
+            for m in tl.static_range(BM):
+                if BM > 1:
+                    # Rows past M read row M - 1 (their sums are never stored): no row mask.
+                    p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_b
+                    if EVEN_K:
+                        b_x = tl.load(p_x)
+                    else:
+                        b_x = tl.load(p_x, mask=m_c[:, None], other=0)
+                    b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
+                # two sums of products, not one of pair sums: in-thread sums are
+                # chains (Triton 3.6), so each product is one FFMA instead of an
+                # FMUL, FFMA and FADD per pair (sm_90 SASS)
+                b_d = (tl.sum(b_e * b_xe, axis=1) + tl.sum(b_o * b_xo, axis=1)) * b_s  # [NCH]
+                # (the where folds away: each register's row and column are constants)
+                acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
+    return tl.sum(acc3, axis=2)
+
+
+@triton.jit
 def _dequant_gemv_kernel(
     x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
     M, N, K, K_SPLIT, NG,
     stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr,
-    LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
 ):
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT)
     # (HQQ: BN pairs of rows; GPTQ: BN columns of its [K, N] words).
@@ -361,65 +479,20 @@ def _dequant_gemv_kernel(
         acc = tl.zeros([BM, BN], dtype=tl.float32)
 
         if FMT == "int4" or LOOP:
-            # int4, and the code books' whole blocks (nf4 / fp4 with LOOP: the same
-            # bytes per value, the high nibble the even k, an fp32 absmax per block).
-            # A thread owns a chunk of VB packed bytes (16: one vector load, 32 codes
-            # inside one group) of each of the BN rows, and the VB matching pairs of
-            # x's values (x2: x viewed as int32 pairs, or int64 for fp32 x).  Each
-            # row's bytes are a tensor of the same shape as x's pairs, so Triton gives
-            # both one layout (the same threads hold a byte and its pair of x: no
-            # shuffles); the rows are a static loop with one sum per row and chunk.
-            # Each int4 code becomes (128 + q) - (128 + z) = q - z in one FADD
-            # (_nibbles_128: one PRMT per value), a code book's its value in one
-            # shuffle (_codebook_pair); then one FMA; a chunk's sum is scaled once.
-            # The zero point is subtracted from each value, not folded out as
-            # s (sum q x - z sum x): with an infinite activation the folded form
-            # gives inf - inf = NaN where the dequantised matmul gives +-inf.
-            VB: tl.constexpr = 16 if G >= 32 else G // 2  # (the plans' G are powers of two)
-            NCH: tl.constexpr = BK // (2 * VB)
-            o_c = tl.arange(0, NCH)
-            o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
-            o_r = tl.arange(0, BN)
-            ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
-            tab = _lane_table(zero, tl.zeros([NCH, VB], dtype=tl.int32), ASM and FMT != "int4")  # (the code book)
-            # [BM, BN, NCH]: chunks last, so that Triton spreads them over the threads
-            # and keeps a thread's rows in its registers.
-            acc3 = tl.zeros([BM, BN, NCH], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BK):
-                kp0 = tl.multiple_of(k0 // 2, BK // 2)  # k_lo and the step are whole tiles
-                m_c = 2 * kp0 + o_c * (2 * VB) < k_hi  # [NCH]: chunks inside the slice (a group never straddles it)
-                o_g = (2 * kp0 + o_c * (2 * VB)) // G  # [NCH]: each chunk's group
-                if BM == 1:
-                    if EVEN_K:
-                        b_x = tl.load(x2 + kp0 + o_b)
-                    else:
-                        b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
-                    b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
-                for r in tl.static_range(BN):
-                    n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
-                    p_wr = w + n.to(tl.int64) * stride_wn + kp0
-                    if EVEN_K:
-                        b_q = tl.load(p_wr + o_b)
-                    else:
-                        b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
-                    b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
-                    if FMT != "int4":
-                        b_e, b_o = _codebook_pair(b_q, tab, zero, ASM)  # (zero: the code book)
-                    else:  # (the low nibble the even k)
-                        b_e, b_o = _int4_minus_zero(b_q, zero + n * stride_sn + o_g, m_c, HAS_ZERO, ZERO_F32, ASM)
-                    for m in tl.static_range(BM):
-                        if BM > 1:
-                            # Rows past M read row M - 1 (their sums are never stored): no row mask.
-                            p_x = x2 + tl.minimum(m, M - 1) * stride_x2m + kp0 + o_b
-                            if EVEN_K:
-                                b_x = tl.load(p_x)
-                            else:
-                                b_x = tl.load(p_x, mask=m_c[:, None], other=0)
-                            b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
-                        b_d = tl.sum(b_e * b_xe + b_o * b_xo, axis=1) * b_s  # [NCH]
-                        # (the where folds away: each register's row and column are constants)
-                        acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
-            acc += tl.sum(acc3, axis=2)
+            if FMT == "int4" and FOLD and BM == 1:
+                acc = _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn,
+                                        x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK)
+                # The folded sums are not the dequantised matmul's where x (or a sum
+                # of it) is not finite: inf - inf = NaN where the product gives +-inf.
+                # Such a slice is summed again value by value (any non-finite sum
+                # is re-done; a finite one is within fp32 rounding of the exact sum).
+                bad = ((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)
+                if tl.max(tl.max(bad, axis=1), axis=0) > 0:
+                    acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn, FMT, G,
+                                       HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
+            else:
+                acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn, FMT, G,
+                                   HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
         else:
             o_k = tl.arange(0, BK)
             if BM == 1:

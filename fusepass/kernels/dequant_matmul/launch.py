@@ -177,7 +177,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
         asm = x.is_cuda and not interpreting() and gemv_asm(fmt, G, N, cfg)
         return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if fmt == "hqq4" and loop else N, cfg.BN), split),
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "NG": ng, "BM": _pow2(M), "ASM": asm,
-                       "LOOP": loop}, outputs, cfg.warps, cfg.stages)
+                       "LOOP": loop, "FOLD": bool(cfg.fold)}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mmt":
         # int4, the code books and HQQ always, int8 in whole tiles: the weight read
         # as int32 words (see the kernel); the code books' words hold codes in

@@ -151,8 +151,10 @@ def x_pairs(p_x2, m_x, k0, K, DT: tl.constexpr, VB: tl.constexpr, NCH: tl.conste
 
 @triton.jit
 def chunk_sums(b_e, b_o, b_s, b_xe, b_xo):
-    """Each chunk's sum of x (q - z), times its scale: [..., NCH]."""
-    return tl.sum(b_e * b_xe + b_o * b_xo, axis=-1) * b_s
+    """Each chunk's sum of x (q - z), times its scale: [..., NCH].  Two sums of
+    products (in-thread sums are chains under Triton 3.6: one FFMA a product,
+    where a sum of pair sums costs an FMUL, FFMA and FADD a pair)."""
+    return (tl.sum(b_e * b_xe, axis=-1) + tl.sum(b_o * b_xo, axis=-1)) * b_s
 
 
 @triton.jit
