@@ -206,11 +206,12 @@ def heuristic(p: Problem) -> Config:
                       split=max(1, _auto_split(cdiv(N, bn) * cdiv(M, bm), K, bk, n_sm) // 2))
     if M <= GEMV_MAX_M:
         if fmt == "int4" and (G % 32 == 0 or G in (2, 4, 8, 16)):
-            # int4 at one token: two warps (2048 values a tile) below K = 16384.
-            # H200, g128, cold, six MLP shapes: 120.1 µs summed against 126.9
-            # with four warps (13824x5120 22.2 against 27.4; at most 2.6% slower
-            # elsewhere) and 116.4 for the fastest of 9-18 configs per shape
-            # (0b9dce0).  The code books keep four (not measured).
+            # int4 at one token: eight rows, two warps (2048 values a tile) below
+            # K = 16384.  H200, g128, cold, six MLP shapes, the zero point off each
+            # chunk's sum (bf367f9): the fastest of 18 configs at three shapes,
+            # within 5% of it at the other three (3584x18944 17.9 µs against
+            # 17.0, 5120x13824 19.2 against 18.2).  The code books keep four
+            # warps above (not measured).
             return _int4_gemv(M, N, K, G, n_sm, 2 if M == 1 and K < 16384 else 4)
         bk = 512
         bn = 8 if M == 1 else max(1, 8 // _pow2(M))
