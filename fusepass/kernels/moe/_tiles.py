@@ -21,13 +21,7 @@ import triton.language as tl
 
 from fusepass.kernels._common import Launch, interpreting, round_to
 from fusepass.kernels.dequant_matmul.tiles import _dot  # noqa: F401 - the kernels' dot (its own name: see test_imports)
-from fusepass.kernels.dequant_matmul.tiles import (
-    _int4_minus_zero,
-    _int8_to_f32,
-    _nibbles_128,
-    _nibbles_to_f32,
-    _pair_to_f32,
-)
+from fusepass.kernels.dequant_matmul.tiles import _int4_minus_zero, _int8_to_f32, _nibbles_to_f32, _pair_to_f32
 
 
 # Under the interpreter a conversion to bf16 truncates (see _common.round_to);
@@ -143,29 +137,6 @@ def int4_chunks(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZE
 
 
 @triton.jit
-def int4_chunks_128(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZERO: tl.constexpr,
-                    VB: tl.constexpr, NCH: tl.constexpr, ASM: tl.constexpr):
-    """``int4_chunks`` for the folded sums (``folded_sums``): (128 + q of the even
-    columns, of the odd ones) [..., NCH, VB], the chunks' scales and 128 + z
-    [..., NCH] (136 without a zero point): one PRMT a code, no FADD."""
-    o_c = tl.arange(0, NCH)
-    o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]
-    kp0 = tl.multiple_of(k0 // 2, VB)
-    m_c = kp0 + o_c * VB < K // 2
-    m_q = tl.expand_dims(tl.expand_dims(m_rows, -1), -1) & m_c[:, None]
-    b_q = tl.load(tl.expand_dims(tl.expand_dims(p_rows, -1), -1) + kp0 + o_b, mask=m_q, other=0)
-    o_g = (k0 + o_c * (2 * VB)) // G
-    m_s = tl.expand_dims(m_rows, -1) & m_c
-    b_s = tl.load(tl.expand_dims(p_srows, -1) + o_g, mask=m_s, other=0).to(tl.float32)
-    if HAS_ZERO:
-        b_c = 128.0 + tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m_s, other=0).to(tl.float32)
-    else:
-        b_c = b_s * 0.0 + 136.0
-    b_e, b_o = _nibbles_128(b_q, ASM)
-    return b_e, b_o, b_s, b_c
-
-
-@triton.jit
 def x_pairs(p_x2, m_x, k0, K, DT: tl.constexpr, VB: tl.constexpr, NCH: tl.constexpr):
     """x's columns from k0 on, as int4_chunks lays the codes out: (even, odd)
     fp32 [..., NCH, VB].  ``p_x2`` points at each row's start in x viewed as
@@ -184,21 +155,6 @@ def chunk_sums(b_e, b_o, b_s, b_xe, b_xo):
     products (in-thread sums are chains under Triton 3.6: one FFMA a product,
     where a sum of pair sums costs an FMUL, FFMA and FADD a pair)."""
     return (tl.sum(b_e * b_xe, axis=-1) + tl.sum(b_o * b_xo, axis=-1)) * b_s
-
-
-@triton.jit
-def folded_sums(b_e, b_o, b_c, b_s, b_xe, b_xo, b_xs):
-    """``chunk_sums`` from ``int4_chunks_128``'s codes: s (sum (128 + q) x - (128 +
-    z) sum x), ``b_xs`` each chunk's sum of x (dequant_matmul's
-    ``_int4_gemv_folded`` says why and what it costs in rounding; not finite
-    where x is not, and the kernels then sum value by value)."""
-    return (tl.sum(b_e * b_xe, axis=-1) + tl.sum(b_o * b_xo, axis=-1) - b_c * b_xs) * b_s
-
-
-@triton.jit
-def not_finite(v):
-    """Whether any element of ``v`` is inf or NaN (a scalar)."""
-    return tl.max(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)) > 0
 
 
 @triton.jit

@@ -47,11 +47,8 @@ from fusepass.kernels.moe._tiles import (
     _to,
     cdiv_pow2,
     chunk_sums,
-    folded_sums,
     gated_act,
     int4_chunks,
-    int4_chunks_128,
-    not_finite,
     proj_epilogue,
     row_scale,
     split_pairs,
@@ -71,64 +68,6 @@ def _fma(b_w, b_x, DEFER: tl.constexpr, TRANS: tl.constexpr):
     else:
         b_p = b_w.to(tl.float32)[None, :, :] * b_x[:, None, :]
         return b_p if DEFER else tl.sum(b_p, axis=2)
-
-
-@triton.jit
-def _up_chunks(x2, b_row, left, p_w, p_s, p_z, i_n, K, I, stride_x2m, stride_wn, stride_sn, DT: tl.constexpr,
-               G: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_F32: tl.constexpr, HALVES: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, VB: tl.constexpr, RG: tl.constexpr,
-               RU: tl.constexpr, ASM: tl.constexpr, FOLD: tl.constexpr):
-    """The gate_up kernel's int4 sums ([BM, RG, NCH], [BM, RU, NCH]) of the BM
-    rows of x ``b_row`` (``left`` of the expert's rows from this block on).
-    Rows one at a time, each a [1, NCH, VB] tile of the shape of x's pairs, so
-    Triton gives both one layout (a [rows, NCH, VB] tile against x's [NCH, VB]
-    took a shared-memory round trip and shuffles per value, sm_90); the sums
-    land in acc's (m, row) registers through wheres that fold away.  FOLD (one
-    row of x): the zero point off each chunk's sum (``_tiles.folded_sums``)."""
-    NCH: tl.constexpr = BK // (2 * VB)
-    acc_g = tl.zeros([BM, RG, NCH], dtype=tl.float32)
-    acc_u = tl.zeros([BM, RU, NCH], dtype=tl.float32)
-    o_m = tl.arange(0, BM)
-    o_1 = tl.zeros([1], dtype=tl.int32)
-    o_r = tl.arange(0, RG)[None, :, None]
-    NROWS = I if HALVES else 2 * I
-    p_x1 = x2 + (tl.sum(b_row, axis=0) + o_1).to(tl.int64) * stride_x2m  # (BM 1: the one row)
-    for k0 in range(0, K, BK):
-        if BM == 1:
-            b_xe, b_xo = x_pairs(p_x1, o_1 < left, k0, K, DT, VB, NCH)
-            if FOLD:
-                b_xs = tl.sum(b_xe, axis=-1) + tl.sum(b_xo, axis=-1)
-        for r in tl.static_range(RG):
-            # rows past the projection read its last row (never stored)
-            n = tl.minimum((i_n * BN if HALVES else 2 * i_n * BN) + r, NROWS - 1) + o_1
-            if FOLD:
-                b_ge, b_go, b_gs, b_gc = int4_chunks_128(p_w + n * stride_wn, o_1 == 0, p_s + n * stride_sn,
-                                                         p_z + n * stride_sn, k0, K, G, HAS_ZERO, VB, NCH, ASM)
-                if HALVES:
-                    b_ue, b_uo, b_us, b_uc = int4_chunks_128(p_w + (n + I) * stride_wn, o_1 == 0,
-                                                             p_s + (n + I) * stride_sn, p_z + (n + I) * stride_sn,
-                                                             k0, K, G, HAS_ZERO, VB, NCH, ASM)
-                at = (o_m[:, None, None] == 0) & (o_r == r)
-                acc_g += tl.where(at, folded_sums(b_ge, b_go, b_gc, b_gs, b_xe, b_xo, b_xs)[None, :, :], 0.0)
-                if HALVES:
-                    acc_u += tl.where(at, folded_sums(b_ue, b_uo, b_uc, b_us, b_xe, b_xo, b_xs)[None, :, :], 0.0)
-            else:
-                b_ge, b_go, b_gs = int4_chunks(p_w + n * stride_wn, o_1 == 0, p_s + n * stride_sn,
-                                               p_z + n * stride_sn, k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
-                if HALVES:
-                    b_ue, b_uo, b_us = int4_chunks(p_w + (n + I) * stride_wn, o_1 == 0,
-                                                   p_s + (n + I) * stride_sn, p_z + (n + I) * stride_sn, k0,
-                                                   K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
-                for m in tl.static_range(BM):
-                    if BM > 1:  # x's row m (rows past the expert's count are never stored)
-                        r_m = tl.sum(tl.where(o_m == m, b_row, 0), axis=0) + o_1
-                        b_xe, b_xo = x_pairs(x2 + r_m.to(tl.int64) * stride_x2m, o_1 < left - m, k0, K,
-                                             DT, VB, NCH)
-                    at = (o_m[:, None, None] == m) & (o_r == r)
-                    acc_g += tl.where(at, chunk_sums(b_ge, b_go, b_gs, b_xe, b_xo)[None, :, :], 0.0)
-                    if HALVES:
-                        acc_u += tl.where(at, chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
-    return acc_g, acc_u
 
 
 @triton.jit
@@ -197,15 +136,37 @@ def _moe_decode_up_kernel(
                 acc_g = tl.zeros([BM, RG], dtype=tl.float32)
                 acc_u = tl.zeros([BM, RU], dtype=tl.float32)
             if VB > 0:
+                # Rows one at a time, each a [1, NCH, VB] tile of the shape of x's
+                # pairs, so Triton gives both one layout (a [rows, NCH, VB] tile
+                # against x's [NCH, VB] took a shared-memory round trip and
+                # shuffles per value, sm_90); the sums land in acc's (m, row)
+                # registers through wheres that fold away.
+                o_1 = tl.zeros([1], dtype=tl.int32)
+                o_r = tl.arange(0, RG)[None, :, None]
                 b_row = b_slot // TOPK
-                acc_g, acc_u = _up_chunks(x2, b_row, cnt - m0, p_w, p_s, p_z, i_n, K, I, stride_x2m, stride_wn,
-                                          stride_sn, DT, G, HAS_ZERO, ZERO_F32, HALVES, BM, BN, BK, VB, RG, RU, ASM,
-                                          BM == 1)
-                if BM == 1:  # (folded: the sums again value by value where one is not finite)
-                    if not_finite(acc_g) | not_finite(acc_u):
-                        acc_g, acc_u = _up_chunks(x2, b_row, cnt - m0, p_w, p_s, p_z, i_n, K, I, stride_x2m,
-                                                  stride_wn, stride_sn, DT, G, HAS_ZERO, ZERO_F32, HALVES, BM, BN,
-                                                  BK, VB, RG, RU, ASM, False)
+                NROWS = I if HALVES else 2 * I
+                p_x1 = x2 + (tl.sum(b_row, axis=0) + o_1).to(tl.int64) * stride_x2m  # (BM 1: the one row)
+                for k0 in range(0, K, BK):
+                    if BM == 1:
+                        b_xe, b_xo = x_pairs(p_x1, o_1 < cnt - m0, k0, K, DT, VB, NCH)
+                    for r in tl.static_range(RG):
+                        # rows past the projection read its last row (never stored)
+                        n = tl.minimum((i_n * BN if HALVES else 2 * i_n * BN) + r, NROWS - 1) + o_1
+                        b_ge, b_go, b_gs = int4_chunks(p_w + n * stride_wn, o_1 == 0, p_s + n * stride_sn,
+                                                       p_z + n * stride_sn, k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                        if HALVES:
+                            b_ue, b_uo, b_us = int4_chunks(p_w + (n + I) * stride_wn, o_1 == 0,
+                                                           p_s + (n + I) * stride_sn, p_z + (n + I) * stride_sn, k0,
+                                                           K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                        for m in tl.static_range(BM):
+                            if BM > 1:  # x's row m (rows past the expert's count are never stored)
+                                r_m = tl.sum(tl.where(o_m == m, b_row, 0), axis=0) + o_1
+                                b_xe, b_xo = x_pairs(x2 + r_m.to(tl.int64) * stride_x2m, o_1 < cnt - m0 - m, k0, K,
+                                                     DT, VB, NCH)
+                            at = (o_m[:, None, None] == m) & (o_r == r)
+                            acc_g += tl.where(at, chunk_sums(b_ge, b_go, b_gs, b_xe, b_xo)[None, :, :], 0.0)
+                            if HALVES:
+                                acc_u += tl.where(at, chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
             else:
                 for k0 in range(0, K, BK):
                     o_k = k0 + tl.arange(0, BK)
@@ -234,34 +195,6 @@ def _moe_decode_up_kernel(
             o_n = i_n * BN + tl.arange(0, BN)
             tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], _to(b_h, DT),
                      mask=m_m[:, None] & (o_n < I)[None, :])
-
-
-@triton.jit
-def _down_chunks(p_h2, v_j, p_we, p_se, p_ze, i_n, K, N, stride_wn, stride_sn, DT: tl.constexpr, G: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, ZERO_F32: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, VB: tl.constexpr, ASM: tl.constexpr, FOLD: tl.constexpr):
-    """The down kernel's int4 sums [KP, BN, NCH]: output rows one at a time, each
-    a [KP, NCH, VB] tile of the k experts, the shape of h's pairs.  FOLD: the
-    zero point off each chunk's sum (``_tiles.folded_sums``), else per code."""
-    NCH: tl.constexpr = BK // (2 * VB)
-    o_r = tl.arange(0, BN)[None, :, None]
-    acc = tl.zeros([KP, BN, NCH], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        b_he, b_ho = x_pairs(p_h2, v_j, k0, K, DT, VB, NCH)
-        if FOLD:
-            b_hs = tl.sum(b_he, axis=-1) + tl.sum(b_ho, axis=-1)
-        for r in tl.static_range(BN):
-            n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
-            if FOLD:
-                b_qe, b_qo, b_s, b_c = int4_chunks_128(p_we + n * stride_wn, v_j, p_se + n * stride_sn,
-                                                       p_ze + n * stride_sn, k0, K, G, HAS_ZERO, VB, NCH, ASM)
-                b_d = folded_sums(b_qe, b_qo, b_c, b_s, b_he, b_ho, b_hs)
-            else:
-                b_qe, b_qo, b_s = int4_chunks(p_we + n * stride_wn, v_j, p_se + n * stride_sn, p_ze + n * stride_sn,
-                                              k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
-                b_d = chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)
-            acc += tl.where(o_r == r, b_d[:, None, :], 0.0)
-    return acc
 
 
 @triton.jit
@@ -301,18 +234,20 @@ def _moe_decode_down_kernel(
     KAX: tl.constexpr = 1 if TRANS else 2
     acc = tl.zeros([KP, KD, BN] if TRANS else [KP, BN, KD], dtype=tl.float32)
     if VB > 0:
-        # int4 in chunks, as the gate_up kernel; the zero point off each chunk's
-        # sum, the experts' sums again value by value where one is not finite.
+        # int4 in chunks, as the gate_up kernel: output rows one at a time, each
+        # a [KP, NCH, VB] tile of the k experts, the shape of h's pairs.
         ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
+        o_r = tl.arange(0, BN)[None, :, None]
         p_we = w + e64 * stride_we
         p_se = scale + e64 * stride_se
         p_ze = zero + e64 * stride_se
-        p_h2 = h2 + o_s.to(tl.int64) * stride_h2m
-        acc = _down_chunks(p_h2, v_j, p_we, p_se, p_ze, i_n, K, N, stride_wn, stride_sn, h.dtype.element_ty, G,
-                           HAS_ZERO, ZERO_F32, KP, BN, BK, VB, ASM, True)
-        if not_finite(acc):
-            acc = _down_chunks(p_h2, v_j, p_we, p_se, p_ze, i_n, K, N, stride_wn, stride_sn, h.dtype.element_ty, G,
-                               HAS_ZERO, ZERO_F32, KP, BN, BK, VB, ASM, False)
+        for k0 in range(0, K, BK):
+            b_he, b_ho = x_pairs(h2 + o_s.to(tl.int64) * stride_h2m, v_j, k0, K, h.dtype.element_ty, VB, NCH)
+            for r in tl.static_range(BN):
+                n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
+                b_qe, b_qo, b_s = int4_chunks(p_we + n * stride_wn, v_j, p_se + n * stride_sn, p_ze + n * stride_sn,
+                                              k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                acc += tl.where(o_r == r, chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
     else:
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
