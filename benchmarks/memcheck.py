@@ -166,6 +166,13 @@ def dequant_cases(quick: bool):
                 b = _randn(N) if M == 4 else None
                 yield (f"dequant_matmul {fmt} g{group} M{M} N{N} K{K}", ops.dequant_matmul,
                        (x, q, s, z, b, fmt, group), 2e-2)
+            if fmt == "int4" and group == 128 and N * K % 2048 == 0 and K % 2048 == 0:
+                # the one-row GEMV's folded sums overflowing (sum (128 + q) x): the slice re-done per code
+                x = _randn(1, K)
+                x[0, 40:72] = 3e35
+                cfg = Config("gemv", BN=8, BK=2048, warps=2, split=2)
+                yield (f"dequant_matmul int4 g128 {cfg.label()} M1 N{N} K{K} folded overflow", _dequant_config(cfg),
+                       (x, q, s, z, None, fmt, group), 2e-2)
             if (fmt == "int4" and group == 128) or fmt == "int8":
                 # int4's scales loaded ahead, x copied into the tile's K order (plans take both at some shapes)
                 for M, split, ahead, xperm in ((16, 2, 1, 0), (16, 1, 2, 0), (64, 4, 2, 0), (64, 2, 2, 1), (16, 4, 1, 1)):
