@@ -727,6 +727,48 @@ def test_a_launch_names_exactly_the_kernels_arguments():
         Launch(_gated_act_fwd_kernel, (4,), {**args, "up": args["out"]}, ("out",)).traced()
 
 
+def test_inductors_kernel_analysis_runs_once_per_distinct_fusepass_call(monkeypatch):
+    """Inductor's read/write analysis of a user-defined Triton kernel (from its
+    TTIR, per call in the graph) runs once for each distinct fusepass call:
+    the same kernel, argument values and dtypes get a copy of the first
+    answer; another constexpr, another dtype or a kernel not fusepass's runs it."""
+    import triton
+
+    from torch._higher_order_ops import triton_kernel_wrap
+    from fusepass.kernels import _common
+    from fusepass.kernels.gated_act import _gated_act_fwd_kernel
+
+    runs = []
+
+    def analysis(kernel, kwargs, tma):
+        runs.append((kernel, dict(kwargs)))
+        return {"writes": ["out"], "n": len(runs)}
+
+    monkeypatch.setattr(triton_kernel_wrap, "identify_accessed_tensors", analysis, raising=False)
+    _common._memoize_kernel_analysis()
+    memo = triton_kernel_wrap.identify_accessed_tensors
+    assert memo is not analysis and memo.__wrapped__ is analysis
+
+    g = torch.randn(4, 8, dtype=torch.bfloat16)
+    args = dict(gate=g, up=g, out=torch.empty_like(g), N=8, NB=1, stride_g=8, stride_u=8, stride_o=8, ACT="silu",
+                BN=8, EMU_G=False, EMU_O=False)
+    first = memo(_gated_act_fwd_kernel, args, {})
+    again = memo(_gated_act_fwd_kernel, {**args, "gate": torch.randn(4, 8, dtype=torch.bfloat16)}, {})
+    assert len(runs) == 1 and again == first and again is not first  # a copy: callers may change it
+    memo(_gated_act_fwd_kernel, {**args, "ACT": "gelu"}, {})
+    memo(_gated_act_fwd_kernel, {**args, "gate": g.float()}, {})
+    memo(_gated_act_fwd_kernel, {**args, "N": 16}, {})
+    assert len(runs) == 4
+
+    @triton.jit
+    def not_ours(x):
+        pass
+
+    memo(not_ours, {"x": g}, {})
+    memo(not_ours, {"x": g}, {})
+    assert len(runs) == 6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,quant", [("qwen3_5", "int8"), ("qwen3_5", "int4"), ("llama", "int4"),
                                          ("qwen3_moe", "int8")])
