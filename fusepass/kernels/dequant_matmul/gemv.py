@@ -329,6 +329,18 @@ def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N,
 
 
 @triton.jit
+def _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K: tl.constexpr):
+    """Row n's packed bytes of the tile ([NCH, VB], one vector load a chunk; its
+    K slice from byte kp0) and its chunks' scales [NCH] as fp32."""
+    p_wr = w + n.to(tl.int64) * stride_wn + kp0
+    if EVEN_K:
+        b_q = tl.load(p_wr + o_b)
+    else:
+        b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
+    return b_q, tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
+
+
+@triton.jit
 def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn, DT: tl.constexpr,
                       G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr):
@@ -359,12 +371,7 @@ def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_
         b_xs = tl.sum(b_xe, axis=1) + tl.sum(b_xo, axis=1)  # [NCH]
         for r in tl.static_range(BN):
             n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
-            p_wr = w + n.to(tl.int64) * stride_wn + kp0
-            if EVEN_K:
-                b_q = tl.load(p_wr + o_b)
-            else:
-                b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
-            b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
+            b_q, b_s = _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
             if HAS_ZERO:
                 b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
             else:
@@ -418,12 +425,7 @@ def _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, strid
             b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
         for r in tl.static_range(BN):
             n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
-            p_wr = w + n.to(tl.int64) * stride_wn + kp0
-            if EVEN_K:
-                b_q = tl.load(p_wr + o_b)
-            else:
-                b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
-            b_s = tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)  # [NCH]
+            b_q, b_s = _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
             if FMT != "int4":
                 b_e, b_o = _codebook_pair(b_q, tab, zero, ASM)  # (zero: the code book)
             else:  # (the low nibble the even k)
