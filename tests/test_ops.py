@@ -768,6 +768,14 @@ def test_inductors_kernel_analysis_runs_once_per_distinct_fusepass_call(monkeypa
     memo(not_ours, {"x": g}, {})
     assert len(runs) == 6
 
+    class Odd:  # an argument whose dtype cannot be read: no key, the analysis runs
+        def get_dtype(self):
+            raise NotImplementedError
+
+    memo(_gated_act_fwd_kernel, {**args, "gate": Odd()}, {})
+    memo(_gated_act_fwd_kernel, {**args, "gate": Odd()}, {})
+    assert len(runs) == 8
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,quant", [("qwen3_5", "int8"), ("qwen3_5", "int4"), ("llama", "int4"),

@@ -437,7 +437,11 @@ def _memoized(real: Callable) -> Callable:
 
     def analysis(kernel, kwargs, *rest):
         fn = getattr(kernel, "fn", kernel)
-        key = _analysis_key(kernel, kwargs, rest) if getattr(fn, "__module__", "").startswith("fusepass.") else None
+        try:
+            key = _analysis_key(kernel, kwargs, rest) if getattr(fn, "__module__", "").startswith("fusepass.") \
+                else None
+        except Exception:  # noqa: BLE001 - an argument this key does not know: Inductor's own analysis
+            key = None
         if key is None:
             return real(kernel, kwargs, *rest)
         with _analysis_lock:
