@@ -346,10 +346,11 @@ def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_
                       BN: tl.constexpr, BK: tl.constexpr):
     """[1, BN] int4 sums of one row of x over K in [k_lo, k_hi), the zero point
     taken off each chunk's sum: s (sum (128 + q) x - (128 + z) sum x).  Per value
-    one PRMT (_nibbles_128) and one FMA in a chain, where _nibble_gemv spends an
-    FADD (q - z) and a product summed by FMUL, FFMA and FADD per pair (sm_90
-    SASS of the hot loop: see benchmarks/sass_dequant_matmul.py); sum x is made
-    once per tile for the BN rows.  128 + q has 8 significant bits, so each
+    one PRMT (_nibbles_128) and one FMA in a chain, where _nibble_gemv adds an
+    FADD (q - z): 3.50 sm_90 SASS instructions a code against 4.21 (BN 4, two
+    warps; benchmarks/sass_dequant_matmul.py), 1.04-1.21x faster on an H200 at
+    the fastest configs of six MLP shapes (bf367f9); sum x is made once per
+    tile for the BN rows.  128 + q has 8 significant bits, so each
     product with a 16-bit x is exact; the cancellation against (128 + z) sum x
     costs ~2**-24 * 136 * sum |x| of a chunk, far under the output's rounding.
     Not finite where x is not (inf - inf): the caller re-does such a slice."""
@@ -490,11 +491,11 @@ def _dequant_gemv_kernel(
                 # is re-done; a finite one is within fp32 rounding of the exact sum).
                 bad = ((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)
                 if tl.max(tl.max(bad, axis=1), axis=0) > 0:
-                    acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn, FMT, G,
-                                       HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
+                    acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn,
+                                       stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
             else:
-                acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn, FMT, G,
-                                   HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
+                acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn,
+                                   FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
         else:
             o_k = tl.arange(0, BK)
             if BM == 1:
