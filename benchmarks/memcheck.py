@@ -166,7 +166,7 @@ def dequant_cases(quick: bool):
                 b = _randn(N) if M == 4 else None
                 yield (f"dequant_matmul {fmt} g{group} M{M} N{N} K{K}", ops.dequant_matmul,
                        (x, q, s, z, b, fmt, group), 2e-2)
-            if fmt == "int4" and group == 128 and N * K % 2048 == 0 and K % 2048 == 0:
+            if fmt == "int4" and group == 128 and K % 2048 == 0:
                 # the one-row GEMV's folded sums overflowing (sum (128 + q) x): the slice re-done per code
                 x = _randn(1, K)
                 x[0, 40:72] = 3e35

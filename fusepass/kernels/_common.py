@@ -14,6 +14,7 @@ import copy
 import functools
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
@@ -458,8 +459,6 @@ def _memoized(real: Callable) -> Callable:
 
 
 def _memoize_kernel_analysis() -> None:
-    import sys
-
     from torch._higher_order_ops import triton_kernel_wrap
 
     for name in _ANALYSES:

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from fusepass.kernels.dequant_matmul.tiles import (
+    _chunk_sums,
     _codebook_pair,
     _finish,
     _group,
@@ -440,10 +441,7 @@ def _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, strid
                     else:
                         b_x = tl.load(p_x, mask=m_c[:, None], other=0)
                     b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
-                # two sums of products, not one of pair sums: in-thread sums are
-                # chains (Triton 3.6), so each product is one FFMA instead of an
-                # FMUL, FFMA and FADD per pair (sm_90 SASS)
-                b_d = (tl.sum(b_e * b_xe, axis=1) + tl.sum(b_o * b_xo, axis=1)) * b_s  # [NCH]
+                b_d = _chunk_sums(b_e, b_o, b_s, b_xe, b_xo)  # [NCH]
                 # (the where folds away: each register's row and column are constants)
                 acc3 += tl.where((o_m[:, None, None] == m) & (o_r[None, :, None] == r), b_d[None, None, :], 0.0)
     return tl.sum(acc3, axis=2)

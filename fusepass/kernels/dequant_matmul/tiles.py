@@ -450,6 +450,16 @@ def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, NG, stride_w
 
 
 @triton.jit
+def _chunk_sums(b_e, b_o, b_s, b_xe, b_xo):
+    """sum (e x_e + o x_o) of each chunk of values (e, o) [..., NCH, VB] against
+    x's pairs (x_e, x_o), times the chunk's scale b_s [..., NCH].  Two sums of
+    products, not one of pair sums: in-thread sums are chains under Triton 3.6,
+    so each product is one FFMA, where a sum of pair sums costs an FMUL, an
+    FFMA and an FADD a pair (sm_90 SASS)."""
+    return (tl.sum(b_e * b_xe, axis=-1) + tl.sum(b_o * b_xo, axis=-1)) * b_s
+
+
+@triton.jit
 def _pair_to_f32(b_x, DT: tl.constexpr):
     """Two adjacent values of x in one word (int32 for 16-bit x, int64 for fp32;
     the lower address in the low half) -> (first, second) as fp32."""

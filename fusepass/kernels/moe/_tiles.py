@@ -119,7 +119,7 @@ def int4_chunks(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZE
     the chunks' scales [..., NCH] (``p_rows`` etc. as in ``w_tile``, any shape).
     Each row's VB bytes of a chunk are one vector load, its codes q - z by the
     GEMV's conversion (_int4_minus_zero: one PRMT and one FADD a code on the
-    GPU); the scale goes on a chunk's sum (``chunk_sums``), not on each value."""
+    GPU); the scale goes on a chunk's sum (``_chunk_sums``), not on each value."""
     o_c = tl.arange(0, NCH)
     o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB]: the tile's bytes
     kp0 = tl.multiple_of(k0 // 2, VB)
@@ -147,14 +147,6 @@ def x_pairs(p_x2, m_x, k0, K, DT: tl.constexpr, VB: tl.constexpr, NCH: tl.conste
     m = tl.expand_dims(tl.expand_dims(m_x, -1), -1) & (k0 + tl.arange(0, NCH) * (2 * VB) < K)[:, None]
     b_x = tl.load(tl.expand_dims(tl.expand_dims(p_x2, -1), -1) + k0 // 2 + o_b, mask=m, other=0)
     return _pair_to_f32(b_x, DT)
-
-
-@triton.jit
-def chunk_sums(b_e, b_o, b_s, b_xe, b_xo):
-    """Each chunk's sum of x (q - z), times its scale: [..., NCH].  Two sums of
-    products (in-thread sums are chains under Triton 3.6: one FFMA a product,
-    where a sum of pair sums costs an FMUL, FFMA and FADD a pair)."""
-    return (tl.sum(b_e * b_xe, axis=-1) + tl.sum(b_o * b_xo, axis=-1)) * b_s
 
 
 @triton.jit

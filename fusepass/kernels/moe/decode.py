@@ -41,12 +41,12 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import Launch, cdiv, interpreting, pdl_release, pdl_supported, pdl_wait
+from fusepass.kernels.dequant_matmul.tiles import _chunk_sums
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import (
     _round_if,
     _to,
     cdiv_pow2,
-    chunk_sums,
     gated_act,
     int4_chunks,
     proj_epilogue,
@@ -164,9 +164,9 @@ def _moe_decode_up_kernel(
                                 b_xe, b_xo = x_pairs(x2 + r_m.to(tl.int64) * stride_x2m, o_1 < cnt - m0 - m, k0, K,
                                                      DT, VB, NCH)
                             at = (o_m[:, None, None] == m) & (o_r == r)
-                            acc_g += tl.where(at, chunk_sums(b_ge, b_go, b_gs, b_xe, b_xo)[None, :, :], 0.0)
+                            acc_g += tl.where(at, _chunk_sums(b_ge, b_go, b_gs, b_xe, b_xo)[None, :, :], 0.0)
                             if HALVES:
-                                acc_u += tl.where(at, chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
+                                acc_u += tl.where(at, _chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
             else:
                 for k0 in range(0, K, BK):
                     o_k = k0 + tl.arange(0, BK)
@@ -247,7 +247,7 @@ def _moe_decode_down_kernel(
                 n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
                 b_qe, b_qo, b_s = int4_chunks(p_we + n * stride_wn, v_j, p_se + n * stride_sn, p_ze + n * stride_sn,
                                               k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
-                acc += tl.where(o_r == r, chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+                acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
     else:
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
