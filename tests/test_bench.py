@@ -403,3 +403,20 @@ def test_tp_bench_dumps_each_ranks_stacks_on_a_timer(tmp_path):
         faulthandler.cancel_dump_traceback_later()
     text = (tmp_path / "out" / "stacks-rank3.txt").read_text()
     assert text.count("most recent call first") >= 2 and "test_tp_bench_dumps" in text
+
+
+def test_tp_bench_rank_that_fails_exits_with_its_traceback():
+    # Under torchrun a rank that raised and then tore its group down waited on
+    # its peers: the run sat silent to the command's limit.  Now it exits at
+    # once, non-zero, having printed why; a rank that succeeds returns its rows.
+    import subprocess
+    import sys
+
+    from fusepass.backend import fusepass_backend
+    from fusepass.bench import tp
+
+    assert tp._rank_or_exit(lambda a: [a], 7) == [7]
+    assert tp._backend("fusepass") is fusepass_backend and tp._backend("inductor") == "inductor"
+    code = "from fusepass.bench.tp import _rank_or_exit; _rank_or_exit(lambda: 1 / 0); print('after')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "ZeroDivisionError" in done.stderr and "after" not in done.stdout

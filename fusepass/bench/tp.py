@@ -40,6 +40,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,30 @@ def _time(fn, cuda: bool, calls: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / calls
 
 
+def _backend(name: str):
+    """The ``torch.compile`` backend called ``name``: fusepass's function itself,
+    which needs no installed entry point (a checkout on ``PYTHONPATH`` has none)."""
+    if name == "fusepass":
+        from fusepass.backend import fusepass_backend
+
+        return fusepass_backend
+    return name
+
+
+def _rank_or_exit(fn, *args):
+    """``fn(*args)``, or, where it raises, the traceback and an immediate exit:
+    the other ranks are waiting in a collective that this rank will not join,
+    and tearing the group down then waits too (on two H200s a rank whose backend
+    did not resolve left the run silent until the command's limit).  torchrun
+    ends the other ranks when one exits non-zero."""
+    try:
+        return fn(*args)
+    except BaseException:  # noqa: BLE001 - any failure: say it, then leave
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) -> list[dict[str, Any]]:
     import fusepass
     from transformers import StaticCache
@@ -172,7 +197,7 @@ def _rows_model(args, rank: int, world: int, device: str, dtype: torch.dtype) ->
             ar.ONE_SHOT_MAX_BYTES = shipped if one_shot_bytes is None else one_shot_bytes
             torch._dynamo.reset()
             fusepass.reset_reports()
-            fn = torch.compile(model, backend=compiler, fullgraph=True)
+            fn = torch.compile(model, backend=_backend(compiler), fullgraph=True)
             t0 = time.perf_counter()
             got = fn(input_ids=ids, use_cache=False, logits_to_keep=1).logits
             compile_s = time.perf_counter() - t0
@@ -368,10 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             _dump_stacks_every(args.stacks, Path(args.out or "."), int(os.environ.get("RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(minutes=10))
-        try:
-            per_rank = [run_rank(dist.get_rank(), dist.get_world_size(), args)]
-        finally:
-            dist.destroy_process_group()
+        per_rank = [_rank_or_exit(run_rank, dist.get_rank(), dist.get_world_size(), args)]
+        dist.destroy_process_group()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     rows = per_rank[0]
