@@ -443,10 +443,14 @@ def test_int4_gemv_tiles_give_each_thread_its_own_chunks(group):
             p = _problem(M, N, K, "int4", group, torch.bfloat16)
             for cfg in [plans.heuristic(p), *tuner.candidates(p)]:
                 assert _int4_gemv_whole(cfg, p), (cfg.label(), N, K)
-    # The heuristic splits K where the rows alone make few programs (the k/v projection at M = 1).
+    # Where eight rows a program make few programs (the k/v projection at M = 1), the heuristic
+    # takes four rows a program over the whole of K, not K slices (split-K: 1.4x the time, H200).
     p = _problem(1, 1024, 4096, "int4", 128, torch.bfloat16, sms=132)
     cfg = plans.heuristic(p)
-    assert cfg.kind == "gemv" and 1024 // cfg.BN * launch.splits(cfg, 4096) >= 2 * 132
+    assert cfg.kind == "gemv" and cfg.BN == 4 and launch.splits(cfg, 4096) == 1 and cfg.BK == 4096
+    assert 1024 // cfg.BN >= 132
+    for N, K in ((4096, 4096), (14336, 4096), (4096, 14336)):  # enough programs already: unchanged
+        assert plans.heuristic(_problem(1, N, K, "int4", 128, torch.bfloat16, sms=132)).BN == 8
 
 
 def test_int4_small_m_split_keeps_the_sms_evenly_busy():
