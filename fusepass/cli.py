@@ -1,6 +1,7 @@
 """fusepass: a torch.compile backend that fuses LLM subgraphs into Triton kernels.
 
-    fusepass demo [--model qwen3_5] [--quantize int8]   compile a small model, print the rewrite report,
+    fusepass demo [--model qwen3_5_moe] [--quantize int8]
+                                                         compile a small model, print the rewrite report,
                                                          check it against eager
     fusepass rules                                       list the rewrite rules
     fusepass tune --model qwen3_5 --quantize int4        measure the quantized linears' kernel plans on this GPU
