@@ -327,6 +327,56 @@ def quantize(model: nn.Module, fmt: str = "int8", group_size: int = 128,
     return summary
 
 
+def parallelize_module(module: nn.Module, device_mesh, parallelize_plan) -> nn.Module:
+    """torch's ``parallelize_module`` for a model :func:`quantize` converted before it was sharded.
+
+    torch's ``ColwiseParallel`` and ``RowwiseParallel`` take ``nn.Linear`` only.
+    Here each quantized layer the plan names (a key may be a module path with
+    ``*`` patterns, as torch reads them) is cut in place to this rank's shard
+    (:func:`fusepass.quantize_tp.shard_quantized`: column-parallel by output
+    channel, row-parallel by its slice of K, int4 in whole groups) with the
+    style's input and output hooks, and runs as a layer quantized after
+    sharding does; the rest of the plan goes to torch's own function.  Every
+    rank must hold the same full quantized weights (one seed, or one
+    checkpoint), as torch's function assumes of full weights.  A quantized
+    layer the plan cannot shard (another style, a mesh of more than one
+    dimension, int4 groups that would straddle two ranks) raises ``ValueError``
+    before anything is changed.
+    """
+    from fnmatch import fnmatch
+
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    quantized = (Int8Linear, Int4Linear, Fp8Linear)
+    single = not isinstance(parallelize_plan, dict)  # one style for ``module`` itself
+    if single:
+        parallelize_plan = {"": parallelize_plan}
+    names = [n for n, _ in module.named_modules()]
+    ours: list[tuple[str, object]] = []
+    rest: dict[str, object] = {}
+    for key, style in parallelize_plan.items():
+        atoms = key.split(".") if key else []
+        hits = [n for n in names if len(n.split(".") if n else []) == len(atoms)
+                and all(fnmatch(a, p) for a, p in zip(n.split("."), atoms))]
+        mine = [n for n in hits if isinstance(module.get_submodule(n), quantized)]
+        ours += [(n, style) for n in mine]
+        if not mine:
+            rest[key] = style
+        else:
+            rest.update({n: style for n in hits if n not in mine})
+    for name, style in ours:
+        layer = module.get_submodule(name)
+        reason = _tp.shard_refusal(layer, style, device_mesh, getattr(layer, "group_size", None))
+        if reason:
+            raise ValueError(f"fusepass.parallelize_module: {name or type(module).__name__}: {reason}")
+    if rest:
+        torch_parallelize(module, device_mesh, rest[""] if single else rest)
+    for name, style in ours:
+        layer = module.get_submodule(name)
+        _tp.shard_quantized(layer, style, device_mesh, getattr(layer, "group_size", None))
+    return module
+
+
 # ``fusepass.quantize`` is this function once the package is imported; the
 # layer classes ride on it so that ``fusepass.quantize.Int8Linear`` names them.
 quantize.Int8Linear = Int8Linear  # type: ignore[attr-defined]

@@ -25,6 +25,11 @@ Refused, with the reason: a weight sharded over a mesh of more than one
 dimension or in a packed layout (``_StridedShard``), a forward wrapped by a
 parallel style fusepass does not know, and (int4) shards of K that are not
 whole groups: a group would straddle two ranks.
+
+The other order, quantized first and sharded after (torch's styles take
+``nn.Linear`` only): :func:`shard_quantized` cuts a quantized layer to its
+rank's rows or slice of K and gives it the style's hooks, so that it runs as
+the layer :func:`convert` would have made (``fusepass.parallelize_module``).
 """
 
 from __future__ import annotations
@@ -156,10 +161,82 @@ def convert(module: nn.Linear, make: Callable[[nn.Linear], nn.Module]) -> nn.Mod
         new._hf_quantized_needs_local_tp = True
         style.install_forward(new, mesh)
     elif _has_hooks(module):
-        for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
-            setattr(new, attr, getattr(module, attr))
+        _move_hooks(module, new)
     return new
+
+
+def _move_hooks(src: nn.Module, dst: nn.Module) -> None:
+    """``src``'s forward hooks (torch's parallel styles' input and output conversions) onto ``dst``."""
+    for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        setattr(dst, attr, getattr(src, attr))
+
+
+def shard_refusal(layer: nn.Module, style: object, mesh, group_size: int | None) -> str | None:
+    """Why a layer :func:`fusepass.quantize` converted cannot be cut into ``mesh``'s
+    shards by ``style``, or None (:func:`shard_quantized`)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if is_sharded(layer.weight) or isinstance(layer, _Sharded):
+        return "already sharded"
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return (f"parallel style {type(style).__name__}: fusepass shards its quantized layers with "
+                "ColwiseParallel or RowwiseParallel")
+    if mesh.ndim != 1:
+        return f"a {mesh.ndim}-D device mesh: fusepass shards for 1-D tensor parallelism"
+    if isinstance(style, RowwiseParallel) and group_size:
+        sizes = shard_sizes(layer.in_features, mesh.size())
+        if any(s % group_size for s in sizes):
+            return (f"K = {layer.in_features} is split over {mesh.size()} ranks into shards of {sizes}: int4 "
+                    f"groups of {group_size} would straddle a shard (each shard of K must be whole groups)")
+    return None
+
+
+def shard_quantized(layer: nn.Module, style: object, mesh, group_size: int | None) -> None:
+    """Cut a quantized layer, in place, to this rank's shard, with ``style``'s parallel forward.
+
+    Column-parallel (``ColwiseParallel``): the rows of its codes, scales, zero
+    points and bias.  Row-parallel (``RowwiseParallel``): its slice of K (int4:
+    whole groups, two codes a byte; the per-channel scales of int8 and fp8
+    whole, as they scale each rank's partial sum alike), the bias whole, added
+    once after the sum.  The style is applied to a stand-in ``nn.Linear`` on
+    the meta device, whose input and output hooks move to the layer: the
+    layer then runs as one :func:`convert` built from a sharded linear.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    reason = shard_refusal(layer, style, mesh, group_size)
+    if reason:
+        raise ValueError(f"fusepass: cannot shard {type(layer).__name__}: {reason}")
+    kind = COLWISE if isinstance(style, ColwiseParallel) else ROWWISE
+    n, k = layer.out_features, layer.in_features
+    sizes = shard_sizes(n if kind == COLWISE else k, mesh.size())
+    start, size = sum(sizes[:mesh.get_local_rank()]), sizes[mesh.get_local_rank()]
+    stand_in = nn.Linear(k, n, bias=layer.bias is not None, device="meta")
+    parallelize_module(stand_in, mesh, style)
+    bias = layer.bias
+    if kind == COLWISE:
+        for name in ("weight", "scale", "zero"):
+            t = getattr(layer, name, None)
+            if t is not None:
+                setattr(layer, name, t.narrow(0, start, size).clone())
+        if bias is not None:
+            bias = DTensor.from_local(bias.detach().narrow(0, start, size).clone(), mesh, [Shard(0)],
+                                      run_check=False, shape=(n,), stride=(1,))
+    else:
+        per_byte = 2 if group_size else 1  # int4: two codes a byte, low nibble the even column
+        layer.weight = layer.weight.narrow(1, start // per_byte, size // per_byte).clone()
+        if group_size:
+            layer.scale = layer.scale.narrow(1, start // group_size, size // group_size).clone()
+            layer.zero = layer.zero.narrow(1, start // group_size, size // group_size).clone()
+        if bias is not None:
+            bias = DTensor.from_local(bias.detach(), mesh, [Replicate()], run_check=False)
+    if bias is not None:
+        layer._parameters["bias"] = nn.Parameter(bias, requires_grad=False)
+    layer.__class__ = _sharded_class(type(layer))
+    layer.tp_kind, layer.tp_mesh = kind, mesh
+    _move_hooks(stand_in, layer)
 
 
 class _Sharded:

@@ -138,6 +138,26 @@ def _check(rank: int, world: int, folder: str) -> dict:
     # int4 groups of 64 straddle o_proj's K shards (64 = 2 x 32): refused with the reason.
     model = tp.load("llama", f"{folder}/llama")
     out["straddle"] = fusepass.quantize(model, fmt="int4", group_size=64).skipped
+    # Quantized first, then sharded (fusepass.parallelize_module with torch's styles).
+    mesh = init_device_mesh("cpu", (world,))
+    out["quantized_first"] = {}
+    for fmt, group in QUANTIZED:
+        model = models.build("llama", size="tiny")
+        ids = models.input_ids(model)
+        fusepass.quantize(model, fmt=fmt, group_size=group)
+        with torch.no_grad():
+            whole = model(ids).logits
+        fusepass.parallelize_module(model, mesh, _torch_plan(model))
+        eager, compiled, summary = _compile(model, ids)
+        out["quantized_first"][fmt] = dict(summary, error=_error(compiled, eager), vs_unsharded=_error(eager, whole),
+                                           boundaries=_boundaries(model))
+    model = models.build("llama", size="tiny")
+    fusepass.quantize(model, fmt="int4", group_size=64)
+    try:
+        fusepass.parallelize_module(model, mesh, _torch_plan(model))
+        out["quantized_first_straddle"] = None
+    except ValueError as exc:
+        out["quantized_first_straddle"] = str(exc)
     return out
 
 
@@ -217,6 +237,20 @@ def test_torch_parallelize_module_int8(ranks):
         assert not row["refusals"], row["refusals"]
 
 
+@pytest.mark.parametrize("fmt", [f for f, _ in QUANTIZED])
+def test_model_quantized_first_then_sharded(ranks, fmt):
+    for rank, r in enumerate(ranks):
+        row = r["quantized_first"][fmt]
+        assert row["error"] is None, f"rank {rank}: {row['error']}"
+        assert row["vs_unsharded"] is None, f"rank {rank}: {row['vs_unsharded']}"
+        rule = "dequant_matmul" if fmt == "int8" else "dequant_matmul_int4"
+        assert row["hits"].get(rule) == 14, (rank, row["hits"], row["refusals"])
+        assert row["hits"].get("all_reduce_rms_norm") == row["boundaries"], (rank, row["hits"])
+        assert not row["refusals"], row["refusals"]
+        why = r["quantized_first_straddle"]
+        assert why and "o_proj" in why and "straddle a shard" in why, why
+
+
 # -- one rank, in this process (conftest's single-rank gloo group) --------------------------------
 
 class _MLP(torch.nn.Module):
@@ -271,7 +305,7 @@ def test_quantize_refuses_other_layouts():
         assert list(skipped) == ["up"] and reason in skipped["up"], skipped
 
 
-def test_quantized_model_cannot_be_sharded_after():
+def test_quantized_model_cannot_be_sharded_by_torch_alone():
     """torch's parallel styles take nn.Linear only: a quantized layer (its
     weight a buffer the style would not shard) is refused, not half-sharded."""
     import fusepass
@@ -281,6 +315,47 @@ def test_quantized_model_cannot_be_sharded_after():
     fusepass.quantize(model, filter=lambda name, m: True)
     with pytest.raises(NotImplementedError, match="nn.Linear"):
         parallelize_module(model, _mesh(1), {"up": ColwiseParallel()})
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_quantized_model_sharded_after_by_fusepass(fmt):
+    """fusepass.parallelize_module on a model quantized first (one rank): the
+    layers keep their codes, take the styles' hooks, and compute what the
+    unsharded quantized model does; the plan's patterns are read as torch reads them."""
+    import fusepass
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    model = _MLP()
+    everything = {"filter": lambda name, m: True, "group_size": 32}
+    fusepass.quantize(model, fmt=fmt, **everything)
+    ref = _MLP()
+    fusepass.quantize(ref, fmt=fmt, **everything)
+    ref.load_state_dict(model.state_dict())
+    fusepass.parallelize_module(model, _mesh(1), {"u*": ColwiseParallel(), "down": RowwiseParallel()})
+    for layer in (model.up, model.down):
+        assert type(layer).__name__.startswith("Sharded") and layer._forward_pre_hooks
+    torch.testing.assert_close(model.up.weight, ref.up.weight, rtol=0, atol=0)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        y = model(x)
+        assert not isinstance(y, torch.distributed.tensor.DTensor)
+        torch.testing.assert_close(y, ref(x))
+    with pytest.raises(ValueError, match="already sharded"):
+        fusepass.parallelize_module(model, _mesh(1), {"up": ColwiseParallel()})
+
+
+def test_parallelize_module_refuses_before_changing_anything():
+    import fusepass
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    model = _MLP()
+    fusepass.quantize(model, fmt="int8", filter=lambda name, m: True)
+    with pytest.raises(ValueError, match="SequenceParallel"):
+        fusepass.parallelize_module(model, _mesh(1), {"up": ColwiseParallel(), "down": SequenceParallel()})
+    assert not type(model.up).__name__.startswith("Sharded") and not model.up._forward_pre_hooks
+    with pytest.raises(ValueError, match="2-D device mesh"):
+        fusepass.parallelize_module(model, _mesh(1, 1), {"up": ColwiseParallel()})
 
 
 # -- several GPUs: NCCL ranks, bf16, the CUDA paths (kernels inlined into Inductor's code) -------------
