@@ -377,6 +377,14 @@ def _check_cuda(rank: int, world: int, folder: str) -> dict:
             fusepass.quantize(model, fmt=fmt, group_size=32)
         eager, compiled, summary = _compile(model, models.input_ids(model).cuda())
         out[fmt or "bf16"] = dict(summary, error=_error(compiled, eager), boundaries=_boundaries(model))
+    # int4 quantized first, then sharded by torch's plan (fusepass.parallelize_module)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = models.build("llama", size="tiny").to(device="cuda", dtype=torch.bfloat16)
+    fusepass.quantize(model, fmt="int4", group_size=32)
+    fusepass.parallelize_module(model, init_device_mesh("cuda", (world,)), _torch_plan(model))
+    eager, compiled, summary = _compile(model, models.input_ids(model).cuda())
+    out["int4, quantized first"] = dict(summary, error=_error(compiled, eager), boundaries=_boundaries(model))
     return out
 
 
