@@ -76,12 +76,13 @@ def _int4_gemv(M: int, N: int, K: int, G: int, n_sm: int, warps: int = 4) -> Con
     # programs per SM, 64 KB of loads in flight per SM (sm_90 compile,
     # benchmarks/sass_dequant_matmul.py).
     bn = 8 if M == 1 else 4
-    if M == 1 and K <= 4096 and cdiv(N, 8) * max(1, K // int4_gemv_bk(K, G, warps)) < 2 * n_sm <= 2 * cdiv(N, 4):
+    few = cdiv(N, 8) * max(1, K // int4_gemv_bk(K, G, warps)) < 2 * n_sm
+    if M == 1 and K <= 4096 and few and cdiv(N, 4) >= n_sm:
         # Too few programs of eight rows (a k/v projection): four rows a
-        # program over the whole of K, no K slices.  H200, 1024x4096 g128,
-        # cold (f379d12): 3.85 µs (3.57 per code) against 5.35 for eight rows,
-        # one warp, four slices; in the Llama-3-8B int4 step 3067 against 3261
-        # µs with the measured plans of this key and 4096x4096.
+        # program over the whole of K, no K slices (split-K's second pass
+        # costs more than its programs give).  H200, 1024x4096 g128, cold
+        # (f379d12): 3.85 µs (3.57 per code, the shipped plan) against 5.35
+        # for eight rows, one warp, four slices.
         warps = 4
         while warps > 1 and 4 * int4_gemv_bk(K, G, warps) > 5 * K:
             warps //= 2
