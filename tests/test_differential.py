@@ -402,3 +402,28 @@ def test_eager_overflow_that_cancels_to_nan_is_held_to_fp64():
     flipped = fused.clone()
     flipped[0, 2] = -flipped[0, 2]  # an infinity of the other sign
     assert not _eager_overflowed(step, [x, weight, scale], flipped, expected, 0)
+
+
+def test_step_check_takes_either_of_two_tied_top_k_choices():
+    """Eager's CPU top-k of [2, 0, 1, 2] takes index 3; the router op takes ties lowest
+    index first (0).  A step whose compiled output is the lowest-first answer passes
+    (a long run: a router rewritten inside a refused experts block chose expert 0 where
+    eager chose 3, at equal weights); any other answer still fails, end to end too."""
+    from fusepass.testing.differential import check
+    from fusepass.testing.differential.build import Program, Step
+
+    scores = torch.tensor([[2.0, 0.0, 1.0, 2.0], [0.5, 3.0, 1.0, 2.0]])
+    table = torch.randn(4, 3)
+
+    def fn(s):  # the chosen row of a table, as experts weighted by a router
+        return (table[torch.topk(s, 1).indices[:, 0]],)
+
+    eager = fn(scores)[0]
+    assert torch.equal(eager[0], table[3])  # eager's own choice among the tie
+    step = Step(fn, (("a", 0),), (0,), "v0 = pick(a0)", True, torch.float32)
+    program = Program(None, [scores], [step], {0: eager}, [0], [], [], {0: torch.float32}, {0: 1.0}, {0: 0.0})
+    lowest = torch.stack([table[0], table[1]])
+    assert check._mismatches(program, [lowest]) == []
+    wrong = torch.stack([table[2], table[1]])
+    found = check._mismatches(program, [wrong])
+    assert any("v0 step" in f for f in found) and any("v0 end to end" in f for f in found), found
