@@ -364,16 +364,14 @@ def parallelize_module(module: nn.Module, device_mesh, parallelize_plan) -> nn.M
             rest[key] = style
         else:
             rest.update({n: style for n in hits if n not in mine})
-    for name, style in ours:
-        layer = module.get_submodule(name)
-        reason = _tp.shard_refusal(layer, style, device_mesh, getattr(layer, "group_size", None))
+    for name, style in ours:  # every refusal before anything changes
+        reason = _tp.shard_refusal(module.get_submodule(name), style, device_mesh)
         if reason:
             raise ValueError(f"fusepass.parallelize_module: {name or type(module).__name__}: {reason}")
     if rest:
         torch_parallelize(module, device_mesh, rest[""] if single else rest)
     for name, style in ours:
-        layer = module.get_submodule(name)
-        _tp.shard_quantized(layer, style, device_mesh, getattr(layer, "group_size", None))
+        _tp.shard_quantized(module.get_submodule(name), style, device_mesh)
     return module
 
 

@@ -111,15 +111,19 @@ def refusal(module: nn.Linear, fmt: str, group_size: int) -> str | None:
             return (f"parallel style {type(style).__name__} on a {kind} weight: fusepass keeps ColwiseParallel "
                     "and RowwiseParallel layers")
     if fmt == "int4":
-        world = module.weight.device_mesh.size()
-        k = module.in_features
-        sizes = shard_sizes(k, world) if kind == ROWWISE else [k]
-        bad = [s for s in sizes if s % group_size]
-        if bad:
-            if kind == ROWWISE:
-                return (f"K = {k} is split over {world} ranks into shards of {sizes}: int4 groups of {group_size} "
-                        "would straddle a shard (each shard of K must be whole groups)")
-            return f"K = {k} is not a multiple of group_size {group_size}"
+        if kind == ROWWISE:
+            return _straddle(module.in_features, module.weight.device_mesh.size(), group_size)
+        if module.in_features % group_size:
+            return f"K = {module.in_features} is not a multiple of group_size {group_size}"
+    return None
+
+
+def _straddle(k: int, world: int, group_size: int) -> str | None:
+    """Why K = ``k`` cut over ``world`` ranks row-parallel breaks int4 groups, or None."""
+    sizes = shard_sizes(k, world)
+    if any(s % group_size for s in sizes):
+        return (f"K = {k} is split over {world} ranks into shards of {sizes}: int4 groups of {group_size} "
+                "would straddle a shard (each shard of K must be whole groups)")
     return None
 
 
@@ -172,10 +176,12 @@ def _move_hooks(src: nn.Module, dst: nn.Module) -> None:
         setattr(dst, attr, getattr(src, attr))
 
 
-def shard_refusal(layer: nn.Module, style: object, mesh, group_size: int | None) -> str | None:
+def shard_refusal(layer: nn.Module, style: object, mesh) -> str | None:
     """Why a layer :func:`fusepass.quantize` converted cannot be cut into ``mesh``'s
     shards by ``style``, or None (:func:`shard_quantized`)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    group_size = getattr(layer, "group_size", None)  # int4's; int8 and fp8 have none
 
     if is_sharded(layer.weight) or isinstance(layer, _Sharded):
         return "already sharded"
@@ -185,14 +191,11 @@ def shard_refusal(layer: nn.Module, style: object, mesh, group_size: int | None)
     if mesh.ndim != 1:
         return f"a {mesh.ndim}-D device mesh: fusepass shards for 1-D tensor parallelism"
     if isinstance(style, RowwiseParallel) and group_size:
-        sizes = shard_sizes(layer.in_features, mesh.size())
-        if any(s % group_size for s in sizes):
-            return (f"K = {layer.in_features} is split over {mesh.size()} ranks into shards of {sizes}: int4 "
-                    f"groups of {group_size} would straddle a shard (each shard of K must be whole groups)")
+        return _straddle(layer.in_features, mesh.size(), group_size)
     return None
 
 
-def shard_quantized(layer: nn.Module, style: object, mesh, group_size: int | None) -> None:
+def shard_quantized(layer: nn.Module, style: object, mesh) -> None:
     """Cut a quantized layer, in place, to this rank's shard, with ``style``'s parallel forward.
 
     Column-parallel (``ColwiseParallel``): the rows of its codes, scales, zero
@@ -206,9 +209,10 @@ def shard_quantized(layer: nn.Module, style: object, mesh, group_size: int | Non
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    reason = shard_refusal(layer, style, mesh, group_size)
+    reason = shard_refusal(layer, style, mesh)
     if reason:
         raise ValueError(f"fusepass: cannot shard {type(layer).__name__}: {reason}")
+    group_size = getattr(layer, "group_size", None)
     kind = COLWISE if isinstance(style, ColwiseParallel) else ROWWISE
     n, k = layer.out_features, layer.in_features
     sizes = shard_sizes(n if kind == COLWISE else k, mesh.size())

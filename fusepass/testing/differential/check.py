@@ -279,7 +279,8 @@ class _TopkTiesLowestFirst(TorchDispatchMode):
 def _eager_ties_lowest_first(step: Step, ins: list[torch.Tensor], actual: torch.Tensor,
                              index: int) -> torch.Tensor | None:
     """The step's output ``index`` run eagerly with top-k ties taken lowest index first,
-    where that differs from eager's own and ``actual`` matches it, else None.
+    where ``actual`` matches that answer, else None (asked only where ``actual`` did
+    not match eager's own).
 
     Which of two tied experts a top-k takes is the implementation's: a router
     rewritten inside a block the experts rule refused (relu between the
