@@ -5,7 +5,7 @@
 
 Groups: norms, dequant_matmul (int8 / int4 / fp8), library (nf4, fp4, gptq4
 with an act-order g_idx and, at GEMV sizes, g_idx = k // G too, gptq4_v1,
-hqq4), gdn, conv, moe (router and experts
+hqq4), gdn, conv, linear (linear_siblings), moe (router and experts
 at Qwen3-30B-A3B's, gpt-oss-20b's and DeepSeek-V3's sizes, quantized expert
 stacks) and all_reduce (``all_reduce_rms_norm`` on a one-rank process group:
 NCCL for the CUDA tensors, gloo for the CPU copies).  Besides each op's own
@@ -592,8 +592,35 @@ def peer_sequence() -> list[tuple[str, str, float]]:
     return out
 
 
+def _siblings_config(cfg):
+    """linear_siblings' launch with the explicit (BN, BK, warps) on CUDA tensors, the op's CPU body on CPU copies."""
+    def run(x, ws, bs):
+        if x.is_cuda:
+            from fusepass.kernels.linear_siblings import linear_siblings_fwd
+            return linear_siblings_fwd(x, ws, bs, cfg)
+        return ops.linear_siblings(x, ws, bs)
+    return run
+
+
+def linear_cases(quick: bool):
+    """Projections of one x in one launch: models' q / k / v and gate / up, odd N and K
+    (K not a whole tile: masked loads), strided weights, biases, 1-4 rows, each
+    rows-a-program the plan can pick, and more rows than the GEMV takes (cuBLAS)."""
+    groups = [(2048, [4096, 512, 512]), (4096, [14336, 14336]), (37, [9, 1, 3, 33]), (4097, [5, 1000])]
+    if quick:
+        groups = groups[::2]
+    for (K, Ns), M in itertools.product(groups, (1, 3, 4, 6)):
+        ws = [_randn(n, K + 3)[:, :K] if i == 1 else _randn(n, K) for i, n in enumerate(Ns)]
+        bs = [_randn(n) if i % 2 == 0 else None for i, n in enumerate(Ns)]
+        yield f"linear_siblings M{M} K{K} N{Ns}", ops.linear_siblings, (_randn(M, K), ws, bs), 2e-2
+    for BN, BK, warps in [(1, 512, 4), (2, 2048, 8), (8, 256, 4)]:
+        K, Ns = 4097, [7, 300]
+        yield (f"linear_siblings BN{BN} BK{BK} W{warps} M2 K{K} N{Ns}", _siblings_config((BN, BK, warps)),
+               (_randn(2, K), [_randn(n, K) for n in Ns], [None, _randn(300)]), 2e-2)
+
+
 GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "library": library_cases, "gdn": gdn_cases,
-          "conv": conv_cases, "moe": moe_cases, "all_reduce": all_reduce_cases}
+          "conv": conv_cases, "moe": moe_cases, "all_reduce": all_reduce_cases, "linear": linear_cases}
 
 
 def run_group(group: str, quick: bool, start: int = 0, record=None) -> list[tuple[str, str, float]]:

@@ -194,6 +194,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.gdn_chunk",
     "fusepass.patterns.gdn_recurrent",
     "fusepass.patterns.causal_conv1d",
+    "fusepass.patterns.linear_siblings",
 )
 
 _lock = threading.Lock()

@@ -204,6 +204,17 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("hqq4-g32-M3-N8-K64-fp32", lambda: (_t(3, 64), torch.randint(0, 256, (8, 32), dtype=torch.uint8),
                                              torch.rand(8, 2), torch.rand(8, 2) * 15, None, "hqq4", 32)),
     ],
+    "linear_siblings": [
+        ("3d-M2x1-bf16-strided-weight-bias", lambda: (_t(2, 1, 37, dtype=torch.bfloat16),
+                                                      [_t(9, 40, dtype=torch.bfloat16)[:, :37],
+                                                       _t(3, 37, dtype=torch.bfloat16)],
+                                                      [_t(9, dtype=torch.bfloat16), None])),
+        ("M4-fp16-four", lambda: (_t(4, 16, dtype=torch.float16), [_t(n, 16, dtype=torch.float16) for n in (1, 5, 8, 2)],
+                                  [None] * 4)),
+        ("M6-fp32-rows-past-the-gemv", lambda: (_t(6, 16), [_t(4, 16), _t(3, 16)], [None, _t(3)])),
+        ("fp64", lambda: (_t(2, 9, dtype=torch.float64), [_t(3, 9, dtype=torch.float64)] * 2, [None, None])),
+        ("empty-rows", lambda: (_t(0, 8), [_t(3, 8), _t(2, 8)], [None, None])),
+    ],
 }
 
 
@@ -252,7 +263,8 @@ def opcheck_cases():
 
 
 def _clone(args):
-    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else [_clone([t])[0] for t in a] if isinstance(a, list)
+                 else a for a in args)
 
 
 @pytest.mark.parametrize("op,args,kwargs", opcheck_cases())
@@ -524,6 +536,8 @@ def fake_cuda(monkeypatch):
     mode = FakeTensorMode()
 
     def twin(a):
+        if isinstance(a, list):  # (an op's Tensor[] argument)
+            return [twin(t) for t in a]
         if not isinstance(a, torch.Tensor):
             return a
         with mode:
@@ -603,7 +617,8 @@ def test_inlined_graph_names_every_kernel_argument(op, make, fake_cuda):
     except RuntimeError as exc:  # a CPU-only torch cannot copy a strided fake CUDA tensor: contiguous twins
         if "not linked with support for cuda" not in str(exc):
             raise
-        inlined, gm = trace([twin(a.contiguous() if isinstance(a, torch.Tensor) else a) for a in _args(make)])
+        inlined, gm = trace([twin(torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, a))
+                             for a in _args(make)])
     ops = [n for n in gm.graph.nodes if n.target is packet]
     launches = _functional_launches(gm)
     if inlined:
@@ -643,7 +658,8 @@ def test_inlined_launches_compute_the_op(op, make, fake_cuda, poisoned_empty):
             pytest.skip("the op stays an op call for these arguments (the other test checks that)")
     expected = packet(*_clone(args))
     actual = form.traced(*_clone(args))
-    assert_close(actual, expected, op, dtype=loosest(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    assert_close(actual, expected, op, dtype=loosest(a.dtype for a in torch.utils._pytree.tree_leaves(args)
+                                                     if isinstance(a, torch.Tensor)))
 
 
 @pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")

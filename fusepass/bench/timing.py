@@ -163,6 +163,7 @@ _KINDS = [
     ("fusepass quantized linear", ("_dequant_", "_splitk_reduce")),
     ("fusepass GDN", ("_gdn_",)),
     ("fusepass norm/activation", ("_rms_norm", "_gated_act")),
+    ("fusepass projections of one x", ("_linear_siblings",)),
     ("Inductor-generated", ("triton_",)),  # before attention: its names quote the ops they fuse
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("cuBLAS/CUTLASS matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitkreduce")),

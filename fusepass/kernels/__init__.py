@@ -28,14 +28,16 @@ Importing a module registers its ops.
 
 Ops: ``rms_norm`` (rms_norm, add_rms_norm), ``rms_norm_gated``, ``gated_act``
 (swiglu, geglu), ``gdn/`` (gdn_chunk, gdn_recurrent), ``causal_conv1d``
-(causal_conv1d, causal_conv1d_update), ``dequant_matmul/``, ``moe/``, ``all_reduce_rms_norm``.
+(causal_conv1d, causal_conv1d_update), ``dequant_matmul/``, ``moe/``, ``all_reduce_rms_norm``,
+``linear_siblings``.
 """
 
 import importlib
 
 OP_MODULES = ("fusepass.kernels.rms_norm", "fusepass.kernels.rms_norm_gated", "fusepass.kernels.gated_act",
               "fusepass.kernels.gdn", "fusepass.kernels.causal_conv1d", "fusepass.kernels.dequant_matmul",
-              "fusepass.kernels.moe", "fusepass.kernels.all_reduce_rms_norm")
+              "fusepass.kernels.moe", "fusepass.kernels.all_reduce_rms_norm",
+              "fusepass.kernels.linear_siblings")
 
 
 def _load() -> None:

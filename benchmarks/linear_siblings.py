@@ -1,0 +1,113 @@
+"""Projections of one activation at decode sizes: one launch against cuBLAS's one per weight.
+
+    python benchmarks/linear_siblings.py [--ms 1,4] [--shapes all] [--configs] [--rep 100]
+
+For each group of weights (a model's q / k / v, an MLP's gate / up), bf16,
+cold (a ring of weight copies larger than three L2s, each call on the next
+copy): cuBLAS (``x @ w.t()`` per weight, what Inductor's graph runs), the
+op with its plan, and with ``--configs`` every (rows a program, K tile,
+warps) the launch takes.  Each output is checked against the fp32 product
+first, its buffer poisoned with NaN; CUDA-graph time of the whole ring
+divided by its length.  "floor": the weights' bytes at the copy bandwidth
+measured in the same run (read + write counted: a read-only stream can pass
+100%).  The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+import triton
+from tabulate import tabulate
+
+import fusepass  # noqa: F401 - registers the ops
+from fusepass.bench.timing import copy_bandwidth, environment
+from fusepass.kernels.linear_siblings import MAX_ROWS, plan, siblings_launch
+
+SHAPES = {  # name: (K, [N_i])
+    "qwen3-30b-a3b q/k/v": (2048, [4096, 512, 512]),
+    "gpt-oss-20b q/k/v": (2880, [4096, 512, 512]),
+    "qwen3.5-moe gdn in_proj": (2048, [12288, 64]),
+    "llama3-8b q/k/v": (4096, [4096, 1024, 1024]),
+    "llama3-8b gate/up": (4096, [14336, 14336]),
+}
+
+
+def _configs(M: int):
+    for BN, BK, warps in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8)):
+        if M * BN * BK <= 16384 and BN * BK >= 32 * warps * 8:  # <= 128 fp32 a thread; 16 bytes a thread a row
+            yield BN, BK, warps
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ms", default="1,4")
+    p.add_argument("--shapes", default="all")
+    p.add_argument("--configs", action="store_true", help="time every launch config too")
+    p.add_argument("--rep", type=int, default=100)
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    env = environment(dev)
+    bw = copy_bandwidth(dev)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    rows = []
+    for name in names:
+        K, Ns = SHAPES[name]
+        nbytes = 2 * K * sum(Ns)
+        copies = max(2, min(64, math.ceil(3 * l2 / nbytes)))
+        torch.manual_seed(0)
+        ring = [[torch.randn(n, K, device=dev, dtype=torch.bfloat16) * 0.02 for n in Ns] for _ in range(copies)]
+        floor = nbytes / (bw * 1e9) * 1e6
+        for M in (int(m) for m in args.ms.split(",")):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            ref = [x.float() @ w.float().t() for w in ring[0]]
+
+            def timed(label, call):
+                outs = call(0)
+                err = max(((o.float() - r).norm() / r.norm()).item() for o, r in zip(outs, ref))
+                if not err <= 1e-2:
+                    print(f"  {name} M{M} {label}: error {err:.2e}", flush=True)
+                    return None
+
+                def ring_call():
+                    for i in range(copies):
+                        call(i)
+                us = triton.testing.do_bench_cudagraph(ring_call, rep=args.rep) * 1e3 / copies
+                return us, err
+
+            got = {}
+            got["cuBLAS, one mm a weight"] = timed("cublas", lambda i: [x @ w.t() for w in ring[i]])
+            BN, BK, warps = plan(M, Ns, K, dev)
+            got[f"op (plan BN{BN} BK{BK} W{warps})"] = timed(
+                "op", lambda i: torch.ops.fusepass.linear_siblings(x, ring[i], [None] * len(Ns)))
+            if args.configs and M <= MAX_ROWS:
+                for cfg in _configs(M):
+                    def launch(i, cfg=cfg):
+                        outs = [torch.full((M, n), float("nan"), device=dev, dtype=torch.bfloat16) for n in Ns]
+                        siblings_launch(x, ring[i], [None] * len(Ns), outs, cfg).run()
+                        return outs
+                    try:
+                        got[f"BN{cfg[0]} BK{cfg[1]} W{cfg[2]}"] = timed(str(cfg), launch)
+                    except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported
+                        print(f"  {name} M{M} {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+            base = got["cuBLAS, one mm a weight"]
+            best = min((v[0], k) for k, v in got.items() if v is not None and not k.startswith("cuBLAS"))
+            for label, v in got.items():
+                if v is None or not (label.startswith(("cuBLAS", "op")) or label == best[1]):
+                    continue
+                rows.append([name, M, f"{nbytes / 2**20:.1f}", f"{floor:.2f}", label, f"{v[0]:.2f}",
+                             f"{100 * floor / v[0]:.0f}%", f"{base[0] / v[0]:.2f}x" if base else "-", f"{v[1]:.1e}"])
+            print(f"  {name} M{M}: cuBLAS {base[0] if base else float('nan'):.2f} µs, best {best[1]} {best[0]:.2f}",
+                  flush=True)
+    print(f"\n{env.get('device', '')}, torch {torch.__version__}, Triton {triton.__version__}, "
+          f"commit {env.get('commit', '')}, copy {bw:.0f} GB/s, cold weights, CUDA-graph µs a call\n")
+    print(tabulate(rows, headers=["weights", "M", "MiB", "floor µs", "path", "µs", "% floor", "vs cuBLAS",
+                                  "rel err"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Linear layers that read one activation at decode sizes -> ``fusepass::linear_siblings``.
+
+    q = x @ Wq^T,  k = x @ Wk^T,  v = x @ Wv^T     (each + b where the layer has a bias)
+
+Attention's q, k and v projections, an MLP's gate and up, a Gated DeltaNet
+layer's two input projections: two to four matrix products of the same x.
+At one to four rows of x each is a matrix-vector product whose time is its
+weight's bytes plus a launch's ramp, and the small ones (the k / v of a
+grouped-query model) are all ramp.  Found in the post-grad graph as
+``mm(x, B)`` / ``addmm(bias, x, B)`` nodes with the same x (any B whose
+transpose is the weight; a 1-D bias), after every other rule has taken the
+matmuls it fuses (a dequantising linear, an MoE router); replaced by one op
+that reads every weight once in one launch (four weights at most a call).
+
+Left alone, without a line in the report: x with more than four rows known
+when compiling (a prefill: cuBLAS's GEMM; a symbolic row count goes to the
+op, which calls ``torch.mm`` per weight above four rows), a product whose
+weight or bias is computed after the group's first product (it may read
+another product's output), fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from fusepass.formats import KERNEL_DTYPES
+from fusepass.kernels.linear_siblings import MAX_ROWS, MAX_WEIGHTS, linear_siblings_call
+from fusepass.rule import Form, NearMiss, Region, Rule
+
+aten = torch.ops.aten
+_VIEWS = (aten.permute.default, aten.t.default, aten.view.default, aten.reshape.default, aten.alias.default,
+          aten._unsafe_view.default)
+_FORMS = {2: "two", 3: "three", 4: "four"}
+
+
+def search_two(x, w0, w1):
+    return x @ w0.t(), x @ w1.t()
+
+
+def search_three(x, w0, w1, w2, b0, b1, b2):
+    return (torch.nn.functional.linear(x, w0, b0), torch.nn.functional.linear(x, w1, b1),
+            torch.nn.functional.linear(x, w2, b2))
+
+
+def replace_two(x, w0, w1):
+    return tuple(linear_siblings_call(x, [w0, w1], [None, None]))
+
+
+def replace_three(x, w0, w1, w2, b0, b1, b2):
+    return tuple(linear_siblings_call(x, [w0, w1, w2], [b0, b1, b2]))
+
+
+def example_inputs(dtype):
+    K = 24
+    return [torch.randn(1, K, dtype=dtype), torch.randn(16, K, dtype=dtype), torch.randn(4, K, dtype=dtype),
+            torch.randn(4, K, dtype=dtype), torch.randn(16, dtype=dtype), torch.randn(4, dtype=dtype),
+            torch.randn(4, dtype=dtype)]
+
+
+# -- the rule's find ------------------------------------------------------------------------
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+def _is(n, target) -> bool:
+    return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target == target
+
+
+def _root(n):
+    """The node a chain of views starts from (a weight's placeholder under its transpose)."""
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _VIEWS:
+        n = n.args[0]
+    return n
+
+
+def _product(node: torch.fx.Node):
+    """(x, B, bias) of ``mm(x, B)`` / ``addmm(bias, x, B)`` (1-D bias) in a kernel dtype, else None."""
+    if _is(node, aten.mm.default):
+        x, b, bias = node.args[0], node.args[1], None
+    elif _is(node, aten.addmm.default) and len(node.args) == 3:
+        bias, x, b = node.args
+        bv = _val(bias)
+        if not isinstance(bv, torch.Tensor) or bv.dim() != 1:
+            return None
+    else:
+        return None
+    xv, wv = _val(x), _val(b)
+    if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and xv.dim() == 2 and wv.dim() == 2):
+        return None
+    if bias is not None and _val(bias).dtype != xv.dtype:
+        return None
+    return x, b, bias
+
+
+def _rows_known_large(x: torch.fx.Node) -> bool:
+    M = _val(x).shape[0]
+    return isinstance(M, int) and M > MAX_ROWS
+
+
+def _key(x: torch.fx.Node):
+    # The same view of one tensor taken twice (two F.linear calls on a 3-D x) is one x.
+    if _is(x, aten.view.default) or _is(x, aten.reshape.default) or _is(x, aten._unsafe_view.default):
+        return ("view", x.args[0], str(tuple(x.args[1])))
+    return x
+
+
+def find(gm: torch.fx.GraphModule):
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict = {}
+    for node in gm.graph.nodes:
+        got = _product(node)
+        if got is not None:
+            groups.setdefault(_key(got[0]), []).append((node, *got))
+    for members in groups.values():
+        if len(members) < 2 or _rows_known_large(members[0][1]):
+            continue
+        first = pos[members[0][0]]
+        # A weight or bias computed after the first product may depend on a
+        # product's output: joining it would make a cycle.
+        members = [m for m in members if all(
+            not isinstance(_root(a), torch.fx.Node) or pos.get(_root(a), first) < first
+            for a in (m[2], m[3]) if a is not None)]
+        for i in range(0, len(members), MAX_WEIGHTS):
+            group = members[i:i + MAX_WEIGHTS]
+            if len(group) < 2:
+                continue
+            yield _region(group)
+
+
+def _region(group) -> Region:
+    anchor, x = group[0][0], group[0][1]
+    n = len(group)
+    xv = _val(x)
+    reason = None
+    if xv.dtype not in KERNEL_DTYPES:
+        reason = f"{n} products of one x in {xv.dtype}: no kernel (fp32/fp16/bf16)"
+    elif any(_val(m[2]).dtype != xv.dtype or _val(m[2]).device != xv.device for m in group):
+        reason = "a weight in another dtype or on another device than x"
+    elif xv.device.type not in ("cuda", "cpu"):
+        reason = f"no fusepass kernel on {xv.device}"
+    if reason:
+        return Region(_FORMS[n], anchor, reason=reason)
+    has_bias = [m[3] is not None for m in group]
+    args = [x] + [m[2] for m in group] + [m[3] for m in group if m[3] is not None]
+    names = ["x"] + [f"w{i}" for i in range(n)] + [f"b{i}" for i in range(n) if has_bias[i]]
+    return Region(_FORMS[n], anchor, [m[0] for m in group], [m[0] for m in group], args, _replacement(has_bias),
+                  names=names)
+
+
+def _replacement(has_bias: list[bool]):
+    n = len(has_bias)
+
+    def replace(x, *rest):
+        ws, extra = [b.t() for b in rest[:n]], iter(rest[n:])
+        return tuple(linear_siblings_call(x, ws, [next(extra) if h else None for h in has_bias]))
+
+    return replace
+
+
+# -- near-misses ------------------------------------------------------------------------------
+
+def _pair_inputs(dtype):
+    return example_inputs(dtype)[:3]
+
+
+def _prefill_rows(x, w0, w1):  # sixteen rows: a GEMM, cuBLAS's
+    return torch.cat([x] * 16) @ w0.t(), torch.cat([x] * 16) @ w1.t()
+
+
+def _chained(x, w0, w1):  # the second weight made from the first product: one launch cannot hold both
+    y0 = x @ w0.t()
+    return y0, x @ (w1 + y0.sum()).t()
+
+
+RULE = Rule(
+    name="linear_siblings",
+    forms=[Form("two", search_two, replace_two), Form("three", search_three, replace_three)],
+    example_inputs=example_inputs,
+    find=find,
+    priority=-10,  # last: every rule that fuses a matmul (dequantising linears, routers) takes it first
+    near_misses=[
+        NearMiss("rows of a prefill", _prefill_rows, _pair_inputs, ""),
+        NearMiss("weight from the other product", _chained, _pair_inputs, ""),
+    ],
+    doc=__doc__,
+)
