@@ -184,3 +184,20 @@ def test_decode_dequant_matmul_under_coordinate_descent_tuning(form):
     # before the fp32 scale, Inductor's multiply-and-sum does not (0.4% apart
     # on an H100): the bf16 tolerance.
     assert_close(out, fn(x), form, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("M", [1, 3, 4])
+def test_linear_siblings_at_real_sizes(M):
+    """Qwen3-30B-A3B's q / k / v (one launch) and Llama-3-8B's gate / up (past the
+    measured limit: cuBLAS per weight) against the fp64 product, bf16."""
+    from fusepass.testing import assert_close
+
+    torch.manual_seed(M)
+    for K, Ns in [(2048, [4096, 512, 512]), (4096, [14336, 14336])]:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        ws = [torch.randn(n, K, device="cuda", dtype=torch.bfloat16) * 0.02 for n in Ns]
+        bs = [torch.randn(Ns[0], device="cuda", dtype=torch.bfloat16)] + [None] * (len(Ns) - 1)
+        got = torch.ops.fusepass.linear_siblings(x, ws, bs)
+        for i, (g, w) in enumerate(zip(got, ws)):
+            want = x.double() @ w.double().t() + (bs[i].double() if bs[i] is not None else 0)
+            assert_close(g, want.to(torch.bfloat16), f"linear_siblings K{K} N{Ns[i]} M{M}", dtype=torch.bfloat16)

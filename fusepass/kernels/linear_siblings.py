@@ -16,8 +16,9 @@ BK-wide 16-byte-vector loads with the matching values of x's BM rows,
 accumulates products elementwise in fp32 and sums across K once at the end,
 then adds the bias in fp32 and rounds once to x's dtype, as cuBLAS's
 epilogue does.  Rows past N read row N - 1 and rows of x past M read row
-M - 1 (never stored): the loads carry no row mask.  fp64 and more than
-``MAX_ROWS`` rows of x go to ``torch.mm`` per weight, as the graph had it.
+M - 1 (never stored): the loads carry no row mask.  fp64, more than
+``MAX_ROWS`` rows of x and groups larger than measured worth it (``takes``)
+go to ``torch.mm`` per weight, as the graph had it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ from fusepass.kernels._common import Launch, call, cdiv, inline_enabled, on_devi
 
 MAX_WEIGHTS = 4
 MAX_ROWS = 4  # rows of x the GEMV takes; more are a GEMM (cuBLAS)
+# Weight bytes up to which one launch beat cuBLAS's launch per weight (H200,
+# bf16, cold, 3e0ea8a): at one row 1.11-2.0x on groups of 20-48 MB, 0.95x on
+# Llama-3-8B's gate / up (224 MB, where the ramps are a small share); at four
+# rows 1.17-1.34x on q / k / v groups of 20-48 MB but 0.72x on a 48 MB pair
+# of one 12288-row and one 64-row weight and 0.56x on the gate / up pair.
+MAX_BYTES = {1: 64 << 20}
+MAX_BYTES_ROWS = 32 << 20  # two to four rows
+
+
+def takes(M: int, nbytes: int) -> bool:
+    """Whether one launch serves M rows of x against ``nbytes`` of weights (else cuBLAS per weight)."""
+    return 0 < M <= MAX_ROWS and nbytes <= MAX_BYTES.get(M, MAX_BYTES_ROWS)
 
 
 @triton.jit
@@ -163,7 +176,8 @@ def linear_siblings_fwd(x: Tensor, weights: list[Tensor], biases: list[Tensor | 
                         cfg: tuple[int, int, int] | None = None) -> list[Tensor]:
     """The CUDA body (``cfg`` overrides the plan: tests, sweeps)."""
     M = x.numel() // max(x.shape[-1], 1)
-    if x.dtype not in KERNEL_DTYPES or M > MAX_ROWS or M == 0 or x.shape[-1] == 0:
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    if x.dtype not in KERNEL_DTYPES or x.shape[-1] == 0 or (cfg is None and not takes(M, nbytes)) or M == 0:
         return _reference(x, weights, biases)
     x2, ws = _operands(x, weights)
     outs = [torch.empty((M, w.shape[0]), dtype=x.dtype, device=x.device) for w in ws]
@@ -206,8 +220,9 @@ def _traced(x, weights, biases):
 def _inline_ok(x, weights, biases) -> bool:
     # The launch's BM, BN and grid need M and the N_i as numbers.
     M = x.numel() // x.shape[-1] if isinstance(x.shape[-1], int) and x.shape[-1] else 0
-    return (inline_enabled(x) and x.dtype in KERNEL_DTYPES and isinstance(M, int) and 0 < M <= MAX_ROWS
-            and all(isinstance(s, int) for w in weights for s in (*w.shape, *w.stride())))
+    return (inline_enabled(x) and x.dtype in KERNEL_DTYPES and isinstance(M, int)
+            and all(isinstance(s, int) for w in weights for s in (*w.shape, *w.stride()))
+            and takes(M, sum(w.numel() * w.element_size() for w in weights)))
 
 
 register_inline(torch.ops.fusepass.linear_siblings.default, _inline_ok, _traced)

@@ -12,9 +12,12 @@ transpose is the weight; a 1-D bias), after every other rule has taken the
 matmuls it fuses (a dequantising linear, an MoE router); replaced by one op
 that reads every weight once in one launch (four weights at most a call).
 
-Left alone, without a line in the report: x with more than four rows known
-when compiling (a prefill: cuBLAS's GEMM; a symbolic row count goes to the
-op, which calls ``torch.mm`` per weight above four rows), a product whose
+Left alone, without a line in the report: where the rows of x and the
+weights' bytes are known when compiling and one launch was measured no
+faster than cuBLAS's one per weight (``kernels.linear_siblings.takes``: more
+than four rows, as in a prefill; more than 64 MB of weights at one row, as
+an 8B model's gate and up; more than 32 MB at two to four rows; a symbolic
+row count goes to the op, which decides per call), a product whose
 weight or bias is computed after the group's first product (it may read
 another product's output), fp64.
 """
@@ -25,7 +28,7 @@ import torch
 import torch.fx
 
 from fusepass.formats import KERNEL_DTYPES
-from fusepass.kernels.linear_siblings import MAX_ROWS, MAX_WEIGHTS, linear_siblings_call
+from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
 from fusepass.rule import Form, NearMiss, Region, Rule
 
 aten = torch.ops.aten
@@ -95,9 +98,11 @@ def _product(node: torch.fx.Node):
     return x, b, bias
 
 
-def _rows_known_large(x: torch.fx.Node) -> bool:
-    M = _val(x).shape[0]
-    return isinstance(M, int) and M > MAX_ROWS
+def _cublas_known(group) -> bool:
+    """Rows and bytes known when compiling, and cuBLAS's launch per weight measured no slower there."""
+    M = _val(group[0][1]).shape[0]
+    sizes = [_val(m[2]).numel() * _val(m[2]).element_size() for m in group]
+    return isinstance(M, int) and all(isinstance(s, int) for s in sizes) and not takes(M, sum(sizes))
 
 
 def _key(x: torch.fx.Node):
@@ -115,7 +120,7 @@ def find(gm: torch.fx.GraphModule):
         if got is not None:
             groups.setdefault(_key(got[0]), []).append((node, *got))
     for members in groups.values():
-        if len(members) < 2 or _rows_known_large(members[0][1]):
+        if len(members) < 2:
             continue
         first = pos[members[0][0]]
         # A weight or bias computed after the first product may depend on a
@@ -125,7 +130,7 @@ def find(gm: torch.fx.GraphModule):
             for a in (m[2], m[3]) if a is not None)]
         for i in range(0, len(members), MAX_WEIGHTS):
             group = members[i:i + MAX_WEIGHTS]
-            if len(group) < 2:
+            if len(group) < 2 or _cublas_known(group):
                 continue
             yield _region(group)
 

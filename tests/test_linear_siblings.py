@@ -1,0 +1,116 @@
+"""``fusepass::linear_siblings``: projections of one x in one launch, and the rule that finds them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusepass
+from fusepass.kernels import linear_siblings as ls
+from fusepass.testing import assert_close
+from fusepass.testing import differential
+
+interpreted = pytest.mark.skipif(not differential.interpreting(), reason="the Triton kernel under the interpreter")
+
+
+def _reference(x, ws, bs):
+    return [x.double() @ w.double().t() + (b.double() if b is not None else 0) for w, b in zip(ws, bs)]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,K,cfg", [(1, 37, (1, 16, 4)), (2, 64, (2, 32, 4)), (3, 100, (4, 64, 4)),
+                                     (4, 48, (8, 16, 1)), (1, 300, None)])
+def test_kernel_matches_fp64_on_every_row(dtype, M, K, cfg):
+    """Odd N (1, 5, 33), K not a whole tile, a weight of strided rows, x of strided
+    rows, biases on some weights, each rows-a-program tile: every output element
+    written (the buffers are NaN first) and within the dtype's tolerance of fp64."""
+    torch.manual_seed(M * K)
+    x = torch.randn(M, K + 5, dtype=dtype)[:, :K]
+    ws = [torch.randn(33, K, dtype=dtype), torch.randn(5, K + 3, dtype=dtype)[:, :K], torch.randn(1, K, dtype=dtype)]
+    bs = [torch.randn(33, dtype=dtype), None, torch.randn(1, dtype=dtype)]
+    outs = [torch.full((M, w.shape[0]), float("nan"), dtype=dtype) for w in ws]
+    ls.siblings_launch(x, ws, bs, outs, cfg).run()
+    for got, want in zip(outs, _reference(x, ws, bs)):
+        assert torch.isfinite(got).all()
+        assert_close(got, want.to(dtype), "linear_siblings", dtype=dtype)
+
+
+@interpreted
+def test_four_weights_and_the_op_through_its_cuda_body():
+    torch.manual_seed(1)
+    x = torch.randn(2, 1, 40, dtype=torch.bfloat16)
+    ws = [torch.randn(n, 40, dtype=torch.bfloat16) for n in (7, 1, 16, 3)]
+    bs = [None, torch.randn(1, dtype=torch.bfloat16), None, torch.randn(3, dtype=torch.bfloat16)]
+    with differential.triton_on_cpu(["linear_siblings"]):
+        got = torch.ops.fusepass.linear_siblings(x, ws, bs)
+    for g, w in zip(got, _reference(x, ws, bs)):
+        assert g.shape == (2, 1, w.shape[-1])
+        assert_close(g, w.to(torch.bfloat16), "linear_siblings", dtype=torch.bfloat16)
+
+
+def test_takes_what_was_measured_faster():
+    assert ls.takes(1, 48 << 20) and not ls.takes(1, 224 << 20)
+    assert ls.takes(4, 20 << 20) and not ls.takes(4, 48 << 20)
+    assert not ls.takes(5, 1 << 20) and not ls.takes(0, 1 << 20)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, K=64, bias=False, n=3):
+        super().__init__()
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(K, N, bias=bias) for N in (64, 16, 16, 8, 8)[:n])
+        self.o = torch.nn.Linear(64, K, bias=False)
+
+    def forward(self, x):
+        ys = [p(x) for p in self.proj]
+        h = ys[0]
+        for y in ys[1:]:
+            h = h * y.sum(-1, keepdim=True).sigmoid()
+        return self.o(h)
+
+
+def _compile(model, x, **kw):
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with torch.no_grad():
+        got = torch.compile(model, backend="fusepass", **kw)(x)
+        want = model(x)
+    return got, want, fusepass.last_report()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rule_takes_a_decode_steps_projections(bias, dtype):
+    model = _Attention(bias=bias).to(dtype).eval()
+    got, want, report = _compile(model, torch.randn(2, 1, 64, dtype=dtype))
+    hits = [h for h in report.hits if h.rule == "linear_siblings"]
+    assert [h.form for h in hits] == ["three"]
+    assert_close(got, want, "linear_siblings model", dtype=dtype)
+
+
+def test_five_siblings_are_a_call_of_four_and_one_left():
+    model = _Attention(n=5).eval()
+    got, want, report = _compile(model, torch.randn(1, 64))
+    assert [h.form for h in report.hits if h.rule == "linear_siblings"] == ["four"]
+    assert_close(got, want, "linear_siblings five", dtype=torch.float32)
+
+
+def test_prefill_and_large_groups_stay_with_cublas(monkeypatch):
+    model = _Attention().eval()
+    _, _, report = _compile(model, torch.randn(1, 16, 64))  # sixteen rows: a GEMM
+    assert not [h for h in report.hits if h.rule == "linear_siblings"] and not report.refusals
+    monkeypatch.setattr(ls, "MAX_BYTES", {1: 1000})  # the group's 12 KB measured as not worth a launch
+    _, _, report = _compile(model, torch.randn(1, 64))
+    assert not [h for h in report.hits if h.rule == "linear_siblings"]
+
+
+def test_dynamic_rows_go_to_the_op_which_decides_per_call():
+    model = _Attention().eval()
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    compiled = torch.compile(model, backend="fusepass", dynamic=True)
+    with torch.no_grad():
+        for rows in (1, 3, 9):
+            x = torch.randn(rows, 64)
+            assert_close(compiled(x), model(x), f"linear_siblings rows {rows}", dtype=torch.float32)
+    assert [h.form for h in fusepass.last_report().hits if h.rule == "linear_siblings"] == ["three"]
