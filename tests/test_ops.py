@@ -825,3 +825,46 @@ def test_gpu_demo_models_run_every_op_from_inductors_code(model, quant):
         assert not [n for g in report.graphs for n in g.notes if "inline" in n or "dispatcher" in n], str(report)
         err = (out.logits.float() - expected).abs().max().item()
         assert err <= 2 * (inductor - expected).abs().max().item() + 1e-2, err
+
+
+def _kernel_module_texts():
+    """(name, text) of what Inductor writes into its generated module for each
+    fusepass kernel module's jit functions and global constants (as
+    ``torch._inductor.codegen.wrapper.user_defined_triton_kernel_transitive_closure_source_code``
+    writes them: sources as they are, constants as ``tl.constexpr(repr)``)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import triton
+
+    import fusepass.kernels
+
+    for info in pkgutil.walk_packages(fusepass.kernels.__path__, "fusepass.kernels."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            fn = getattr(value, "fn", None)
+            if callable(fn) and getattr(fn, "__module__", None) == info.name and hasattr(value, "arg_names"):
+                yield f"{info.name}.{name}", inspect.getsource(fn)
+            elif isinstance(value, triton.language.constexpr):
+                yield f"{info.name}.{name}", f"{name} = tl.constexpr({value.value!r})"
+
+
+def test_inductor_can_embed_every_kernel_source():
+    """Inductor puts an inlined kernel's source, with every function and global
+    constant it reaches, in its generated module inside a triple-quoted string:
+    a constant whose repr carries an escape (a newline in an inline-asm string)
+    ends that string early and the module does not import.  Seen on an H200:
+    every graph with an inlined tensor-core dequant_matmul launch failed to
+    compile and was compiled again with the ops called."""
+    import ast
+    import textwrap
+
+    texts = dict(_kernel_module_texts())
+    assert sum(".tiles._" in n and "ASM" in n for n in texts) >= 4 and len(texts) > 40
+    for name, text in texts.items():
+        module = f"SRC = '''\n{text}\n'''\n"
+        ns: dict = {}
+        exec(compile(module, name, "exec"), ns)
+        assert ns["SRC"].strip() == text.strip()
+        ast.parse(textwrap.dedent(ns["SRC"]))

@@ -174,6 +174,14 @@ def _codebook_pair(b_q, tab, code, ASM: tl.constexpr):
     return tl.load(code + (b_i >> 4)), tl.load(code + (b_i & 0xF))
 
 
+def _one_line(ptx: str) -> str:
+    """PTX on one line.  Inductor copies a kernel's global constants into its
+    generated module by repr inside a triple-quoted string: a newline escape
+    there ends the constant's string literal early and the module does not
+    import (every inlined tensor-core launch of a graph failed so, H200)."""
+    return " ".join(ptx.split())
+
+
 def _byte_asm(flip: bool) -> str:
     first = "xor.b32 t, $4, 0x80808080;" if flip else "mov.b32 t, $4;"
     return f"""{{
@@ -187,8 +195,8 @@ def _byte_asm(flip: bool) -> str:
             }}"""
 
 
-_BYTE_ASM: tl.constexpr = tl.constexpr(_byte_asm(False))
-_BYTE_FLIP_ASM: tl.constexpr = tl.constexpr(_byte_asm(True))
+_BYTE_ASM: tl.constexpr = tl.constexpr(_one_line(_byte_asm(False)))
+_BYTE_FLIP_ASM: tl.constexpr = tl.constexpr(_one_line(_byte_asm(True)))
 
 
 def _codebook_asm(values) -> str:
@@ -206,8 +214,8 @@ def _codebook_asm(values) -> str:
             f"            and.b32 l, l, 15;\n            mov.b32 v, {imm[0]};\n{table}{shuffles}            }}")
 
 
-_NF4_ASM: tl.constexpr = tl.constexpr(_codebook_asm(CODEBOOKS["nf4"]))
-_FP4_ASM: tl.constexpr = tl.constexpr(_codebook_asm(CODEBOOKS["fp4"]))
+_NF4_ASM: tl.constexpr = tl.constexpr(_one_line(_codebook_asm(CODEBOOKS["nf4"])))
+_FP4_ASM: tl.constexpr = tl.constexpr(_one_line(_codebook_asm(CODEBOOKS["fp4"])))
 
 
 @triton.jit
