@@ -1,6 +1,6 @@
 """Projections of one activation at decode sizes: one launch against cuBLAS's one per weight.
 
-    python benchmarks/linear_siblings.py [--ms 1,4] [--shapes all] [--configs] [--rep 100]
+    python benchmarks/linear_siblings.py [--ms 1,4] [--shapes all] [--configs] [--rep 100] [--formats bf16,int4,int8]
 
 For each group of weights (a model's q / k / v, an MLP's gate / up), bf16,
 cold (a ring of weight copies larger than three L2s, each call on the next
@@ -10,7 +10,9 @@ warps) the launch takes.  Each output is checked against the fp32 product
 first, its buffer poisoned with NaN; CUDA-graph time of the whole ring
 divided by its length.  "floor": the weights' bytes at the copy bandwidth
 measured in the same run (read + write counted: a read-only stream can pass
-100%).  The table comes last.
+100%).  Quantized formats (``fusepass.quantize``'s int4 g128, int8, per
+channel): ``dequant_matmul`` weight by weight, each its own plan, against
+``dequant_matmul_siblings``.  The table comes last.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tabulate import tabulate
 import fusepass  # noqa: F401 - registers the ops
 from fusepass.bench.timing import copy_bandwidth, environment
 from fusepass.kernels.linear_siblings import MAX_ROWS, plan, siblings_launch
+from fusepass.quantize import quantize_rows
 
 SHAPES = {  # name: (K, [N_i])
     "qwen3-30b-a3b q/k/v": (2048, [4096, 512, 512]),
@@ -48,6 +51,7 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default="all")
     p.add_argument("--configs", action="store_true", help="time every launch config too")
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--formats", default="bf16")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     env = environment(dev)
@@ -55,7 +59,10 @@ def main(argv=None) -> None:
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     rows = []
-    for name in names:
+    for fmt in (f for f in args.formats.split(",") if f != "bf16"):
+        for name in names:
+            rows += _quantized(name, fmt, args, dev, bw, l2)
+    for name in (names if "bf16" in args.formats.split(",") else []):
         K, Ns = SHAPES[name]
         nbytes = 2 * K * sum(Ns)
         copies = max(2, min(64, math.ceil(3 * l2 / nbytes)))
@@ -107,6 +114,50 @@ def main(argv=None) -> None:
           f"commit {env.get('commit', '')}, copy {bw:.0f} GB/s, cold weights, CUDA-graph µs a call\n")
     print(tabulate(rows, headers=["weights", "M", "MiB", "floor µs", "path", "µs", "% floor", "vs cuBLAS",
                                   "rel err"]))
+
+
+def _quantized(name: str, fmt: str, args, dev, bw: float, l2: int) -> list:
+    K, Ns = SHAPES[name]
+    G = 128 if fmt == "int4" else 0
+    torch.manual_seed(0)
+    layers = []
+    for n in Ns:
+        q, s, z = quantize_rows(torch.randn(n, K, device=dev) * 0.02, fmt, 128)
+        layers.append((q, s.to(torch.bfloat16) if fmt == "int4" else s,
+                       z.to(torch.bfloat16) if z is not None else None))
+    nbytes = sum(t.numel() * t.element_size() for layer in layers for t in layer if t is not None)
+    copies = max(2, min(64, math.ceil(3 * l2 / nbytes)))
+    ring = [layers] + [[tuple(t.clone() if t is not None else None for t in layer) for layer in layers]
+                       for _ in range(copies - 1)]
+    floor = nbytes / (bw * 1e9) * 1e6
+    out = []
+    for M in (int(m) for m in args.ms.split(",")):
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        ref = [torch.ops.fusepass.dequant_matmul(x, q, s, z, None, fmt, G).float() for q, s, z in layers]
+        got = {}
+        for label, call in [
+            (f"{fmt}: dequant_matmul a weight", lambda i: [torch.ops.fusepass.dequant_matmul(x, q, s, z, None, fmt, G)
+                                                          for q, s, z in ring[i]]),
+            (f"{fmt}: dequant_matmul_siblings", lambda i: torch.ops.fusepass.dequant_matmul_siblings(
+                x, [t[0] for t in ring[i]], [t[1] for t in ring[i]], [t[2] for t in ring[i]], [None] * len(Ns),
+                fmt, G)),
+        ]:
+            outs = call(0)
+            err = max(((o.float() - r).norm() / r.norm()).item() for o, r in zip(outs, ref))
+            if not err <= 1e-2:
+                print(f"  {name} {fmt} M{M} {label}: error {err:.2e}", flush=True)
+                continue
+
+            def ring_call(call=call):
+                for i in range(copies):
+                    call(i)
+            got[label] = (triton.testing.do_bench_cudagraph(ring_call, rep=args.rep) * 1e3 / copies, err)
+        base = next(iter(got.values()), None)
+        for label, (us, err) in got.items():
+            out.append([name, M, f"{nbytes / 2**20:.1f}", f"{floor:.2f}", label, f"{us:.2f}",
+                        f"{100 * floor / us:.0f}%", f"{base[0] / us:.2f}x", f"{err:.1e}"])
+        print(f"  {name} {fmt} M{M}: " + ", ".join(f"{k} {v[0]:.2f}" for k, v in got.items()), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -617,6 +617,18 @@ def linear_cases(quick: bool):
         K, Ns = 4097, [7, 300]
         yield (f"linear_siblings BN{BN} BK{BK} W{warps} M2 K{K} N{Ns}", _siblings_config((BN, BK, warps)),
                (_randn(2, K), [_randn(n, K) for n in Ns], [None, _randn(300)]), 2e-2)
+    # quantized: Llama-3-8B's q / k / v and odd rows, one format and group a call
+    from fusepass.quantize import quantize_rows
+
+    qgroups = [(4096, [4096, 1024, 1024]), (4096, [14336, 14336]), (320, [33, 5])]
+    for (K, Ns), fmt, M in itertools.product(qgroups[1:] if quick else qgroups, ("int4", "int8", "fp8"), (1, 3)):
+        layers = [quantize_rows(torch.randn(n, K, device=DEVICE) * 0.02, fmt, 64) for n in Ns]
+        ws = [q for q, _, _ in layers]
+        ss = [s.to(torch.bfloat16) if fmt == "int4" else s for _, s, _ in layers]
+        zs = [z.to(torch.bfloat16) if z is not None else None for _, _, z in layers]
+        bs = [_randn(Ns[0])] + [None] * (len(Ns) - 1)
+        yield (f"dequant_matmul_siblings {fmt} M{M} K{K} N{Ns}", ops.dequant_matmul_siblings,
+               (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0), 2e-2)
 
 
 GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "library": library_cases, "gdn": gdn_cases,

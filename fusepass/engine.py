@@ -707,7 +707,10 @@ def _apply(rule: Rule, m: Match, info: MatchInfo, anchor: torch.fx.Node, form: s
     moved = fused_bytes(m)
     out_val = info.output_val
     try:
-        with inline_kernels(options.inline_kernels):
+        # Replacements put op calls in the graph; the pass turns them into their
+        # launches after every rule ran (inline_op_nodes), so that a later rule
+        # still sees the ops (linear_siblings groups dequant_matmul calls).
+        with inline_kernels(False):
             m.replace_by_example(replace, args)
     except Exception as exc:  # noqa: BLE001
         refused[(rule.name, anchor)] = Refusal(
@@ -889,7 +892,7 @@ class FusePass(CustomGraphPass):
         gm = graph.owning_module
         report = run_rules(gm, self.options, self.graph_id)
         with inline_kernels(self.options.inline_kernels):
-            _, failed = inline_op_nodes(gm)  # op nodes the rules did not put there (the pre-trace path's)
+            _, failed = inline_op_nodes(gm)  # the rules' op calls and the pre-trace path's
         report.notes += [f"an op call stayed through the dispatcher: inlining it failed: {f}" for f in failed]
         try:
             n = decompose_kept_matvecs(gm)

@@ -64,7 +64,7 @@ def inline_op_nodes(gm: torch.fx.GraphModule) -> tuple[int, list[str]]:
         form = forms[node.target]
         try:
             args = _op_args(node)
-            vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in args]
+            vals = list(torch.fx.map_arg(args, lambda a: a.meta.get("val")))  # (lists of nodes too: Tensor[])
             if not form.ok(*vals):
                 continue
             region = Region(form="inline", anchor=node, nodes=[node], outputs=[node], args=args)

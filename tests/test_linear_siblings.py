@@ -114,3 +114,67 @@ def test_dynamic_rows_go_to_the_op_which_decides_per_call():
             x = torch.randn(rows, 64)
             assert_close(compiled(x), model(x), f"linear_siblings rows {rows}", dtype=torch.float32)
     assert [h.form for h in fusepass.last_report().hits if h.rule == "linear_siblings"] == ["three"]
+
+
+# -- quantized linears: fusepass::dequant_matmul_siblings ---------------------------------------
+
+
+def _quantized_attention(fmt, group=32):
+    model = _Attention(K=128).to(torch.bfloat16).eval()
+    fusepass.quantize(model, fmt, group_size=group)
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_rule_groups_quantized_projections_of_one_x(fmt):
+    """q / k / v quantized by fusepass.quantize: the dequant rules take each
+    linear, then linear_siblings puts the three calls in one; the Triton kernel
+    (interpreted) and the CPU body both match eager."""
+    model = _quantized_attention(fmt)
+    x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
+    got, want, report = _compile(model, x)
+    assert [h.form for h in report.hits if h.rule == "linear_siblings"] == [f"{fmt} three"]
+    assert_close(got, want, f"{fmt} siblings", dtype=torch.bfloat16)
+    if differential.interpreting():
+        torch._dynamo.reset()
+        with differential.triton_on_cpu(), torch.no_grad():
+            got = torch.compile(model, backend="fusepass")(x)
+        assert_close(got, want, f"{fmt} siblings (Triton)", dtype=torch.bfloat16)
+
+
+def test_quantized_prefill_rows_stay_apart():
+    model = _quantized_attention("int4")
+    _, _, report = _compile(model, torch.randn(1, 12, 128, dtype=torch.bfloat16))
+    assert not [h for h in report.hits if h.rule == "linear_siblings"]
+
+
+@interpreted
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", 0), ("fp8", 0)])
+@pytest.mark.parametrize("M", [1, 3])
+def test_siblings_kernel_matches_each_weights_op(fmt, group, M):
+    """Every config shape of the GEMV (rows a program, K tile, the folded int4
+    loop) over three weights of odd row counts, K not a whole tile, zero
+    points and a bias: the same values as dequant_matmul weight by weight
+    (outputs NaN first: every element written)."""
+    from fusepass.kernels.dequant_matmul import Config
+    from fusepass.kernels.dequant_matmul.launch import siblings_launch
+
+    from fusepass.quantize import quantize_rows
+
+    torch.manual_seed(M)
+    K = 160  # five groups of 32, one of 128 and a part: not a whole K tile of 64 or 128
+    K = 256 if group == 128 else K
+    ws, ss, zs = [], [], []
+    for n in (33, 5, 1):
+        q, s, z = quantize_rows(torch.randn(n, K) * 0.1, fmt, group or 128)
+        ws.append(q)
+        ss.append(s.to(torch.bfloat16) if fmt == "int4" else s)
+        zs.append(z.to(torch.bfloat16) if z is not None else None)
+    x, bs = torch.randn(M, K, dtype=torch.bfloat16), [None, torch.randn(5, dtype=torch.bfloat16), None]
+    want = [torch.ops.fusepass.dequant_matmul(x, w, s, z, b, fmt, group) for w, s, z, b in zip(ws, ss, zs, bs)]
+    for cfg in (Config("gemv", BN=4, BK=64), Config("gemv", BN=8, BK=32, fold=1), Config("gemv", BN=1, BK=128)):
+        outs = [torch.full((M, w.shape[0]), float("nan"), dtype=torch.bfloat16) for w in ws]
+        siblings_launch(x, ws, ss, zs, bs, outs, fmt, group if fmt == "int4" else 0, cfg).run()
+        for g, w in zip(outs, want):
+            assert torch.isfinite(g).all()
+            assert_close(g, w, f"{fmt} {cfg.label()}", dtype=torch.bfloat16)

@@ -204,6 +204,14 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("hqq4-g32-M3-N8-K64-fp32", lambda: (_t(3, 64), torch.randint(0, 256, (8, 32), dtype=torch.uint8),
                                              torch.rand(8, 2), torch.rand(8, 2) * 15, None, "hqq4", 32)),
     ],
+    "dequant_matmul_siblings": [
+        ("int4-g32-M1-three-zero-bias-bf16", lambda: _siblings_inputs("int4", 32, (1,), (40, 8, 8), torch.bfloat16,
+                                                                       zero=True, bias=(True, False, False))),
+        ("int8-M2x1-two-fp16", lambda: _siblings_inputs("int8", 0, (2, 1), (24, 16), torch.float16)),
+        ("int4-sym-g16-M3-fp32", lambda: _siblings_inputs("int4", 16, (3,), (8, 9), torch.float32)),
+        ("fp64", lambda: _siblings_inputs("int8", 0, (2,), (5, 3), torch.float64)),
+        ("empty-rows", lambda: _siblings_inputs("int8", 0, (0,), (5, 3), torch.bfloat16)),
+    ],
     "linear_siblings": [
         ("3d-M2x1-bf16-strided-weight-bias", lambda: (_t(2, 1, 37, dtype=torch.bfloat16),
                                                       [_t(9, 40, dtype=torch.bfloat16)[:, :37],
@@ -216,6 +224,21 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("empty-rows", lambda: (_t(0, 8), [_t(3, 8), _t(2, 8)], [None, None])),
     ],
 }
+
+
+def _siblings_inputs(fmt, group, lead, Ns, dtype, zero=False, bias=()):
+    """fusepass::dequant_matmul_siblings arguments: x [*lead, 64] and one weight a row count in Ns."""
+    from fusepass.quantize import quantize_rows
+
+    K = 64
+    ws, ss, zs, bs = [], [], [], []
+    for i, n in enumerate(Ns):
+        q, s, z = quantize_rows(torch.randn(n, K) * 0.1, fmt, group or 128)
+        ws.append(q)
+        ss.append(s.to(dtype) if fmt == "int4" else s)
+        zs.append(z.to(dtype) if zero and z is not None else None)
+        bs.append(_t(n, dtype=dtype) if i < len(bias) and bias[i] else None)
+    return _t(*lead, K, dtype=dtype), ws, ss, zs, bs, fmt, group
 
 
 def _moe_experts_inputs(T, E, k, H, I, dtype, act="silu", layout="halves", transposed=False, bias=False,
@@ -698,7 +721,8 @@ def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empt
     ("gdn_chunk", lambda: _gdn_inputs(2, 5, 1, 2, 8, 8, torch.bfloat16, False)),  # short: the recurrent kernel
     ("gdn_recurrent", lambda: _gdn_inputs(2, 1, 2, 4, 8, 12, torch.float32, True)),
     ("dequant_matmul", TABLE["dequant_matmul"][0][1]),
-], ids=["gdn_chunk-T70", "gdn_chunk-T5", "gdn_recurrent-T1", "dequant_matmul"])
+    ("linear_siblings", TABLE["linear_siblings"][0][1]),  # Tensor[] arguments, a list of outputs
+], ids=["gdn_chunk-T70", "gdn_chunk-T5", "gdn_recurrent-T1", "dequant_matmul", "linear_siblings"])
 def test_engine_inlines_op_nodes_in_the_graph(op, args, fake_cuda):
     """Op nodes already in a CUDA graph (the pre-trace path's GDN calls) become
     their launches: the engine's generic step, for any op with an inlined form."""
@@ -724,7 +748,8 @@ def test_engine_inlines_op_nodes_in_the_graph(op, args, fake_cuda):
     for node in launches:
         _assert_every_argument(node)
     outputs = torch.utils._pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-    assert len(outputs) == (2 if op.startswith("gdn") else 1)  # (o, final state) / y, each from a launch
+    # (o, final state) / y / one output a weight, each from a launch
+    assert len(outputs) == (2 if op.startswith("gdn") or op == "linear_siblings" else 1)
 
 
 def test_a_launch_names_exactly_the_kernels_arguments():

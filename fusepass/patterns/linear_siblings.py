@@ -28,6 +28,9 @@ import torch
 import torch.fx
 
 from fusepass.formats import KERNEL_DTYPES
+from fusepass.kernels.dequant_matmul import dequant_matmul_siblings_call
+from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M
+from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
 from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
 from fusepass.rule import Form, NearMiss, Region, Rule
 
@@ -113,6 +116,11 @@ def _key(x: torch.fx.Node):
 
 
 def find(gm: torch.fx.GraphModule):
+    yield from _find_products(gm)
+    yield from _find_quantized(gm)
+
+
+def _find_products(gm: torch.fx.GraphModule):
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups: dict = {}
     for node in gm.graph.nodes:
@@ -161,6 +169,53 @@ def _replacement(has_bias: list[bool]):
     def replace(x, *rest):
         ws, extra = [b.t() for b in rest[:n]], iter(rest[n:])
         return tuple(linear_siblings_call(x, ws, [next(extra) if h else None for h in has_bias]))
+
+    return replace
+
+
+# -- quantized linears: the dequant_matmul calls other rules put in the graph ------------------
+
+_DEQUANT = torch.ops.fusepass.dequant_matmul.default
+
+
+def _find_quantized(gm: torch.fx.GraphModule):
+    """Groups of ``fusepass::dequant_matmul`` calls on one x, one format (int4,
+    int8, fp8), one group size, zero points on all or none, at a row count
+    the GEMV serves (or symbolic): ``fusepass::dequant_matmul_siblings``."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict = {}
+    for node in gm.graph.nodes:
+        if not _is(node, _DEQUANT) or node.kwargs or len(node.args) != 7:
+            continue
+        x, w, scale, zero, bias, fmt, group = node.args
+        xv = _val(x)
+        if fmt not in SIBLING_FORMATS or not isinstance(xv, torch.Tensor) or xv.dtype not in KERNEL_DTYPES:
+            continue
+        rows = xv.numel() // xv.shape[-1] if isinstance(xv.shape[-1], int) and xv.shape[-1] else 0
+        if isinstance(rows, int) and not 0 < rows <= GEMV_MAX_M:
+            continue
+        groups.setdefault((_key(x), fmt, group, zero is None), []).append(node)
+    for members in groups.values():
+        first = pos[members[0]]
+        members = [m for m in members if all(
+            not isinstance(_root(a), torch.fx.Node) or pos.get(_root(a), first) < first
+            for a in m.args[1:5] if a is not None)]
+        for i in range(0, len(members), MAX_SIBLINGS):
+            group = members[i:i + MAX_SIBLINGS]
+            if len(group) < 2:
+                continue
+            fmt, gs = group[0].args[5], group[0].args[6]
+            args = [group[0].args[0]] + [a for m in group for a in m.args[1:5]]
+            yield Region(f"{fmt} {_FORMS[len(group)]}", group[0], list(group), list(group), args,
+                         _quantized_replacement(len(group), fmt, gs),
+                         names=["x"] + [f"{a}{i}" for i in range(len(group)) for a in ("w", "s", "z", "b")],
+                         arguments_checked=True)
+
+
+def _quantized_replacement(n: int, fmt: str, group_size: int):
+    def replace(x, *rest):
+        ws, ss, zs, bs = (list(rest[i::4]) for i in range(4))
+        return tuple(dequant_matmul_siblings_call(x, ws, ss, zs, bs, fmt, group_size))
 
     return replace
 

@@ -65,7 +65,8 @@ Modules, in reading order: ``tiles`` (the Triton helpers the kernels share),
 (split-K counters for eager launches), ``launch`` (one builder per kernel,
 ``_launch``), ``plans`` (lookup: user cache, shipped plans, heuristic),
 ``tuner`` (candidates timed on the GPU, only when asked), ``op`` (the op,
-its reference and its inlined form).
+its reference and its inlined form), ``siblings`` (``dequant_matmul_siblings``:
+two or three weights that read one x, in one GEMV launch).
 """
 
 from fusepass.kernels.dequant_matmul.config import BUCKETS, CUBLAS, GEMV_MAX_M, Config, Problem, m_bucket
@@ -77,10 +78,11 @@ from fusepass.kernels.dequant_matmul.op import (
     dequant_matmul_traced,
 )
 from fusepass.kernels.dequant_matmul.plans import dequant_matmul_plan, lookup
+from fusepass.kernels.dequant_matmul.siblings import dequant_matmul_siblings, dequant_matmul_siblings_call
 from fusepass.kernels.dequant_matmul.tuner import cold_copies, tune, tune_and_save
 
 __all__ = [
     "BUCKETS", "CUBLAS", "Config", "GEMV_MAX_M", "Problem", "cold_copies", "dequant_matmul",
-    "dequant_matmul_call", "dequant_matmul_fwd", "dequant_matmul_plan", "dequant_matmul_reference",
+    "dequant_matmul_call", "dequant_matmul_fwd", "dequant_matmul_siblings", "dequant_matmul_siblings_call", "dequant_matmul_plan", "dequant_matmul_reference",
     "dequant_matmul_traced", "lookup", "m_bucket", "tune", "tune_and_save",
 ]

@@ -448,6 +448,100 @@ def _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, strid
 
 
 @triton.jit
+def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n, i_s, n_s,
+              stride_xm, stride_x2m, stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr,
+              HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr,
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr):
+    """Output rows [i_n BN, +BN) over K slice i_s of n_s: fusepass's own formats
+    (int4, int8, fp8) and the library layouts read value by value or in the int4
+    loop (the code books)."""
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    o_m = tl.arange(0, BM)
+    k_lo = i_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    p_wn = w + o_n.to(tl.int64) * stride_wn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+
+    if FMT == "int4" or LOOP:
+        if FMT == "int4" and FOLD and BM == 1:
+            acc = _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn,
+                                    x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK)
+            # The folded sums are not the dequantised matmul's where x (or a sum
+            # of it) is not finite: inf - inf = NaN where the product gives +-inf.
+            # Such a slice is summed again value by value (any non-finite sum
+            # is re-done; a finite one is within fp32 rounding of the exact sum).
+            bad = ((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)
+            if tl.max(tl.max(bad, axis=1), axis=0) > 0:
+                acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn,
+                                   stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
+        else:
+            acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn,
+                               FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
+    else:
+        o_k = tl.arange(0, BK)
+        if BM == 1:
+            # One row of x: accumulate products elementwise and reduce across
+            # the K lanes once at the end, not once per tile.
+            acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                if LIB:
+                    m_k = k0 + o_k < k_hi
+                    b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
+                    b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
+                                        m_n[:, None] & m_k[None, :], N, K, NG, stride_wn, stride_sn, FMT, G)
+                else:
+                    if EVEN_K:
+                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                        b_x = tl.load(x + k0 + o_k).to(tl.float32)
+                    else:
+                        m_k = k0 + o_k < k_hi
+                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :],
+                                      other=0)
+                        b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
+                    if FMT == "int8":
+                        b_w = _int8_to_f32(b_q)
+                    else:
+                        b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                acc1 += b_w * b_x[None, :]
+            acc += tl.sum(acc1, axis=1)[None, :]
+        else:
+            # A few rows of x: the same deferred sum over [BM, BN, BK] (the
+            # plans keep BM * BN * BK to 64 fp32 registers per thread).  Rows
+            # past M read row M - 1; their sums are never stored.
+            acc3 = tl.zeros([BM, BN, BK], dtype=tl.float32)
+            p_xm = x + tl.minimum(o_m, M - 1)[:, None] * stride_xm
+            for k0 in range(k_lo, k_hi, BK):
+                if LIB:
+                    m_k = k0 + o_k < k_hi
+                    b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
+                    b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
+                                        m_n[:, None] & m_k[None, :], N, K, NG, stride_wn, stride_sn, FMT, G)
+                else:
+                    if EVEN_K:
+                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
+                        b_x = tl.load(p_xm + (k0 + o_k)[None, :]).to(tl.float32)
+                    else:
+                        m_k = k0 + o_k < k_hi
+                        b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :],
+                                      other=0)
+                        b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
+                    if FMT == "int8":
+                        b_w = _int8_to_f32(b_q)
+                    else:
+                        b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                acc3 += b_w[None, :, :] * b_x[:, None, :]
+            acc += tl.sum(acc3, axis=2)
+        if not LIB:  # (library layouts scale each value: their scales change along K)
+            acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+
+    m_o = (o_m[:, None] < M) & m_n[None, :]
+    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
+            i_s, n_s, M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+
+
+@triton.jit
 def _dequant_gemv_kernel(
     x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
     M, N, K, K_SPLIT, NG,
@@ -470,87 +564,44 @@ def _dequant_gemv_kernel(
                    stride_x2m, stride_wn, stride_sn, FMT == "gptq4_v1", HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM,
                    BM, BN, BK)
     else:
-        i_n, i_s = tl.program_id(0), tl.program_id(1)
-        o_n = i_n * BN + tl.arange(0, BN)
-        m_n = o_n < N
-        o_m = tl.arange(0, BM)
-        k_lo = i_s * K_SPLIT
-        k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        p_wn = w + o_n.to(tl.int64) * stride_wn
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, K, K_SPLIT, NG,
+                  tl.program_id(0), tl.program_id(1), tl.num_programs(1), stride_xm, stride_x2m, stride_wn,
+                  stride_sn, FMT, G, HAS_ZERO, HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM, LIB, LOOP, BM, BN, BK, FOLD)
 
-        if FMT == "int4" or LOOP:
-            if FMT == "int4" and FOLD and BM == 1:
-                acc = _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn,
-                                        x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK)
-                # The folded sums are not the dequantised matmul's where x (or a sum
-                # of it) is not finite: inf - inf = NaN where the product gives +-inf.
-                # Such a slice is summed again value by value (any non-finite sum
-                # is re-done; a finite one is within fp32 rounding of the exact sum).
-                bad = ((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)
-                if tl.max(tl.max(bad, axis=1), axis=0) > 0:
-                    acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn,
-                                       stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
-            else:
-                acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn,
-                                   FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
-        else:
-            o_k = tl.arange(0, BK)
-            if BM == 1:
-                # One row of x: accumulate products elementwise and reduce across
-                # the K lanes once at the end, not once per tile.
-                acc1 = tl.zeros([BN, BK], dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BK):
-                    if LIB:
-                        m_k = k0 + o_k < k_hi
-                        b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
-                        b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
-                                            m_n[:, None] & m_k[None, :], N, K, NG, stride_wn, stride_sn, FMT, G)
-                    else:
-                        if EVEN_K:
-                            b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
-                            b_x = tl.load(x + k0 + o_k).to(tl.float32)
-                        else:
-                            m_k = k0 + o_k < k_hi
-                            b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :],
-                                          other=0)
-                            b_x = tl.load(x + k0 + o_k, mask=m_k, other=0).to(tl.float32)
-                        if FMT == "int8":
-                            b_w = _int8_to_f32(b_q)
-                        else:
-                            b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                    acc1 += b_w * b_x[None, :]
-                acc += tl.sum(acc1, axis=1)[None, :]
-            else:
-                # A few rows of x: the same deferred sum over [BM, BN, BK] (the
-                # plans keep BM * BN * BK to 64 fp32 registers per thread).  Rows
-                # past M read row M - 1; their sums are never stored.
-                acc3 = tl.zeros([BM, BN, BK], dtype=tl.float32)
-                p_xm = x + tl.minimum(o_m, M - 1)[:, None] * stride_xm
-                for k0 in range(k_lo, k_hi, BK):
-                    if LIB:
-                        m_k = k0 + o_k < k_hi
-                        b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
-                        b_w = _library_tile(w, scale, zero, g_idx, shifts, o_n[:, None], (k0 + o_k)[None, :],
-                                            m_n[:, None] & m_k[None, :], N, K, NG, stride_wn, stride_sn, FMT, G)
-                    else:
-                        if EVEN_K:
-                            b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None], other=0)
-                            b_x = tl.load(p_xm + (k0 + o_k)[None, :]).to(tl.float32)
-                        else:
-                            m_k = k0 + o_k < k_hi
-                            b_q = tl.load(p_wn[:, None] + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :],
-                                          other=0)
-                            b_x = tl.load(p_xm + (k0 + o_k)[None, :], mask=m_k[None, :], other=0).to(tl.float32)
-                        if FMT == "int8":
-                            b_w = _int8_to_f32(b_q)
-                        else:
-                            b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                    acc3 += b_w[None, :, :] * b_x[:, None, :]
-                acc += tl.sum(acc3, axis=2)
-            if not LIB:  # (library layouts scale each value: their scales change along K)
-                acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
 
-        m_o = (o_m[:, None] < M) & m_n[None, :]
-        _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
-                i_s, tl.num_programs(1), M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+@triton.jit
+def _sibling_rows(x, x2, w, s, z, b, o, pid, M, N, K, stride_xm, stride_x2m, stride_wn, stride_sn,
+                  FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  FOLD: tl.constexpr):
+    # Whole K, no split: part / ctr / g_idx / shifts are never read (o and s stand in).
+    _own_rows(x, x2, w, s, z, b, o, o, o, s, s, M, N, K, K, 1, pid, 0, 1, stride_xm, stride_x2m, stride_wn,
+              stride_sn, FMT, G, HAS_ZERO, HAS_BIAS, False, False, EVEN_K, ASM, False, False, BM, BN, BK, FOLD)
+
+
+@triton.jit
+def _dequant_gemv_siblings_kernel(
+    x, x2, w0, w1, w2, s0, s1, s2, z0, z1, z2, b0, b1, b2, o0, o1, o2, N0, N1, N2, E0, E1,
+    M, K, stride_xm, stride_x2m, stride_w0, stride_w1, stride_w2, stride_s0, stride_s1, stride_s2,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HB0: tl.constexpr, HB1: tl.constexpr,
+    HB2: tl.constexpr, NW: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
+):
+    # Two or three weights of one format that read the same x (q / k / v, gate /
+    # up) in one grid: program p owns BN rows of the weight whose block range
+    # holds p (E0, E1: where the blocks of weights 0 and 1 end), each through its
+    # own pointers, with the one-weight GEMV's loop.  A slot past NW is compiled
+    # out: its stand-in pointers are neither read nor written.
+    pid = tl.program_id(0)
+    if pid < E0:
+        _sibling_rows(x, x2, w0, s0, z0, b0, o0, pid, M, N0, K, stride_xm, stride_x2m, stride_w0, stride_s0, FMT, G,
+                      HAS_ZERO, HB0, EVEN_K, ASM, BM, BN, BK, FOLD)
+    else:
+        if NW > 1:
+            if pid < E1:
+                _sibling_rows(x, x2, w1, s1, z1, b1, o1, pid - E0, M, N1, K, stride_xm, stride_x2m, stride_w1,
+                              stride_s1, FMT, G, HAS_ZERO, HB1, EVEN_K, ASM, BM, BN, BK, FOLD)
+            else:
+                if NW > 2:
+                    _sibling_rows(x, x2, w2, s2, z2, b2, o2, pid - E1, M, N2, K, stride_xm, stride_x2m, stride_w2,
+                                  stride_s2, FMT, G, HAS_ZERO, HB2, EVEN_K, ASM, BM, BN, BK, FOLD)

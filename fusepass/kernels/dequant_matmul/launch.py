@@ -20,7 +20,7 @@ from fusepass.kernels._common import Launch, cdiv, interpreting
 from fusepass.kernels.dequant_matmul.config import _GROUP_M, Config, _k_split, _pow2, codebook_chunk
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.dequant_matmul.dequant import _dequant_kernel
-from fusepass.kernels.dequant_matmul.gemv import _dequant_gemv_kernel
+from fusepass.kernels.dequant_matmul.gemv import _dequant_gemv_kernel, _dequant_gemv_siblings_kernel
 from fusepass.kernels.dequant_matmul.tensor_core import _dequant_mm_kernel, _dequant_mmt_kernel
 from fusepass.kernels.dequant_matmul.tiles import _splitk_reduce_kernel
 
@@ -198,6 +198,41 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
                       {**args, "x": x, "NG": ng, "BM": cfg.BM, "GROUP_M": _GROUP_M, "DOT_F32": dot_f32,
                        "PERM": bool(cfg.perm) and fmt == "int4"}, outputs, cfg.warps, cfg.stages)
     raise ValueError(f"no fused kernel for config kind {cfg.kind!r}")
+
+
+SIBLING_FORMATS = ("int4", "int8", "fp8")
+MAX_SIBLINGS = 3
+
+
+def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[Tensor | None],
+                    biases: list[Tensor | None], outs: list[Tensor], fmt: str, G: int, cfg: Config) -> Launch:
+    """outs[i] [M, N_i] = x [M, K] @ dequant(ws[i])^T (+ biases[i]) in one GEMV grid
+    (``cfg``: a "gemv" config, run over the whole of K); operands as for
+    :func:`product_launch`, one format and group size, zero points on all or none."""
+    M, K = x.shape
+    Ns = [out_features(w, fmt, s) for w, s in zip(ws, scales)]
+    ends, e = [], 0
+    for n in Ns:
+        e += cdiv(n, cfg.BN)
+        ends.append(e)
+    ws = [w.view(torch.uint8) if fmt == "fp8" else w for w in ws]
+    xp = _pairs(x) if fmt == "int4" else x
+    even = K % cfg.BK == 0
+    args = dict(x=x, x2=xp, M=M, K=K, stride_xm=x.stride(0), stride_x2m=xp.stride(0), FMT=fmt, G=max(G, 1),
+                HAS_ZERO=zeros[0] is not None, NW=len(ws), EVEN_K=even,
+                ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, Ns[0], cfg), BM=_pow2(M), BN=cfg.BN,
+                BK=cfg.BK, FOLD=bool(cfg.fold), E0=ends[0], E1=(ends + [e])[1])
+    for i in range(MAX_SIBLINGS):
+        j = min(i, len(ws) - 1)  # a slot past the weights: weight 0's tensors, never touched
+        s = scales[j]
+        args.update({f"w{i}": ws[j] if i < len(ws) else scales[0], f"s{i}": s if i < len(ws) else scales[0],
+                     f"z{i}": zeros[j] if i < len(ws) and zeros[j] is not None else scales[0],
+                     f"b{i}": biases[j] if i < len(ws) and biases[j] is not None else scales[0],
+                     f"o{i}": outs[i] if i < len(ws) else scales[0], f"N{i}": Ns[j] if i < len(ws) else 1,
+                     f"stride_w{i}": ws[j].stride(0), f"stride_s{i}": s.stride(0) if fmt == "int4" else 1,
+                     f"HB{i}": i < len(ws) and biases[i] is not None})
+    return Launch(_dequant_gemv_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(ws))), cfg.warps,
+                  cfg.stages)
 
 
 def reduce_launch(part: Tensor, bias: Tensor | None, out: Tensor) -> Launch:

@@ -1,0 +1,131 @@
+"""The op ``fusepass::dequant_matmul_siblings``: two or three quantized linears
+of one format that read the same x (q / k / v, gate / up), in one GEMV launch.
+
+    y_i = x @ dequant(W_i)^T (+ b_i)
+
+Where the plan for the group (its rows laid end to end, one weight of
+sum N_i rows) is the GEMV, one grid reads every weight through its own
+pointers (``gemv._dequant_gemv_siblings_kernel``, the one-weight GEMV's loop
+over the whole of K): one launch's ramp instead of one a weight, which at one
+token is most of a small weight's time (Llama-3-8B's k / v, 2 MB of int4:
+3.6 µs a launch for 0.8 µs of bytes on an H200).  Elsewhere (more rows, a
+plan that is not the GEMV) each weight goes through ``dequant_matmul`` as
+before.  fusepass's own formats only (int4, int8, fp8)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from fusepass.formats import KERNEL_DTYPES, out_features
+from fusepass.kernels._common import call, inline_enabled, on_device, register_inline, run_kernel
+from fusepass.kernels.dequant_matmul.config import Config
+from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS, siblings_launch
+from fusepass.kernels.dequant_matmul.op import _check as _check_one
+from fusepass.kernels.dequant_matmul.op import _operands, _plan, _reference_out, dequant_matmul_fwd
+
+
+def group_plan(M: int, Ns: list[int], K: int, fmt: str, G: int, dtype: torch.dtype,
+               device: torch.device) -> Config | None:
+    """The GEMV config for the group (the plan of one weight of sum N_i rows, over
+    the whole of K), or None where that plan is not the GEMV."""
+    cfg = _plan(M, sum(Ns), K, fmt, G, dtype, device)
+    if cfg.kind != "gemv":
+        return None
+    return dataclasses.replace(cfg, split=1)
+
+
+def _check(x, weights, scales, zeros, biases, fmt, group_size) -> None:
+    torch._check(fmt in SIBLING_FORMATS, lambda: f"fmt must be one of {SIBLING_FORMATS}, got {fmt!r}")
+    torch._check(2 <= len(weights) <= MAX_SIBLINGS, lambda: f"2 to {MAX_SIBLINGS} weights, got {len(weights)}")
+    torch._check(len(scales) == len(zeros) == len(biases) == len(weights),
+                 lambda: "one scale, zero (or None) and bias (or None) per weight")
+    torch._check(len({z is None for z in zeros}) == 1, lambda: "zero points on every weight or on none")
+    for w, s, z, b in zip(weights, scales, zeros, biases):
+        _check_one(x, w, s, z, b, fmt, group_size)
+
+
+def _each(x, weights, scales, zeros, biases, fmt, group_size) -> list[Tensor]:
+    return [_reference_out(x, w, s, z, b, fmt, group_size) for w, s, z, b in zip(weights, scales, zeros, biases)]
+
+
+def _group_args(x, weights, scales, zeros, biases, fmt, group_size):
+    """(x2, operands per weight, G, cfg) for one launch, or None where the group goes weight by weight."""
+    K = x.shape[-1]
+    M = x.numel() // K if K else 0
+    G = group_size if fmt == "int4" else 0
+    if x.dtype not in KERNEL_DTYPES or M == 0 or K == 0:
+        return None
+    Ns = [out_features(w, fmt, s) for w, s in zip(weights, scales)]
+    cfg = group_plan(M, Ns, K, fmt, G, x.dtype, x.device)
+    if cfg is None:
+        return None
+    ops = [_operands(x, w, s, z, b) for w, s, z, b in zip(weights, scales, zeros, biases)]
+    return ops[0][0], ops, G, cfg
+
+
+def dequant_matmul_siblings_fwd(x, weights, scales, zeros, biases, fmt, group_size) -> list[Tensor]:
+    """The op's CUDA body."""
+    got = _group_args(x, weights, scales, zeros, biases, fmt, group_size)
+    if got is None:
+        return [dequant_matmul_fwd(x, w, s, z, b, fmt, group_size) if x.dtype in KERNEL_DTYPES
+                else _reference_out(x, w, s, z, b, fmt, group_size)
+                for w, s, z, b in zip(weights, scales, zeros, biases)]
+    x2, ops, G, cfg = got
+    outs = [torch.empty((x2.shape[0], out_features(o[1], fmt, o[2])), dtype=x.dtype, device=x.device) for o in ops]
+    with on_device(x):
+        siblings_launch(x2, [o[1] for o in ops], [o[2] for o in ops], [o[3] for o in ops], [o[4] for o in ops],
+                        outs, fmt, G, cfg).run()
+    return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
+
+
+@torch.library.custom_op("fusepass::dequant_matmul_siblings", mutates_args=())
+def dequant_matmul_siblings(x: Tensor, weights: list[Tensor], scales: list[Tensor], zeros: list[Tensor | None],
+                            biases: list[Tensor | None], fmt: str, group_size: int) -> list[Tensor]:
+    """[dequant_matmul(x, w_i, s_i, z_i, b_i, fmt, group_size) for each weight].  This body serves CPU."""
+    _check(x, weights, scales, zeros, biases, fmt, group_size)
+    return _each(x, weights, scales, zeros, biases, fmt, group_size)
+
+
+@dequant_matmul_siblings.register_fake
+def _fake(x, weights, scales, zeros, biases, fmt, group_size):
+    _check(x, weights, scales, zeros, biases, fmt, group_size)
+    return [x.new_empty((*x.shape[:-1], out_features(w, fmt, s))) for w, s in zip(weights, scales)]
+
+
+@dequant_matmul_siblings.register_kernel("cuda")
+def _cuda(x, weights, scales, zeros, biases, fmt, group_size):
+    _check(x, weights, scales, zeros, biases, fmt, group_size)
+    return run_kernel("dequant_matmul_siblings",
+                      lambda: dequant_matmul_siblings_fwd(x, weights, scales, zeros, biases, fmt, group_size),
+                      lambda: _each(x, weights, scales, zeros, biases, fmt, group_size))
+
+
+# ------------------------------------------------------- calls in graphs ----
+
+
+def _traced(x, weights, scales, zeros, biases, fmt, group_size):
+    x2, ops, G, cfg = _group_args(x, weights, scales, zeros, biases, fmt, group_size)
+    outs = [torch.empty((x2.shape[0], out_features(o[1], fmt, o[2])), dtype=x.dtype, device=x.device) for o in ops]
+    got = siblings_launch(x2, [o[1] for o in ops], [o[2] for o in ops], [o[3] for o in ops], [o[4] for o in ops],
+                          outs, fmt, G, cfg).traced()
+    return [got[f"o{i}"].view(*x.shape[:-1], outs[i].shape[-1]) for i in range(len(ops))]
+
+
+def _inline_ok(x, weights, scales, zeros, biases, fmt, group_size) -> bool:
+    # The plan needs M as a number; a group whose plan is not the GEMV stays an op call.
+    return (inline_enabled(x) and x.dtype in KERNEL_DTYPES and fmt in SIBLING_FORMATS
+            and all(isinstance(s, int) for s in (*x.shape, *x.stride()))
+            and all(isinstance(s, int) for w in weights for s in (*w.shape, *w.stride()))
+            and _group_args(x, weights, scales, zeros, biases, fmt, group_size) is not None)
+
+
+register_inline(torch.ops.fusepass.dequant_matmul_siblings.default, _inline_ok, _traced)
+
+
+def dequant_matmul_siblings_call(x, weights, scales, zeros, biases, fmt, group_size):
+    """What the rule puts in a graph (the engine inlines it for a CUDA graph where it can)."""
+    return call(torch.ops.fusepass.dequant_matmul_siblings.default, x, list(weights), list(scales), list(zeros),
+                list(biases), fmt, group_size)
