@@ -11,6 +11,10 @@ grouped-query model) are all ramp.  Found in the post-grad graph as
 transpose is the weight; a 1-D bias), after every other rule has taken the
 matmuls it fuses (a dequantising linear, an MoE router); replaced by one op
 that reads every weight once in one launch (four weights at most a call).
+The quantized linears those rules found become ``fusepass::dequant_matmul``
+calls first; two or three of them on one x, one format (int4 / int8 / fp8)
+and group size, become one ``fusepass::dequant_matmul_siblings`` call (the
+GEMV over all their rows where the group's plan is the GEMV).
 
 Left alone, without a line in the report: where the rows of x and the
 weights' bytes are known when compiling and one launch was measured no
@@ -64,6 +68,22 @@ def example_inputs(dtype):
             torch.randn(4, dtype=dtype)]
 
 
+def sized_inputs(dtype, shape):
+    """(*leading, hidden) as x [*leading, hidden] with at most four rows (more
+    are a prefill's GEMM, which the rule leaves to cuBLAS), and the weights of
+    the example inputs over ``hidden``."""
+    lead, rows = [], 1
+    for d in shape[:-1]:
+        d = min(d, 4 // rows) if d else 0
+        lead.append(d)
+        rows *= max(d, 1)
+    x, w0, w1, w2, b0, b1, b2 = example_inputs(dtype)
+    K = shape[-1]
+    return dict(x=torch.randn(*lead, K, dtype=dtype), w0=torch.randn(w0.shape[0], K, dtype=dtype),
+                w1=torch.randn(w1.shape[0], K, dtype=dtype), w2=torch.randn(w2.shape[0], K, dtype=dtype),
+                b0=b0, b1=b1, b2=b2)
+
+
 # -- the rule's find ------------------------------------------------------------------------
 
 
@@ -105,7 +125,8 @@ def _cublas_known(group) -> bool:
     """Rows and bytes known when compiling, and cuBLAS's launch per weight measured no slower there."""
     M = _val(group[0][1]).shape[0]
     sizes = [_val(m[2]).numel() * _val(m[2]).element_size() for m in group]
-    return isinstance(M, int) and all(isinstance(s, int) for s in sizes) and not takes(M, sum(sizes))
+    # (no rows: the op returns empty outputs, no launch)
+    return isinstance(M, int) and M != 0 and all(isinstance(s, int) for s in sizes) and not takes(M, sum(sizes))
 
 
 def _key(x: torch.fx.Node):
@@ -241,6 +262,7 @@ RULE = Rule(
     example_inputs=example_inputs,
     find=find,
     priority=-10,  # last: every rule that fuses a matmul (dequantising linears, routers) takes it first
+    sized_inputs=sized_inputs,
     near_misses=[
         NearMiss("rows of a prefill", _prefill_rows, _pair_inputs, ""),
         NearMiss("weight from the other product", _chained, _pair_inputs, ""),
