@@ -142,18 +142,18 @@ def test_commands_refuse_int4_group_sizes_the_kernels_lack(capsys):
 
 
 def test_readme_demo_at_tiny_size_checks_shows_steps_and_prints_no_library_noise(tmp_path):
-    """README's demo command (the MoE hybrid, int8) at tiny size, as a user runs it:
+    """README's demo command (the MoE hybrid, int8, one token a sequence) at tiny size, as a user runs it:
     a fresh process, so what reaches stdout and stderr is all there is.
     transformers imports torchao, which logs its C++ extensions' failures and
     makes torch log a pytree deprecation, and transformers advises kernel
     packages for its eager GDN code: fusepass drops exactly those."""
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, "-m", "fusepass.cli", "demo", "--model", "qwen3_5_moe", "--quantize", "int8",
-                          "--size", "tiny", "--json", str(tmp_path / "report.json")],
+                          "--seq", "1", "--size", "tiny", "--json", str(tmp_path / "report.json")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "rewrite report" in out.stdout and ": OK" in out.stdout
-    for rule in ("gdn_chunk", "dequant_matmul", "moe_router", "moe_experts", "rms_norm"):
+    for rule in ("gdn_chunk", "dequant_matmul", "moe_router", "moe_experts", "rms_norm", "linear_siblings"):
         assert rule in out.stdout, rule
     assert "model.layers.0" in out.stdout and "L['" not in out.stdout
     # Every "where" is the path of a module of the model (as named_modules() spells it), whole in the table.
