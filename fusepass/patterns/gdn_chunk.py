@@ -48,7 +48,7 @@ def _prep(q, k, v, g, beta, scale_keys=False, divide=False):
 
 
 def chunked(q, k, v, g, beta, state=None, *, size=16, solve=True, decay=torch.exp, use_beta=True,
-            carry=True, scale_keys=False):
+            carry=True, scale_keys=False, row_factor=None):
     """The chunked gated delta rule (and, through its switches, the near-misses)."""
     dtype, (B, T) = q.dtype, q.shape[:2]
     (q, k), v, g, beta = _prep(q, k, v, g, beta, scale_keys)
@@ -72,7 +72,8 @@ def chunked(q, k, v, g, beta, state=None, *, size=16, solve=True, decay=torch.ex
         inv = -system.tril(-1)
         for i in range(1, size):
             row, sub = inv[..., i, :i].clone(), inv[..., :i, :i].clone()
-            inv[..., i, :i] = row + (row[..., None] * sub).sum(-2)
+            corr = (row[..., None] * sub).sum(-2)
+            inv[..., i, :i] = row + (corr * row_factor if row_factor is not None and i == 3 else corr)
         inv = inv + torch.eye(size, dtype=inv.dtype, device=inv.device)
         u, w = inv @ vb, inv @ kd
     S0 = torch.zeros(B, H, dk, dv, dtype=torch.float32, device=q.device) if state is None else state.to(u)
@@ -156,6 +157,10 @@ RULE = Rule(
                  "does not compute fusepass::gdn_chunk"),
         NearMiss("keys scaled", functools.partial(chunked, scale_keys=True), _near_miss_inputs,
                  "does not compute fusepass::gdn_chunk"),
+        # One row of the forward substitution's correction doubled: off on that
+        # row's outputs only, which the region's check must still see.
+        NearMiss("one row's correction doubled", functools.partial(chunked, solve=False, row_factor=2.0),
+                 _near_miss_inputs, "does not compute fusepass::gdn_chunk"),
     ],
     sized_inputs=sized_inputs,
     doc=__doc__,
