@@ -23,7 +23,8 @@ than four rows, as in a prefill; more than 64 MB of weights at one row, as
 an 8B model's gate and up; more than 32 MB at two to four rows; a symbolic
 row count goes to the op, which decides per call), a product whose
 weight or bias is computed after the group's first product (it may read
-another product's output), fp64.
+another product's output).  Refused with the reason: fp64 and other dtypes
+without a kernel, a weight in another dtype or on another device than x.
 """
 
 from __future__ import annotations
