@@ -130,6 +130,15 @@ def _cublas_known(group) -> bool:
     return isinstance(M, int) and M != 0 and all(isinstance(s, int) for s in sizes) and not takes(M, sum(sizes))
 
 
+def _made_before(members, node_of, operands_of, pos):
+    """The members whose weights and biases (under their views) come before the
+    group's first product: one computed later may read a product's output, and
+    joining it would make a cycle."""
+    first = pos[node_of(members[0])]
+    return [m for m in members if all(not isinstance(_root(a), torch.fx.Node) or pos.get(_root(a), first) < first
+                                      for a in operands_of(m) if a is not None)]
+
+
 def _key(x: torch.fx.Node):
     # The same view of one tensor taken twice (two F.linear calls on a 3-D x) is one x.
     if _is(x, aten.view.default) or _is(x, aten.reshape.default) or _is(x, aten._unsafe_view.default):
@@ -152,12 +161,7 @@ def _find_products(gm: torch.fx.GraphModule):
     for members in groups.values():
         if len(members) < 2:
             continue
-        first = pos[members[0][0]]
-        # A weight or bias computed after the first product may depend on a
-        # product's output: joining it would make a cycle.
-        members = [m for m in members if all(
-            not isinstance(_root(a), torch.fx.Node) or pos.get(_root(a), first) < first
-            for a in (m[2], m[3]) if a is not None)]
+        members = _made_before(members, lambda m: m[0], lambda m: (m[2], m[3]), pos)
         for i in range(0, len(members), MAX_WEIGHTS):
             group = members[i:i + MAX_WEIGHTS]
             if len(group) < 2 or _cublas_known(group):
@@ -218,10 +222,7 @@ def _find_quantized(gm: torch.fx.GraphModule):
             continue
         groups.setdefault((_key(x), fmt, group, zero is None), []).append(node)
     for members in groups.values():
-        first = pos[members[0]]
-        members = [m for m in members if all(
-            not isinstance(_root(a), torch.fx.Node) or pos.get(_root(a), first) < first
-            for a in m.args[1:5] if a is not None)]
+        members = _made_before(members, lambda m: m, lambda m: m.args[1:5], pos)
         for i in range(0, len(members), MAX_SIBLINGS):
             group = members[i:i + MAX_SIBLINGS]
             if len(group) < 2:

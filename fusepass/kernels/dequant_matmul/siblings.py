@@ -66,6 +66,15 @@ def _group_args(x, weights, scales, zeros, biases, fmt, group_size):
     return ops[0][0], ops, G, cfg
 
 
+def _group_launch(x, got, fmt):
+    """(the group's launch, its outputs [M, N_i]) from ``_group_args``'s answer."""
+    x2, ops, G, cfg = got
+    outs = [torch.empty((x2.shape[0], out_features(o[1], fmt, o[2])), dtype=x.dtype, device=x.device) for o in ops]
+    launch = siblings_launch(x2, [o[1] for o in ops], [o[2] for o in ops], [o[3] for o in ops],
+                             [o[4] for o in ops], outs, fmt, G, cfg)
+    return launch, outs
+
+
 def dequant_matmul_siblings_fwd(x, weights, scales, zeros, biases, fmt, group_size) -> list[Tensor]:
     """The op's CUDA body."""
     got = _group_args(x, weights, scales, zeros, biases, fmt, group_size)
@@ -73,11 +82,9 @@ def dequant_matmul_siblings_fwd(x, weights, scales, zeros, biases, fmt, group_si
         return [dequant_matmul_fwd(x, w, s, z, b, fmt, group_size) if x.dtype in KERNEL_DTYPES
                 else _reference_out(x, w, s, z, b, fmt, group_size)
                 for w, s, z, b in zip(weights, scales, zeros, biases)]
-    x2, ops, G, cfg = got
-    outs = [torch.empty((x2.shape[0], out_features(o[1], fmt, o[2])), dtype=x.dtype, device=x.device) for o in ops]
+    launch, outs = _group_launch(x, got, fmt)
     with on_device(x):
-        siblings_launch(x2, [o[1] for o in ops], [o[2] for o in ops], [o[3] for o in ops], [o[4] for o in ops],
-                        outs, fmt, G, cfg).run()
+        launch.run()
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
 
 
@@ -107,11 +114,9 @@ def _cuda(x, weights, scales, zeros, biases, fmt, group_size):
 
 
 def _traced(x, weights, scales, zeros, biases, fmt, group_size):
-    x2, ops, G, cfg = _group_args(x, weights, scales, zeros, biases, fmt, group_size)
-    outs = [torch.empty((x2.shape[0], out_features(o[1], fmt, o[2])), dtype=x.dtype, device=x.device) for o in ops]
-    got = siblings_launch(x2, [o[1] for o in ops], [o[2] for o in ops], [o[3] for o in ops], [o[4] for o in ops],
-                          outs, fmt, G, cfg).traced()
-    return [got[f"o{i}"].view(*x.shape[:-1], outs[i].shape[-1]) for i in range(len(ops))]
+    launch, outs = _group_launch(x, _group_args(x, weights, scales, zeros, biases, fmt, group_size), fmt)
+    got = launch.traced()
+    return [got[f"o{i}"].view(*x.shape[:-1], y.shape[-1]) for i, y in enumerate(outs)]
 
 
 def _inline_ok(x, weights, scales, zeros, biases, fmt, group_size) -> bool:
