@@ -499,6 +499,10 @@ def _store_patterns(rule: Rule, key: str, forms: list[CompiledForm]) -> None:
 def where(node: torch.fx.Node) -> tuple[str, str]:
     """(module path, file:line) of the user's code that produced ``node``."""
     path = ""
+    # A node a rule put in the graph (an op call under the view that carries the
+    # replaced node's metadata) is named by its first user that has a name.
+    named = [node, *(u for u in node.users if u.meta.get("nn_module_stack"))]
+    node = next((n for n in named if n.meta.get("nn_module_stack")), node)
     stack = node.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]

@@ -21,7 +21,9 @@ weights' bytes are known when compiling and one launch was measured no
 faster than cuBLAS's one per weight (``kernels.linear_siblings.takes``: more
 than four rows, as in a prefill; more than 64 MB of weights at one row, as
 an 8B model's gate and up; more than 32 MB at two to four rows; a symbolic
-row count goes to the op, which decides per call), a product whose
+row count goes to the op, which decides per call), a group of quantized
+calls whose plan on the CUDA device compiled for is not the GEMV (the op
+would run them one by one, from the dispatcher), a product whose
 weight or bias is computed after the group's first product (it may read
 another product's output).  Refused with the reason: fp64 and other dtypes
 without a kernel, a weight in another dtype or on another device than x.
@@ -32,10 +34,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from fusepass.formats import KERNEL_DTYPES
+from fusepass.formats import KERNEL_DTYPES, out_features
 from fusepass.kernels.dequant_matmul import dequant_matmul_siblings_call
 from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M
 from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
+from fusepass.kernels.dequant_matmul.siblings import group_plan
 from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
 from fusepass.rule import Form, NearMiss, Region, Rule
 
@@ -228,11 +231,27 @@ def _find_quantized(gm: torch.fx.GraphModule):
             if len(group) < 2:
                 continue
             fmt, gs = group[0].args[5], group[0].args[6]
+            if _another_plan(group, fmt, gs):
+                continue
             args = [group[0].args[0]] + [a for m in group for a in m.args[1:5]]
             yield Region(f"{fmt} {_FORMS[len(group)]}", group[0], list(group), list(group), args,
                          _quantized_replacement(len(group), fmt, gs),
                          names=["x"] + [f"{a}{i}" for i in range(len(group)) for a in ("w", "s", "z", "b")],
                          arguments_checked=True)
+
+
+def _another_plan(group, fmt: str, group_size: int) -> bool:
+    """On a CUDA device with the rows and sizes known, whether the group's plan
+    is not the GEMV: the op would then run each weight through its own plan,
+    as the calls do now, but as a call Inductor cannot inline."""
+    xv = _val(group[0].args[0])
+    if xv.device.type != "cuda" or not all(isinstance(s, int) for s in xv.shape):
+        return False
+    K = xv.shape[-1]
+    Ns = [out_features(_val(m.args[1]), fmt, _val(m.args[2])) for m in group]
+    if not all(isinstance(n, int) for n in Ns):
+        return False
+    return group_plan(xv.numel() // K, Ns, K, fmt, group_size if fmt == "int4" else 0, xv.dtype, xv.device) is None
 
 
 def _quantized_replacement(n: int, fmt: str, group_size: int):
