@@ -106,3 +106,34 @@ def test_tensor_scalar_refusals():
         cuda_eps = torch.empty((), device="cuda")
     assert "run-time value" in tensor_scalar_refusal("eps", eps, cuda)
     assert "run-time value" in tensor_scalar_refusal("eps", node(cuda_eps, op="call"), cuda)
+
+
+def test_head_norms_on_cuda_are_left_to_inductor():
+    """A norm of attention heads (x a view of wider rows split into heads) on
+    CUDA is left to Inductor with the reason; wide rows, CPU and a view that
+    does not split a row into heads are the rule's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusepass.match import MatchInfo
+    from fusepass.patterns import rms_norm
+
+    aten = torch.ops.aten
+
+    def norm_input(device, wide, shape):
+        g = torch.fx.Graph()
+        with FakeTensorMode():
+            mm_val = torch.empty(1, wide, device=device, dtype=torch.bfloat16)
+            w_val = torch.empty(shape[-1], device=device, dtype=torch.bfloat16)
+            x_val = mm_val.view(*shape)
+        mm, w = g.placeholder("mm"), g.placeholder("w")
+        mm.meta["val"], w.meta["val"] = mm_val, w_val
+        x = g.call_function(aten.view.default, (mm, list(shape)))
+        x.meta["val"] = x_val
+        return MatchInfo("rms_norm", "hf", torch.bfloat16, {"x": x, "weight": w, "eps": 1e-6}, [], [])
+
+    reason = rms_norm.check(norm_input("cuda", 4096, (1, 1, 32, 128)))
+    assert reason and "32 heads of 128" in reason and "left to Inductor" in reason, reason
+    assert rms_norm.check(norm_input("cuda", 2048, (1, 1, 8, 256))) is not None  # the widest head rows
+    assert rms_norm.check(norm_input("cpu", 4096, (1, 1, 32, 128))) is None
+    assert rms_norm.check(norm_input("cuda", 4096, (1, 1, 4096))) is None  # a hidden row, not heads
+    assert rms_norm.check(norm_input("cuda", 4096, (1, 1, 8, 512))) is None  # rows wider than a head

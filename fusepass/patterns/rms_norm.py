@@ -95,8 +95,33 @@ def check_norm(m: MatchInfo, x_name: str = "x") -> str | None:
     return None
 
 
+# Widest rows a norm of heads may have to be left to Inductor (head dims: 64-256).
+HEAD_ROWS = 256
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def head_norm(m: MatchInfo) -> str | None:
+    """Why a norm of attention heads on CUDA (rows of at most HEAD_ROWS, x a view
+    of wider rows split into heads: Qwen3's and Gemma 3's q / k norms) is left to
+    Inductor, which computes it in the kernel of the RoPE and cache write after
+    it; a fusepass launch per norm cost more than it saved there."""
+    x, xv = m.inputs.get("x"), m.val("x")
+    if not isinstance(x, torch.fx.Node) or xv.device.type != "cuda" or xv.dim() < 2:
+        return None
+    D = xv.shape[-1]
+    if not isinstance(D, int) or D > HEAD_ROWS:
+        return None
+    while isinstance(x, torch.fx.Node) and x.target in _VIEWS and isinstance(x.args[0], torch.fx.Node):
+        x = x.args[0]
+        wide = getattr(x.meta.get("val"), "shape", (D,))[-1] if x.meta.get("val") is not None else D
+        if isinstance(wide, int) and wide > D and wide % D == 0:
+            return (f"a norm of {wide // D} heads of {D} (a view of rows of {wide}): left to Inductor, which "
+                    f"fuses it into the kernel after it (RoPE, the cache write)")
+    return None
+
+
 def check(m: MatchInfo) -> str | None:
-    return check_norm(m)
+    return check_norm(m) or head_norm(m)
 
 
 def _arg(node: torch.fx.Node, i: int):
