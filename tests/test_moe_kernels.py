@@ -345,6 +345,31 @@ def test_experts_kernels_match_reference(poisoned, plan, case):
     _assert_experts_close(out, ref, loose=plan == "sorted" and fmt == "int4")
 
 
+@pytest.mark.parametrize("case", ["T3-E8-k2-bf16-gpt_oss-transposed-bias-fp32w", "T3-E8-k2-fp16-int8",
+                                  "T3-E8-k2-bf16-fp8-interleaved", "T5-E5-k1-fp16-odd-H37-I19-transposed"])
+@pytest.mark.parametrize("split", [2, 3])
+def test_decode_down_split_over_k(poisoned, monkeypatch, case, split):
+    """The down kernel with K split over programs: each tile's last program adds
+    the slices and finishes (scales, bias, roundings, routing weights), and
+    leaves its counter at zero for the next launch; the op's form and the
+    inlined form (counters zeroed in the graph)."""
+    T, E, H, I, k, dt, act, layout, trans, bias, fmt, group, asym, twdt = EXPERT_CASES[case]
+    inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
+                             twdt=DT.get(twdt))
+    base = decode.decode_heuristic(T, k, H, I, trans, 132, group)
+    cfg = dataclasses.replace(base, BN2=16, BK2=8, split2=split, defer2=split == 2)
+    held = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(decode, "_split_counters", lambda device, tiles: held[:tiles])
+    out, ref = _run_experts("decode", inputs, act, layout, trans, fmt, group, cfg)
+    _assert_experts_close(out, ref)
+    assert not held.any(), held  # every tile's counter back at zero
+    monkeypatch.setattr(decode, "decode_heuristic", lambda *a, **kw: cfg)
+    monkeypatch.setattr(ex, "moe_experts_plan", lambda *a, **kw: "decode")
+    alpha, limit = (1.702, 7.0) if act == "gpt_oss" else (0.0, 0.0)
+    traced = ex.moe_experts_traced(*inputs, act, layout, trans, fmt, group, alpha, limit)
+    _assert_experts_close(traced, ref)
+
+
 @pytest.mark.parametrize("plan", ["decode", "sorted"])
 def test_experts_shared_unused_and_outside_experts(poisoned, plan):
     """Experts chosen by several tokens (read once by the decode path), most

@@ -34,6 +34,8 @@ What the script does, in one process:
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import json
 import os
@@ -276,6 +278,12 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
                 cands[f"decode-down-BN{bn2}"] = ("decode", decode.DecodeConfig(
                     BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 8192 // (KP * bn2)), defer=False,
                     defer2=False))
+            # K split over programs: wide column tiles (whole 128-byte lines of a
+            # transposed weight's rows) with as many programs as narrow ones.
+            for bn2, split in ((32, 4), (64, 4), (64, 8), (16, 2)) if m["transposed"] else ((16, 2), (16, 4)):
+                for warps2 in (4, 8):
+                    cands[f"decode-down-BN{bn2}-S{split}-W{warps2}"] = ("decode", dataclasses.replace(
+                        base, BN2=bn2, BK2=max(8, 8192 // (KP * bn2)), defer2=False, split2=split, warps2=warps2))
     if T * m["k"] >= 16:
         base = prefill.sorted_heuristic(T, m["k"], m["E"], 0)
         cands["sorted"] = ("sorted", base)
@@ -587,11 +595,13 @@ def decode_up(fmt="none", halves=True, act="silu", BM=1, BN=16, BK=256, BS=8, de
     return compile_sm90(decode._moe_decode_up_kernel, types, consts, warps, unit="stride_wn" if trans else "stride_wk")
 
 
-def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4, pdl=False):
+def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4, pdl=False,
+                split=False):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
-    types = dict(h=BF16, h2=I32, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16)
+    types = dict(h=BF16, h2=I32, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16, part=F32,
+                 ctr=I32)
     consts = dict(ROUND_W=True, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4", HAS_BIAS=bias,
-                  KP=KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans, PDL=pdl)
+                  KP=KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans, PDL=pdl, SPLIT=split)
     vb = decode.int4_chunk(fmt, trans, group, BK)
     consts.update(VB=vb, ASM=vb >= 4)
     return compile_sm90(decode._moe_decode_down_kernel, types, consts, warps,
@@ -614,6 +624,10 @@ def ptx_kernels(only: str | None):
             ("decode down, Qwen3 T8", lambda: decode_down(BN=16, BK=64, defer=False)),
             ("decode down, gpt-oss T1 (transposed)", lambda: decode_down(KP=4, BN=16, BK=256, defer=False, bias=True,
                                                                          trans=True)),
+            ("decode down, gpt-oss T1 (transposed), K split, BN64 BK32", lambda: decode_down(
+                KP=4, BN=64, BK=32, defer=False, bias=True, trans=True, split=True)),
+            ("decode down, gpt-oss T1 (transposed), K split, BN128 BK16 8 warps", lambda: decode_down(
+                KP=4, BN=128, BK=16, defer=False, bias=True, trans=True, split=True, warps=8)),
             ("decode down, int4 g128 (chunks, BN2 2 warps)", lambda: decode_down(fmt="int4", BN=2, BK=256,
                                                                                 defer=False, warps=2)),
             ("decode down, deferred sum BN4 BK128", lambda: decode_down()),

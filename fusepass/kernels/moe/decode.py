@@ -41,6 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.kernels._common import Launch, cdiv, interpreting, pdl_release, pdl_supported, pdl_wait
+from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.dequant_matmul.tiles import _chunk_sums
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import (
@@ -198,13 +199,23 @@ def _moe_decode_up_kernel(
 
 
 @triton.jit
+def _down_finish(s, b_tw, p_s, p_b, m_r, m_n, p_o, DT: tl.constexpr, ROUND_W: tl.constexpr, FMT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """The k experts' sums [KP, BN] -> each rounded as the expert's output, times
+    its routing weight, summed over the experts in fp32, stored once."""
+    b_d = proj_epilogue(s, row_scale(p_s, m_r, FMT), p_b, m_r, DT, HAS_BIAS)
+    b_y = tl.where(m_r, _round_if(b_d * b_tw[:, None], DT, ROUND_W), 0.0)
+    tl.store(p_o, _to(tl.sum(b_y, axis=0), DT), mask=m_n)
+
+
+@triton.jit
 def _moe_decode_down_kernel(
-    h, h2, ids, tw, w, bias, scale, zero, out,
-    E, K, N, TOPK,
+    h, h2, ids, tw, w, bias, scale, zero, out, part, ctr,
+    E, K, N, TOPK, K_SPLIT,
     stride_hm, stride_h2m, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
     ROUND_W: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr, TRANS: tl.constexpr,
-    VB: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
+    VB: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = False,
 ):
     # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
     # each program keeps k times the bytes of one expert's tile in flight.
@@ -213,8 +224,20 @@ def _moe_decode_down_kernel(
     # An L2 prefetch of the program's weight rows there (or of the down rows by
     # the gate_up programs) ran slower: Qwen3-30B-A3B block at T = 1, H200,
     # 38.0 and 38.5 against 37.0 µs, at T = 4 174 against 163.
+    # SPLIT: program (i_t, i_n, i_s) sums K in [i_s K_SPLIT, +K_SPLIT) (value by
+    # value only), its [KP, BN] fp32 sums go to part [n_split, T, KP, N], and the
+    # tile's last program to arrive (its count at ctr) adds the slices in slice
+    # order and finishes (dequant_matmul's split-K pattern, tiles._finish): more
+    # programs where one token's N / BN tiles are few (gpt-oss's [E, K, N] down
+    # weight: 360 programs of 8 columns, 16 bytes of a row each, without it).
     DT: tl.constexpr = out.dtype.element_ty
     i_t, i_n = tl.program_id(0), tl.program_id(1)
+    if SPLIT:
+        k_lo = tl.program_id(2) * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    else:
+        k_lo = 0
+        k_hi = K
     o_j = tl.arange(0, KP)
     o_s = i_t * TOPK + o_j
     b_e = tl.load(ids + o_s, mask=o_j < TOPK, other=-1, cache_modifier=".cg").to(tl.int32)
@@ -249,17 +272,32 @@ def _moe_decode_down_kernel(
                                               k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
                 acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
     else:
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_hi, BK):
             o_k = k0 + tl.arange(0, BK)
-            b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
+            b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < k_hi)[None, :],
+                          other=0).to(tl.float32)
             # [KP, BN, BK], or [KP, BK, BN] (TRANS)
-            b_w = w_tile(p_w, m_r, p_s, p_z, k0, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+            b_w = w_tile(p_w, m_r, p_s, p_z, k0, k_hi, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
             b_p = b_w.to(tl.float32) * (b_h[:, :, None] if TRANS else b_h[:, None, :])
             acc += b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=KAX), KAX)
-    b_d = proj_epilogue(tl.sum(acc, axis=KAX), row_scale(p_s, m_r, FMT), bias + e64[:, None] * stride_be + o_n[None, :],
-                        m_r, DT, HAS_BIAS)
-    b_y = tl.where(m_r, _round_if(b_d * b_tw[:, None], DT, ROUND_W), 0.0)
-    tl.store(out + i_t.to(tl.int64) * stride_om + o_n, _to(tl.sum(b_y, axis=0), DT), mask=m_n)
+    s = tl.sum(acc, axis=KAX)
+    p_b = bias + e64[:, None] * stride_be + o_n[None, :]
+    p_o = out + i_t.to(tl.int64) * stride_om + o_n
+    if SPLIT:
+        n_s = tl.num_programs(2)
+        o_p = (i_t * KP + o_j[:, None]).to(tl.int64) * N + o_n[None, :]  # [KP, BN] in one slice's [T, KP, N]
+        slice_size = (tl.num_programs(0) * KP).to(tl.int64) * N
+        tl.store(part + tl.program_id(2) * slice_size + o_p, s, mask=m_r)
+        tl.debug_barrier()
+        p_c = ctr + i_t * tl.num_programs(1) + i_n
+        if tl.atomic_add(p_c, 1) == n_s - 1:  # acq_rel, gpu scope
+            s = tl.load(part + o_p, mask=m_r, other=0, cache_modifier=".cg")
+            for q in range(1, n_s):
+                s += tl.load(part + q * slice_size + o_p, mask=m_r, other=0, cache_modifier=".cg")
+            _down_finish(s, b_tw, p_s, p_b, m_r, m_n, p_o, DT, ROUND_W, FMT, HAS_BIAS)
+            tl.atomic_xchg(p_c, 0)
+    else:
+        _down_finish(s, b_tw, p_s, p_b, m_r, m_n, p_o, DT, ROUND_W, FMT, HAS_BIAS)
 
 
 # ----------------------------------------------------------------- launch ----
@@ -279,6 +317,7 @@ class DecodeConfig:
     defer: bool = True  # gate_up: reduce across K at the end (else every tile)
     defer2: bool = True
     pdl: bool = False  # both launches with programmatic dependent launch (``_common.pdl_wait``)
+    split2: int = 1  # down: K (the intermediate dim) over this many programs a tile (value-by-value tiles only)
 
 
 def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int) -> DecodeConfig:
@@ -363,16 +402,31 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         TRANS=transposed, VB=vb1, ASM=asm and vb1 >= 4, PDL=pdl), ("h",), cfg.warps, pdl=pdl))["h"]
     sn2, sk2 = _strides(w2, transposed)
     h2 = pairs(h) if vb2 else h  # (of the launch's output: the traced form's h is a new tensor)
-    return go(Launch(_moe_decode_down_kernel, (T, cdiv(H, cfg.BN2)), dict(
+    KP = cdiv_pow2(k)
+    n_split, k_split, part, ctr = 1, I, dummy, dummy
+    if cfg.split2 > 1 and not vb2:
+        k_split = cdiv(cdiv(I, cfg.split2), cfg.BK2) * cfg.BK2
+        n_split = cdiv(I, k_split)
+    if n_split > 1:
+        tiles = T * cdiv(H, cfg.BN2)
+        # The traced form's counters are zeroed in the graph; the op's come from
+        # the split-K pool (None in a capture without free ones: one program a tile).
+        got = torch.zeros(tiles, dtype=torch.int32, device=x.device) if go is _tiles.traced else \
+            _split_counters(x.device, tiles)
+        if got is None:
+            n_split, k_split = 1, I
+        else:
+            ctr, part = got, _tiles.workspace((n_split, T, KP, H), torch.float32, x.device)
+    return go(Launch(_moe_decode_down_kernel, (T, cdiv(H, cfg.BN2), n_split), dict(
         h=h, h2=h2, ids=ids, tw=tw, w=w2, bias=b2 if b2 is not None else dummy, scale=s2 if s2 is not None else dummy,
-        zero=z2 if z2 is not None else dummy, out=out,
-        E=E, K=I, N=H, TOPK=k,
+        zero=z2 if z2 is not None else dummy, out=out, part=part, ctr=ctr,
+        E=E, K=I, N=H, TOPK=k, K_SPLIT=k_split,
         stride_hm=h.stride(0), stride_h2m=h2.stride(0), stride_we=w2.stride(0), stride_wn=sn2, stride_wk=sk2,
         stride_se=s2.stride(0) if s2 is not None else 0, stride_sn=s2.stride(1) if s2 is not None else 0,
         stride_be=b2.stride(0) if b2 is not None else 0, stride_om=out.stride(0),
         ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
-        KP=cdiv_pow2(k), BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, VB=vb2, ASM=asm and vb2 >= 4,
-        PDL=pdl), ("out",), cfg.warps2, pdl=pdl))["out"]
+        KP=KP, BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, VB=vb2, ASM=asm and vb2 >= 4,
+        PDL=pdl, SPLIT=n_split > 1), ("out",), cfg.warps2, pdl=pdl))["out"]
 
 
 def pairs(t: Tensor) -> Tensor:
