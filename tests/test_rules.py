@@ -7,6 +7,8 @@ run eagerly (per dtype), each near-miss must be refused with its reason.
 
 import contextlib
 
+import operator
+
 import pytest
 import torch
 
@@ -119,20 +121,28 @@ def test_head_norms_on_cuda_are_left_to_inductor():
 
     aten = torch.ops.aten
 
-    def norm_input(device, wide, shape):
+    def norm_input(device, wide, shape, half=None):
         g = torch.fx.Graph()
         with FakeTensorMode():
             mm_val = torch.empty(1, wide, device=device, dtype=torch.bfloat16)
             w_val = torch.empty(shape[-1], device=device, dtype=torch.bfloat16)
-            x_val = mm_val.view(*shape)
+            v_val = mm_val.view(*shape[:-1], shape[-1] * (2 if half else 1))
+            x_val = torch.empty(*shape, device=device, dtype=torch.bfloat16) if half else v_val
         mm, w = g.placeholder("mm"), g.placeholder("w")
         mm.meta["val"], w.meta["val"] = mm_val, w_val
-        x = g.call_function(aten.view.default, (mm, list(shape)))
+        x = g.call_function(aten.view.default, (mm, list(v_val.shape)))
+        x.meta["val"] = v_val
+        if half == "slice":  # Qwen3.5's query beside its gate: a half of each head's row
+            x = g.call_function(aten.slice.Tensor, (x, -1, 0, shape[-1]))
+        elif half == "split":
+            x = g.call_function(operator.getitem, (g.call_function(aten.split.Tensor, (x, shape[-1], -1)), 0))
         x.meta["val"] = x_val
         return MatchInfo("rms_norm", "hf", torch.bfloat16, {"x": x, "weight": w, "eps": 1e-6}, [], [])
 
     reason = rms_norm.check(norm_input("cuda", 4096, (1, 1, 32, 128)))
-    assert reason and "32 heads of 128" in reason and "left to Inductor" in reason, reason
+    assert reason and "norm of attention heads (rows of 128" in reason and "left to Inductor" in reason, reason
+    for half in ("slice", "split"):
+        assert "attention heads" in rms_norm.check(norm_input("cuda", 8192, (1, 1, 16, 256), half))
     assert rms_norm.check(norm_input("cuda", 2048, (1, 1, 8, 256))) is not None  # the widest head rows
     assert rms_norm.check(norm_input("cpu", 4096, (1, 1, 32, 128))) is None
     assert rms_norm.check(norm_input("cuda", 4096, (1, 1, 4096))) is None  # a hidden row, not heads

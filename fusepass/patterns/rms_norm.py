@@ -30,6 +30,8 @@ decode step 331.1 -> 325.7 µs, prefill T = 2048 3.40 -> 2.90 ms (Inductor
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -108,23 +110,40 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def head_norm(m: MatchInfo) -> str | None:
-    """Why a norm of attention heads on CUDA (rows of at most HEAD_ROWS, x a view
-    of wider rows split into heads: Qwen3's and Gemma 3's q / k norms) is left to
-    Inductor, which computes it in the kernel of the RoPE and cache write after
-    it; a fusepass launch per norm cost more than it saved there."""
+    """Why a norm of attention heads on CUDA (rows of at most HEAD_ROWS, x a view,
+    slice or split piece of wider rows: the q / k norms of Qwen3, and of Qwen3.5
+    and Qwen3-Next, whose query is half of each head's row beside its gate) is
+    left to Inductor, which computes it in the kernel of the RoPE and cache
+    write after it; a fusepass launch per norm cost more than it saved there
+    (measured on Qwen3-30B-A3B's: the module docstring)."""
     x, xv = m.inputs.get("x"), m.val("x")
     if not isinstance(x, torch.fx.Node) or xv.device.type != "cuda" or xv.dim() < 2:
         return None
     D = xv.shape[-1]
     if not isinstance(D, int) or D > HEAD_ROWS:
         return None
-    while isinstance(x, torch.fx.Node) and x.target in _VIEWS and isinstance(x.args[0], torch.fx.Node):
-        x = x.args[0]
-        wide = getattr(x.meta.get("val"), "shape", (D,))[-1] if x.meta.get("val") is not None else D
+    while True:
+        x = _under(x)
+        if x is None:
+            return None
+        val = x.meta.get("val")
+        wide = val.shape[-1] if isinstance(val, torch.Tensor) and val.dim() else D
         if isinstance(wide, int) and wide > D and wide % D == 0:
-            return (f"a norm of {wide // D} heads of {D} (a view of rows of {wide}): left to Inductor, which "
+            return (f"a norm of attention heads (rows of {D}, a view of rows of {wide}): left to Inductor, which "
                     f"fuses it into the kernel after it (RoPE, the cache write)")
-    return None
+
+
+def _under(x: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor a view, a slice or a split's piece (Qwen3.5's query beside its
+    gate) was taken from, or None."""
+    if x.target in _VIEWS or x.target == aten.slice.Tensor:
+        src = x.args[0]
+    elif x.target is operator.getitem and isinstance(x.args[0], torch.fx.Node) \
+            and x.args[0].target in (aten.split.Tensor, aten.split_with_sizes.default):
+        src = x.args[0].args[0]
+    else:
+        return None
+    return src if isinstance(src, torch.fx.Node) else None
 
 
 def check(m: MatchInfo) -> str | None:
