@@ -421,3 +421,27 @@ def test_tp_bench_rank_that_fails_exits_with_its_traceback():
     code = "from fusepass.bench.tp import _rank_or_exit; _rank_or_exit(lambda: 1 / 0); print('after')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "ZeroDivisionError" in done.stderr and "after" not in done.stdout
+
+
+def test_bench_e2e_rule_variant(tmp_path, capsys):
+    """A backend "fusepass-no:RULE+RULE" compiles without those rules (an A/B of
+    rules in one process); unknown rules, an empty list and the startup phase are
+    refused before anything runs."""
+    pytest.importorskip("transformers")
+    from fusepass.bench.e2e.run import compile_args
+
+    assert compile_args("fusepass") == {"backend": "fusepass"}
+    assert compile_args("inductor") == {"backend": "inductor"}
+    assert compile_args("fusepass-no:rms_norm+swiglu") == {
+        "backend": "fusepass", "options": {"disable_rules": ["rms_norm", "swiglu"]}}
+    for backends, phases, message in (("fusepass-no:nope", "replay", "name the rules"),
+                                      ("fusepass-no:", "replay", "name the rules"),
+                                      ("fusepass-no:swiglu", "startup", "plain backends only")):
+        with pytest.raises(SystemExit, match=message):
+            fusepass_cli(capsys, "bench", "e2e", "--quick", "--phases", phases, "--backends", backends,
+                         "--out", str(tmp_path))
+    fusepass_cli(capsys, "bench", "e2e", "--quick", "--phases", "replay", "--backends",
+                 "fusepass-no:rms_norm+add_rms_norm", "--out", str(tmp_path))
+    (row,) = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert row["backend"] == "fusepass-no:rms_norm+add_rms_norm" and row["ok"] is True, row
+    assert "swiglu" in row["rewrites"] and "rms_norm" not in row["rewrites"], row["rewrites"]

@@ -49,7 +49,7 @@ from ...formats import GROUP_SIZES
 from .. import output
 from .models import MODELS
 from .phases import phase_decode, phase_prefill, phase_replay
-from .run import DTYPES, Run
+from .run import DTYPES, VARIANT, Run, fusepass_options
 from .startup import phase_startup
 from .summary import finish
 
@@ -73,10 +73,23 @@ def main(args: argparse.Namespace) -> int:
     args.new_tokens = args.new_tokens or 128
     args.repeat = args.repeat or 3
     phases = [p.strip() for p in args.phases.split(",")]
-    unknown = [p for p in phases if p not in PHASES] + [b for b in args.backends.split(",") if b not in BACKENDS]
+    backends = [b.strip() for b in args.backends.split(",")]
+    unknown = [p for p in phases if p not in PHASES] + [b for b in backends if b not in BACKENDS
+                                                          and not b.startswith(VARIANT)]
     if unknown:
         raise SystemExit(f"fusepass bench e2e: unknown phase(s)/backend(s) {unknown}; phases {PHASES}, "
-                         f"backends {BACKENDS}")
+                         f"backends {BACKENDS} or {VARIANT}RULE[+RULE...]")
+    variants = [b for b in backends if b.startswith(VARIANT)]
+    if variants:
+        from fusepass.rule import rules
+
+        known = {r.name for r in rules()}
+        bad = [r for b in variants for r in fusepass_options(b)["disable_rules"] if r not in known] or \
+            [b for b in variants if not fusepass_options(b)["disable_rules"]]
+        if bad:
+            raise SystemExit(f"fusepass bench e2e: {bad}: name the rules to leave out, of {sorted(known)}")
+        if "startup" in phases:
+            raise SystemExit(f"fusepass bench e2e: the startup phase times plain backends only, not {variants}")
     if args.quantize in ("int8", "int4"):
         import fusepass
 
@@ -103,7 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default llama3-8b (tiny-llama with --quick)")
     p.add_argument("--layers", default="4", help="decoder layers (default 4), or 'full' for the whole depth")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma list (default: eager,inductor,fusepass)")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help="comma list (default: eager,inductor,fusepass); fusepass-no:RULE[+RULE...]: "
+                        "fusepass without those rules")
     p.add_argument("--quick", action="store_true", help="the tiny model on the CPU, a few shapes (CI)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16 on CUDA, float32 on CPU")

@@ -134,6 +134,27 @@ class Run:
         return Timing.from_samples(samples)
 
 
+# A backend "fusepass-no:RULE+RULE" is fusepass without those rules: an A/B of
+# rules in one process, against the same Inductor row.
+VARIANT = "fusepass-no:"
+
+
+def fusepass_options(backend: str) -> dict[str, Any] | None:
+    """The fusepass options a backend name asks for ({} for "fusepass"), or None
+    for a backend that is not fusepass."""
+    if backend == "fusepass":
+        return {}
+    if backend.startswith(VARIANT):
+        return {"disable_rules": [r for r in backend[len(VARIANT):].split("+") if r]}
+    return None
+
+
+def compile_args(backend: str) -> dict[str, Any]:
+    """``torch.compile``'s backend (and options) for a backend name."""
+    opts = fusepass_options(backend)
+    return {"backend": "fusepass", "options": opts} if opts else {"backend": backend}
+
+
 def _fresh(model: torch.nn.Module, backend: str, **kwargs: Any) -> Any:
     """``model`` compiled with ``backend`` from a clean Dynamo state (eager: the model itself)."""
     torch._dynamo.reset()
@@ -141,18 +162,18 @@ def _fresh(model: torch.nn.Module, backend: str, **kwargs: Any) -> Any:
         del model._compiled_call
     if backend == "eager":
         return model
-    return torch.compile(model, backend=backend, dynamic=False, **kwargs)
+    return torch.compile(model, dynamic=False, **compile_args(backend), **kwargs)
 
 
 def _start_report(backend: str) -> None:
-    if backend == "fusepass":
+    if fusepass_options(backend) is not None:
         import fusepass
 
         fusepass.reset_reports()
 
 
 def _report_text(backend: str) -> str | None:
-    if backend != "fusepass":
+    if fusepass_options(backend) is None:
         return None
     import fusepass
 

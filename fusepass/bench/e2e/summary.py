@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from .. import output
-from .run import Run
+from .run import Run, fusepass_options
 
 
 def _vs_inductor(rows: list[dict[str, Any]]) -> None:
@@ -87,4 +87,4 @@ def finish(run: Run) -> int:
     if failed:
         print(f"{len(failed)} row(s) failed: " + "; ".join(f"{r['workload']} {r['backend']}: {r.get('error', 'check')}"
                                                            for r in failed), file=sys.stderr)
-    return 1 if any(r["backend"] == "fusepass" for r in failed) else 0
+    return 1 if any(fusepass_options(r["backend"]) is not None for r in failed) else 0
