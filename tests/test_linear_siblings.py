@@ -148,6 +148,42 @@ def test_quantized_prefill_rows_stay_apart():
     assert not [h for h in report.hits if h.rule == "linear_siblings"]
 
 
+def test_quantized_group_whose_plan_is_not_the_gemv_stays_apart(monkeypatch):
+    """On CUDA with the rows known, a group whose plan is not the GEMV is left
+    as separate calls (the op would run them one by one from the dispatcher);
+    on the CPU, and where the plan is the GEMV, the group is made."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusepass.patterns import linear_siblings as rule
+
+    g = torch.fx.Graph()
+    calls = []
+    for device in ("cuda", "cpu"):
+        with FakeTensorMode():
+            x = torch.empty(2, 256, device=device, dtype=torch.bfloat16)
+            ws = [torch.empty(n, 128, device=device, dtype=torch.uint8) for n in (256, 64)]
+            ss = [torch.empty(n, 8, device=device, dtype=torch.bfloat16) for n in (256, 64)]
+        nodes = []
+        for i, val in enumerate([x, *ws, *ss]):
+            nodes.append(g.placeholder(f"a{i}_{device}"))
+            nodes[-1].meta["val"] = val
+        xn, w0, w1, s0, s1 = nodes
+        calls.append([g.call_function(rule._DEQUANT, (xn, w, s, None, None, "int4", 32))
+                      for w, s in ((w0, s0), (w1, s1))])
+    seen = []
+
+    def plan(M, Ns, K, fmt, G, dtype, device):
+        seen.append((M, tuple(Ns), K, fmt, G, device.type))
+        return None
+
+    monkeypatch.setattr(rule, "group_plan", plan)
+    assert rule._another_plan(calls[0], "int4", 32)
+    assert seen == [(2, (256, 64), 256, "int4", 32, "cuda")]
+    assert not rule._another_plan(calls[1], "int4", 32)  # CPU: the op's body is plain torch either way
+    monkeypatch.setattr(rule, "group_plan", lambda *a: object())
+    assert not rule._another_plan(calls[0], "int4", 32)
+
+
 @interpreted
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", 0), ("fp8", 0)])
 @pytest.mark.parametrize("M", [1, 3])
