@@ -4,7 +4,7 @@
 # (`pip install -e ".[test]"`); peers may be installed too.  Logs go to $OUT
 # (default gpu-out/, ignored by git).
 #
-#   PART=models bash benchmarks/gpu_check.sh   # test_gpu.py, test_ops.py, the demo (~500 s on an H200)
+#   PART=models bash benchmarks/gpu_check.sh   # test_gpu.py, test_ops.py, the demo (~450 s + 45 s, H200)
 #   PART=kernels bash benchmarks/gpu_check.sh  # the quantized-linear kernel tests, own formats
 #   PART=library bash benchmarks/gpu_check.sh  # the libraries' layouts (minutes: real sizes)
 #   PART=rest bash benchmarks/gpu_check.sh     # every other GPU test, and the rule tests on CUDA
