@@ -88,6 +88,34 @@ def test_rule_takes_a_decode_steps_projections(bias, dtype):
     assert_close(got, want, "linear_siblings model", dtype=dtype)
 
 
+def test_zero_width_x_is_rewritten_and_gives_the_biases():
+    """x with no features (K = 0): the products are zeros plus the biases, in the
+    op and its CPU body (its rows were once reshaped with -1, which a
+    zero-size row cannot take: a crash inside the compiled program, found by
+    the long differential run)."""
+    from fusepass.kernels._common import rows
+
+    assert rows(torch.empty(3, 2, 0), 0).shape == (6, 0)
+    x = torch.empty(2, 1, 0)
+    ws, bs = [torch.randn(4, 0), torch.randn(3, 0)], [torch.randn(4), None]
+    got = torch.ops.fusepass.linear_siblings(x, ws, bs)
+    assert [tuple(y.shape) for y in got] == [(2, 1, 4), (2, 1, 3)]
+    torch.testing.assert_close(got[0], bs[0].expand(2, 1, 4))
+    assert not got[1].any()
+
+    class Zero(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(0, 8), torch.nn.Linear(0, 4, bias=False)
+
+        def forward(self, x):
+            return self.a(x).sum(-1, keepdim=True) * 2 + self.b(x)
+
+    got, want, report = _compile(Zero().eval(), torch.empty(2, 1, 0))
+    assert [h.form for h in report.hits if h.rule == "linear_siblings"] == ["two"]
+    torch.testing.assert_close(got, want)
+
+
 def test_five_siblings_are_a_call_of_four_and_one_left():
     model = _Attention(n=5).eval()
     got, want, report = _compile(model, torch.randn(1, 64))

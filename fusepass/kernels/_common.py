@@ -13,6 +13,7 @@ import contextvars
 import copy
 import functools
 import logging
+import math
 import os
 import sys
 import threading
@@ -98,9 +99,15 @@ def row_view(t: torch.Tensor, n: int) -> torch.Tensor | None:
     if n != 1 and t.dim() and t.stride(-1) != 1:
         return None
     try:
-        return t.view(-1, n)
+        return t.view(flat_rows(t, n), n)
     except RuntimeError:  # leading dims that do not flatten into one row stride
         return None
+
+
+def flat_rows(t: torch.Tensor, n: int):
+    """The M of ``t`` seen as [M, n]: -1 cannot stand for it where n is 0 (a
+    zero-size row has no size to divide by)."""
+    return t.numel() // n if n else math.prod(t.shape[:-1])
 
 
 def cdiv(a: int, b: int) -> int:
@@ -114,7 +121,7 @@ def cdiv(a: int, b: int) -> int:
 def rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """:func:`row_view`, or a contiguous [M, n] copy where no view exists."""
     view = row_view(t, n)
-    return view if view is not None else t.contiguous().view(-1, n)
+    return view if view is not None else t.contiguous().view(flat_rows(t, n), n)
 
 
 # -- a scalar read at run time ---------------------------------------------------

@@ -29,8 +29,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
-from fusepass.kernels._common import Launch, call, cdiv, inline_enabled, on_device, register_inline, run_kernel, \
-    sm_count
+from fusepass.kernels._common import Launch, call, cdiv, flat_rows, inline_enabled, on_device, register_inline, \
+    run_kernel, sm_count
 
 MAX_WEIGHTS = 4
 MAX_ROWS = 4  # rows of x the GEMV takes; more are a GEMM (cuBLAS)
@@ -160,13 +160,13 @@ def _check(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> Non
 
 
 def _reference(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(flat_rows(x, x.shape[-1]), x.shape[-1])  # (K may be 0)
     outs = [torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t()) for w, b in zip(weights, biases)]
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
 
 
 def _operands(x: Tensor, weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(flat_rows(x, x.shape[-1]), x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2, [w if w.stride(-1) == 1 else w.contiguous() for w in weights]
