@@ -245,7 +245,7 @@ def _another_plan(group, fmt: str, group_size: int) -> bool:
     is not the GEMV: the op would then run each weight through its own plan,
     as the calls do now, but as a call Inductor cannot inline."""
     xv = _val(group[0].args[0])
-    if xv.device.type != "cuda" or not all(isinstance(s, int) for s in xv.shape):
+    if xv.device.type != "cuda" or not all(isinstance(s, int) for s in xv.shape) or not xv.shape[-1]:
         return False
     K = xv.shape[-1]
     Ns = [out_features(_val(m.args[1]), fmt, _val(m.args[2])) for m in group]
