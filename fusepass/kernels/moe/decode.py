@@ -404,7 +404,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     h2 = pairs(h) if vb2 else h  # (of the launch's output: the traced form's h is a new tensor)
     KP = cdiv_pow2(k)
     n_split, k_split, part, ctr = 1, I, dummy, dummy
-    if cfg.split2 > 1 and not vb2:
+    if cfg.split2 > 1 and not vb2 and I > 0:
         k_split = cdiv(cdiv(I, cfg.split2), cfg.BK2) * cfg.BK2
         n_split = cdiv(I, k_split)
     if n_split > 1:
