@@ -122,7 +122,9 @@ def demo(args: argparse.Namespace) -> int:
           f"allowed {limit:.1e}): {'OK' if ok else 'MISMATCH'}")
     norms = models.count_norms(model)
     fused = report.count("rms_norm") + report.count("add_rms_norm") + report.count("rms_norm_gated")
-    heads = sum("norm of attention heads" in r for r in report.reasons("rms_norm"))
+    from fusepass.patterns.rms_norm import HEAD_NORM
+
+    heads = sum(r.startswith(HEAD_NORM) for r in report.reasons("rms_norm"))
     print(f"RMSNorm modules: {norms}, rewritten: {fused}" + (f", left to Inductor (attention heads): {heads}"
                                                            if heads else ""))
     if rows:

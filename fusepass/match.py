@@ -10,6 +10,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+aten = torch.ops.aten
+# Ops that only reshape a tensor (the same elements in the same order).
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
+
 
 @dataclass
 class MatchInfo:

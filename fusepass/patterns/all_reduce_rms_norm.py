@@ -38,7 +38,7 @@ import torch.fx
 
 from fusepass.guards import nondefault_argument
 from fusepass.kernels.all_reduce_rms_norm import all_reduce_rms_norm_call
-from fusepass.match import MatchInfo, same, scalar_input, shape_str
+from fusepass.match import RESHAPES, MatchInfo, same, scalar_input, shape_str
 from fusepass.patterns import add_rms_norm as add_norm
 from fusepass.patterns import rms_norm as norm
 from fusepass.rule import Form, NearMiss, Region, Rule, get_rule
@@ -47,8 +47,7 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 # Ops between the wait and the add that only reshape: the sum commutes with them.
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
-          aten.clone.default)
+_VIEWS = (*RESHAPES, aten.clone.default)
 # Followed too, to refuse with the reason: the op sums and adds in x's dtype.
 _CASTS = (torch.ops.prims.convert_element_type.default,)
 

@@ -40,11 +40,11 @@ from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M
 from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
 from fusepass.kernels.dequant_matmul.siblings import group_plan
 from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
+from fusepass.match import RESHAPES
 from fusepass.rule import Form, NearMiss, Region, Rule
 
 aten = torch.ops.aten
-_VIEWS = (aten.permute.default, aten.t.default, aten.view.default, aten.reshape.default, aten.alias.default,
-          aten._unsafe_view.default)
+_VIEWS = (aten.permute.default, aten.t.default, *RESHAPES)
 _FORMS = {2: "two", 3: "three", 4: "four"}
 
 
@@ -251,7 +251,7 @@ def _another_plan(group, fmt: str, group_size: int) -> bool:
     Ns = [out_features(_val(m.args[1]), fmt, _val(m.args[2])) for m in group]
     if not all(isinstance(n, int) for n in Ns):
         return False
-    return group_plan(xv.numel() // K, Ns, K, fmt, group_size if fmt == "int4" else 0, xv.dtype, xv.device) is None
+    return group_plan(xv.numel() // K, Ns, K, fmt, group_size, xv.dtype, xv.device) is None
 
 
 def _quantized_replacement(n: int, fmt: str, group_size: int):

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from fusepass.formats import KERNEL_DTYPES as SUPPORTED
 from fusepass.kernels.rms_norm import rms_norm_call
-from fusepass.match import MatchInfo, same, scalar_input, shape_str, tensor_scalar_refusal
+from fusepass.match import RESHAPES, MatchInfo, same, scalar_input, shape_str, tensor_scalar_refusal
 from fusepass.rule import Form, NearMiss, Rule
 
 aten = torch.ops.aten
@@ -106,7 +106,7 @@ def check_norm(m: MatchInfo, x_name: str = "x") -> str | None:
 
 # Widest rows a norm of heads may have to be left to Inductor (head dims: 64-256).
 HEAD_ROWS = 256
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+HEAD_NORM = "a norm of attention heads"  # how its refusal's reason starts
 
 
 def head_norm(m: MatchInfo) -> str | None:
@@ -129,14 +129,14 @@ def head_norm(m: MatchInfo) -> str | None:
         val = x.meta.get("val")
         wide = val.shape[-1] if isinstance(val, torch.Tensor) and val.dim() else D
         if isinstance(wide, int) and wide > D and wide % D == 0:
-            return (f"a norm of attention heads (rows of {D}, a view of rows of {wide}): left to Inductor, which "
+            return (f"{HEAD_NORM} (rows of {D}, a view of rows of {wide}): left to Inductor, which "
                     f"fuses it into the kernel after it (RoPE, the cache write)")
 
 
 def _under(x: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor a view, a slice or a split's piece (Qwen3.5's query beside its
     gate) was taken from, or None."""
-    if x.target in _VIEWS or x.target == aten.slice.Tensor:
+    if x.target in RESHAPES or x.target == aten.slice.Tensor:
         src = x.args[0]
     elif x.target is operator.getitem and isinstance(x.args[0], torch.fx.Node) \
             and x.args[0].target in (aten.split.Tensor, aten.split_with_sizes.default):

@@ -27,14 +27,18 @@ from fusepass.kernels.dequant_matmul.op import _check as _check_one
 from fusepass.kernels.dequant_matmul.op import _operands, _plan, _reference_out, dequant_matmul_fwd
 
 
-def group_plan(M: int, Ns: list[int], K: int, fmt: str, G: int, dtype: torch.dtype,
+def group_plan(M: int, Ns: list[int], K: int, fmt: str, group_size: int, dtype: torch.dtype,
                device: torch.device) -> Config | None:
     """The GEMV config for the group (the plan of one weight of sum N_i rows, over
     the whole of K), or None where that plan is not the GEMV."""
-    cfg = _plan(M, sum(Ns), K, fmt, G, dtype, device)
+    cfg = _plan(M, sum(Ns), K, fmt, _kernel_group(fmt, group_size), dtype, device)
     if cfg.kind != "gemv":
         return None
     return dataclasses.replace(cfg, split=1)
+
+
+def _kernel_group(fmt: str, group_size: int) -> int:
+    return group_size if fmt == "int4" else 0  # (int8 / fp8: per channel)
 
 
 def _check(x, weights, scales, zeros, biases, fmt, group_size) -> None:
@@ -55,11 +59,11 @@ def _group_args(x, weights, scales, zeros, biases, fmt, group_size):
     """(x2, operands per weight, G, cfg) for one launch, or None where the group goes weight by weight."""
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    G = group_size if fmt == "int4" else 0
+    G = _kernel_group(fmt, group_size)
     if x.dtype not in KERNEL_DTYPES or M == 0 or K == 0:
         return None
     Ns = [out_features(w, fmt, s) for w, s in zip(weights, scales)]
-    cfg = group_plan(M, Ns, K, fmt, G, x.dtype, x.device)
+    cfg = group_plan(M, Ns, K, fmt, group_size, x.dtype, x.device)
     if cfg is None:
         return None
     ops = [_operands(x, w, s, z, b) for w, s, z, b in zip(weights, scales, zeros, biases)]
