@@ -505,6 +505,15 @@ def _moe_experts_cases(quick: bool, build):
             for pdl in (False, True):
                 yield (f"moe_experts[decode pdl={pdl}] {name} T{T}", _experts_decode(pdl=pdl),
                        (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
+            # The down kernel's K split (the partial sums' workspace, the counters, the
+            # last program's finish); the odd shapes' BK2 16 makes I 97 / 19 split too.
+            KP = 1 << (k - 1).bit_length()
+            BN2 = 64 if trans else 16
+            BK2 = 16 if name.startswith("odd") else max(8, 8192 // (KP * BN2))
+            for split in (2, 8):
+                yield (f"moe_experts[decode split2={split}] {name} T{T}",
+                       _experts_decode(split2=split, BN2=BN2, BK2=BK2, defer2=False),
+                       (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
         # Every plan once (the op takes grouped_mm only from T * k = 16384 up, on
         # sm90); torch._grouped_mm needs 16-byte aligned rows: H, I multiples of 8.
         plans = ("decode", "sorted") + (("grouped_mm",) if H % 8 == 0 and I % 8 == 0 else ())
@@ -635,15 +644,15 @@ GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "library": libra
           "conv": conv_cases, "moe": moe_cases, "all_reduce": all_reduce_cases, "linear": linear_cases}
 
 
-def run_group(group: str, quick: bool, start: int = 0, record=None) -> list[tuple[str, str, float]]:
+def run_group(group: str, quick: bool, start: int = 0, record=None, match: str = "") -> list[tuple[str, str, float]]:
     """The group's cases from index ``start`` (earlier ones are built, not run: the
-    inputs come from one seeded stream).  ``record`` gets a line as each case
+    inputs come from one seeded stream) whose names contain ``match``.  ``record`` gets a line as each case
     starts and ends, so a parent can name the case a dead child was running.
     Raises ContextLost after a case that faulted."""
     torch.manual_seed(0)  # per group: a child running one group draws what a whole sweep draws
     results = []
     for i, c in enumerate(GROUPS[group](quick)):
-        if i < start:
+        if i < start or (match and match not in c[0]):
             continue
         if record:
             record(dict(group=group, i=i, name=c[0]))
@@ -665,6 +674,7 @@ def run_isolated(group: str, args) -> list[tuple[str, str, float]]:
         os.close(fd)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--ops", group, "--start", str(start), "--record", path]
         cmd += ["--quick"] * args.quick + ["--cpu-smoke"] * args.cpu_smoke + ["--peers"] * (not group)
+        cmd += ["--match", args.match] if args.match else []
         rc = subprocess.run(cmd).returncode
         with open(path) as f:
             lines = [json.loads(line) for line in f if line.strip()]
@@ -692,6 +702,7 @@ def main(argv=None) -> int:
     p.add_argument("--peers", action="store_true", help="also the GDN decode sequence with FLA and transformers")
     p.add_argument("--isolate", action="store_true",
                    help="each group in its own process; after a fault, the rest of the group in a new one")
+    p.add_argument("--match", default="", help="only the cases whose names contain this (e.g. 'split2')")
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)  # a child's first case
     p.add_argument("--record", help=argparse.SUPPRESS)  # a child's JSON-lines record of its cases
     args = p.parse_args(argv)
@@ -712,7 +723,7 @@ def main(argv=None) -> int:
             if args.isolate:
                 results += run_isolated(group, args)
             else:
-                results += run_group(group, args.quick, args.start, record)
+                results += run_group(group, args.quick, args.start, record, args.match)
         if args.peers:
             results += run_isolated("", args) if args.isolate else peer_sequence()
     except ContextLost as exc:
