@@ -514,6 +514,11 @@ def _moe_experts_cases(quick: bool, build):
                 yield (f"moe_experts[decode split2={split}] {name} T{T}",
                        _experts_decode(split2=split, BN2=BN2, BK2=BK2, defer2=False),
                        (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
+            if trans:  # the down kernel on the tensor cores (cp.async stages), whole and split
+                for split in (1, 8):
+                    yield (f"moe_experts[decode dot2 split2={split}] {name} T{T}",
+                           _experts_decode(dot2=True, split2=split, BN2=64, BK2=64 if not name.startswith("odd") else 16,
+                                           defer2=False, stages2=3), (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
         # Every plan once (the op takes grouped_mm only from T * k = 16384 up, on
         # sm90); torch._grouped_mm needs 16-byte aligned rows: H, I multiples of 8.
         plans = ("decode", "sorted") + (("grouped_mm",) if H % 8 == 0 and I % 8 == 0 else ())

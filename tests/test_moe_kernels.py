@@ -370,6 +370,37 @@ def test_decode_down_split_over_k(poisoned, monkeypatch, case, split):
     _assert_experts_close(traced, ref)
 
 
+@pytest.mark.parametrize("case", ["T3-E8-k2-bf16-gpt_oss-transposed-bias-fp32w", "T5-E5-k1-fp16-odd-H37-I19-transposed"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_decode_down_on_tensor_cores(poisoned, monkeypatch, case, split):
+    """The down kernel's tl.dot form for [E, K, N] 16-bit weights: each expert's
+    row of the padded h tile against its own weight tile (a row mixed into
+    another expert's sum, or an expert's tile under another's row, shows),
+    with and without the K split, odd N and K masked."""
+    T, E, H, I, k, dt, act, layout, trans, bias, fmt, group, asym, twdt = EXPERT_CASES[case]
+    inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
+                             twdt=DT.get(twdt))
+    base = decode.decode_heuristic(T, k, H, I, trans, 132, group)
+    cfg = dataclasses.replace(base, BN2=16, BK2=16, split2=split, defer2=False, dot2=True, stages2=2)
+    fits = []
+    real = decode.dot_down_fits
+    monkeypatch.setattr(decode, "dot_down_fits", lambda *a: fits.append(real(*a)) or fits[-1])
+    monkeypatch.setattr(decode, "_split_counters", lambda device, tiles: torch.zeros(tiles, dtype=torch.int32))
+    out, ref = _run_experts("decode", inputs, act, layout, trans, fmt, group, cfg)
+    assert fits == [True]
+    _assert_experts_close(out, ref)
+
+
+def test_dot_down_fits_only_16_bit_transposed_weights():
+    bf, f32 = torch.bfloat16, torch.float32
+    assert decode.dot_down_fits(bf, bf, "none", True, 64, 64)
+    assert not decode.dot_down_fits(f32, f32, "none", True, 64, 64)  # TF32 would round the products
+    assert not decode.dot_down_fits(bf, torch.float16, "none", True, 64, 64)
+    assert not decode.dot_down_fits(bf, bf, "none", False, 64, 64)
+    assert not decode.dot_down_fits(bf, bf, "int8", True, 64, 64)
+    assert not decode.dot_down_fits(bf, bf, "none", True, 8, 64)
+
+
 @pytest.mark.parametrize("plan", ["decode", "sorted"])
 def test_experts_shared_unused_and_outside_experts(poisoned, plan):
     """Experts chosen by several tokens (read once by the decode path), most

@@ -284,6 +284,16 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
                 for warps2 in (4, 8):
                     cands[f"decode-down-BN{bn2}-S{split}-W{warps2}"] = ("decode", dataclasses.replace(
                         base, BN2=bn2, BK2=max(8, 8192 // (KP * bn2)), defer2=False, split2=split, warps2=warps2))
+            if m["transposed"]:  # the down kernel on the tensor cores (pipelined loads), K split
+                for bn2, bk2, split, warps2, stages2 in ((64, 64, 4, 4, 3), (64, 64, 8, 4, 3), (64, 128, 8, 4, 3),
+                                                         (64, 64, 16, 4, 3), (128, 64, 8, 4, 3), (128, 64, 8, 8, 4),
+                                                         (128, 32, 16, 4, 4), (32, 128, 4, 4, 3), (256, 32, 8, 8, 3),
+                                                         (32, 64, 8, 4, 4)):
+                    cands[f"decode-dot-BN{bn2}-BK{bk2}-S{split}-W{warps2}-s{stages2}"] = ("decode", dataclasses.replace(
+                        base, BN2=bn2, BK2=bk2, defer2=False, split2=split, warps2=warps2, dot2=True, stages2=stages2))
+                # with the gate_up tile the last sweep found faster (BN16 BK512, summed every tile)
+                cands["decode-up-BK512-dot-BN64-BK64-S8"] = ("decode", dataclasses.replace(
+                    base, BK=512 // base.BM, defer=False, BN2=64, BK2=64, defer2=False, split2=8, dot2=True, stages2=3))
     if T * m["k"] >= 16:
         base = prefill.sorted_heuristic(T, m["k"], m["E"], 0)
         cands["sorted"] = ("sorted", base)
@@ -596,15 +606,16 @@ def decode_up(fmt="none", halves=True, act="silu", BM=1, BN=16, BK=256, BS=8, de
 
 
 def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4, pdl=False,
-                split=False):
+                split=False, dot=False, stages=3):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
     types = dict(h=BF16, h2=I32, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16, part=F32,
                  ctr=I32)
     consts = dict(ROUND_W=True, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4", HAS_BIAS=bias,
-                  KP=KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans, PDL=pdl, SPLIT=split)
+                  KP=max(16, KP) if dot else KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans, PDL=pdl, SPLIT=split,
+                  DOT=dot, KE=KP if dot else 1)
     vb = decode.int4_chunk(fmt, trans, group, BK)
     consts.update(VB=vb, ASM=vb >= 4)
-    return compile_sm90(decode._moe_decode_down_kernel, types, consts, warps,
+    return compile_sm90(decode._moe_decode_down_kernel, types, consts, warps, stages,
                         unit="stride_wn" if trans else "stride_wk")
 
 
@@ -628,6 +639,10 @@ def ptx_kernels(only: str | None):
                 KP=4, BN=64, BK=32, defer=False, bias=True, trans=True, split=True)),
             ("decode down, gpt-oss T1 (transposed), K split, BN128 BK16 8 warps", lambda: decode_down(
                 KP=4, BN=128, BK=16, defer=False, bias=True, trans=True, split=True, warps=8)),
+            ("decode down, gpt-oss T1 (transposed), tl.dot, K split, BN64 BK64 3 stages", lambda: decode_down(
+                KP=4, BN=64, BK=64, defer=False, bias=True, trans=True, split=True, dot=True)),
+            ("decode down, gpt-oss T1 (transposed), tl.dot, K split, BN128 BK64 4 stages", lambda: decode_down(
+                KP=4, BN=128, BK=64, defer=False, bias=True, trans=True, split=True, dot=True, stages=4)),
             ("decode down, int4 g128 (chunks, BN2 2 warps)", lambda: decode_down(fmt="int4", BN=2, BK=256,
                                                                                 defer=False, warps=2)),
             ("decode down, deferred sum BN4 BK128", lambda: decode_down()),

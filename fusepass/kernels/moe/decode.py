@@ -216,6 +216,7 @@ def _moe_decode_down_kernel(
     ROUND_W: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr, TRANS: tl.constexpr,
     VB: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = False,
+    DOT: tl.constexpr = False, KE: tl.constexpr = 1, EMU: tl.constexpr = False,
 ):
     # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
     # each program keeps k times the bytes of one expert's tile in flight.
@@ -230,6 +231,12 @@ def _moe_decode_down_kernel(
     # order and finishes (dequant_matmul's split-K pattern, tiles._finish): more
     # programs where one token's N / BN tiles are few (gpt-oss's [E, K, N] down
     # weight: 360 programs of 8 columns, 16 bytes of a row each, without it).
+    # DOT: 16-bit [E, K, N] weights through tl.dot, whose loads Triton pipelines
+    # (the FMA loop's are not): h's [KP, BK] tile, KP >= 16 rows (an MMA's least)
+    # of which the first KE are the token's k experts, times each expert's
+    # [BK, BN] tile with the other rows zeroed, into one [KP, BN] accumulator:
+    # row j is expert j's sum, as the FMA path's.  16x the FLOPs of a GEMV,
+    # still far under the tensor cores' rate at these sizes.
     DT: tl.constexpr = out.dtype.element_ty
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     if SPLIT:
@@ -256,7 +263,26 @@ def _moe_decode_down_kernel(
     KD: tl.constexpr = NCH if VB > 0 else (BK if DEFER else 1)
     KAX: tl.constexpr = 1 if TRANS else 2
     acc = tl.zeros([KP, KD, BN] if TRANS else [KP, BN, KD], dtype=tl.float32)
-    if VB > 0:
+    if DOT:
+        acc_d = tl.zeros([KP, BN], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < k_hi
+            b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & m_k[None, :], other=0)
+            for j in tl.static_range(KE):
+                e_j = tl.sum(tl.where(o_j == j, e64, 0), axis=0)
+                # N, or 0 for an id outside [0, E) (a comparison: the interpreter's
+                # int1 & a reduced int1 scalar came out int32, refused as a mask)
+                n_j = tl.where(tl.sum(tl.where(o_j == j, v_j.to(tl.int32), 0), axis=0) > 0, N, 0)
+                b_w = tl.load(w + e_j * stride_we + o_k[:, None] * stride_wk + o_n[None, :] * stride_wn,
+                              mask=m_k[:, None] & (o_n < n_j)[None, :], other=0)
+                b_hj = tl.where(o_j[:, None] == j, b_h, 0)
+                if EMU:  # the interpreter's bf16 dot multiplies raw bits (Triton 3.9): the same sums in fp32
+                    acc_d += tl.dot(b_hj.to(tl.float32), b_w.to(tl.float32), input_precision="ieee")
+                else:
+                    acc_d = tl.dot(b_hj, b_w, acc_d)
+        s = acc_d
+    elif VB > 0:
         # int4 in chunks, as the gate_up kernel: output rows one at a time, each
         # a [KP, NCH, VB] tile of the k experts, the shape of h's pairs.
         ZERO_F32: tl.constexpr = HAS_ZERO and zero.dtype.element_ty == tl.float32
@@ -280,7 +306,8 @@ def _moe_decode_down_kernel(
             b_w = w_tile(p_w, m_r, p_s, p_z, k0, k_hi, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
             b_p = b_w.to(tl.float32) * (b_h[:, :, None] if TRANS else b_h[:, None, :])
             acc += b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=KAX), KAX)
-    s = tl.sum(acc, axis=KAX)
+    if not DOT:
+        s = tl.sum(acc, axis=KAX)
     p_b = bias + e64[:, None] * stride_be + o_n[None, :]
     p_o = out + i_t.to(tl.int64) * stride_om + o_n
     if SPLIT:
@@ -318,6 +345,8 @@ class DecodeConfig:
     defer2: bool = True
     pdl: bool = False  # both launches with programmatic dependent launch (``_common.pdl_wait``)
     split2: int = 1  # down: K (the intermediate dim) over this many programs a tile (value-by-value tiles only)
+    dot2: bool = False  # down on the tensor cores (16-bit [E, K, N] weights only; else the FMA loop)
+    stages2: int | None = None  # the down launch's pipeline stages (tl.dot's loads; Triton's default if None)
 
 
 def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int) -> DecodeConfig:
@@ -402,7 +431,8 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         TRANS=transposed, VB=vb1, ASM=asm and vb1 >= 4, PDL=pdl), ("h",), cfg.warps, pdl=pdl))["h"]
     sn2, sk2 = _strides(w2, transposed)
     h2 = pairs(h) if vb2 else h  # (of the launch's output: the traced form's h is a new tensor)
-    KP = cdiv_pow2(k)
+    dot = cfg.dot2 and dot_down_fits(x.dtype, w2.dtype, fmt, transposed, cfg.BN2, cfg.BK2)
+    KP = max(16, cdiv_pow2(k)) if dot else cdiv_pow2(k)
     n_split, k_split, part, ctr = 1, I, dummy, dummy
     if cfg.split2 > 1 and not vb2 and I > 0:
         k_split = cdiv(cdiv(I, cfg.split2), cfg.BK2) * cfg.BK2
@@ -426,7 +456,16 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         stride_be=b2.stride(0) if b2 is not None else 0, stride_om=out.stride(0),
         ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
         KP=KP, BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, VB=vb2, ASM=asm and vb2 >= 4,
-        PDL=pdl, SPLIT=n_split > 1), ("out",), cfg.warps2, pdl=pdl))["out"]
+        PDL=pdl, SPLIT=n_split > 1, DOT=dot, KE=k if dot else 1, EMU=dot and interpreting()), ("out",), cfg.warps2,
+        num_stages=cfg.stages2 if dot else None, pdl=pdl))["out"]
+
+
+def dot_down_fits(x_dtype: torch.dtype, w_dtype: torch.dtype, fmt: str, transposed: bool, BN: int, BK: int) -> bool:
+    """Whether the down kernel's tensor-core form (``DOT``) takes these operands:
+    plain 16-bit weights of x's dtype stored [E, K, N] (fp32 would go through
+    TF32), tiles of at least 16 x 16."""
+    return (fmt == "none" and transposed and x_dtype == w_dtype and x_dtype in (torch.bfloat16, torch.float16)
+            and BN >= 16 and BK >= 16)
 
 
 def pairs(t: Tensor) -> Tensor:
