@@ -438,7 +438,8 @@ def _experts_decode(**cfg):
             trans, fmt, group = args[13], args[14], args[15]
             I = w1.shape[2 if trans else 1] // 2
             base = decode.decode_heuristic(x.shape[0], ids.shape[1], x.shape[1], I, trans, sm_count(x.device),
-                                           group if fmt == "int4" else 0)
+                                           group if fmt == "int4" else 0,
+                                           dot=decode.dot_down_fits(x.dtype, args[4].dtype, fmt, trans, 64, 64))
             return ex.experts_fwd(*args, plan="decode", cfg=dataclasses.replace(base, **cfg))
         return ops.moe_experts(*args)
     return run

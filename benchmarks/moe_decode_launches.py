@@ -92,7 +92,8 @@ def main() -> None:
                 floor = blk.floor_bytes(ids, quant) / bw / 1e3
                 base_r = rt.router_heuristic(T, m["E"], m["H"])
                 base_d = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], sm_count(x.device),
-                                                 blk.group if quant is not None else 0)
+                                                 blk.group if quant is not None else 0,
+                                                 dot=quant is None and m["transposed"])
                 base_out = None
                 for v in a.variants.split(","):
                     rp, rr, dp = VARIANTS[v]

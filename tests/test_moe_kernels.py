@@ -357,7 +357,7 @@ def test_decode_down_split_over_k(poisoned, monkeypatch, case, split):
     inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
                              twdt=DT.get(twdt))
     base = decode.decode_heuristic(T, k, H, I, trans, 132, group)
-    cfg = dataclasses.replace(base, BN2=16, BK2=8, split2=split, defer2=split == 2)
+    cfg = dataclasses.replace(base, BN2=16, BK2=8, split2=split, defer2=split == 2, dot2=False)
     held = torch.zeros(64, dtype=torch.int32)
     monkeypatch.setattr(decode, "_split_counters", lambda device, tiles: held[:tiles])
     out, ref = _run_experts("decode", inputs, act, layout, trans, fmt, group, cfg)
@@ -650,3 +650,15 @@ def test_decode_launches_take_pdl_where_measured_faster(monkeypatch):
     monkeypatch.setattr(_common, "interpreting", lambda: False)
     assert launch._launch_meta()["launch_pdl"] is True
     assert "launch_pdl" not in dataclasses.replace(launch, pdl=False)._launch_meta()
+
+
+def test_decode_heuristic_puts_transposed_16_bit_down_weights_on_the_tensor_cores():
+    """gpt-oss-20b's [E, K, N] down weight: tl.dot tiles of 64 x 64, K split
+    until the grid has ~2.7 programs an SM (45 column tiles a token), the
+    gate_up tile summed every 512 deep; without ``dot`` the FMA loops."""
+    one = decode.decode_heuristic(1, 4, 2880, 2880, True, 132, 0, dot=True)
+    assert (one.dot2, one.BN2, one.BK2, one.split2, one.BK, one.defer) == (True, 64, 64, 8, 512, False)
+    assert decode.decode_heuristic(4, 4, 2880, 2880, True, 132, 0, dot=True).split2 == 2
+    assert decode.decode_heuristic(64, 4, 2880, 2880, True, 132, 0, dot=True).split2 == 1
+    assert not decode.decode_heuristic(1, 4, 2880, 2880, True, 132, 0).dot2
+    assert not decode.decode_heuristic(1, 8, 2048, 768, False, 132, 0, dot=True).dot2  # [E, N, K]: the FMA loop

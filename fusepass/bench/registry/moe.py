@@ -263,8 +263,12 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
             m["alpha"], m["limit"])
     cands: dict[str, tuple] = {}
     if T * m["k"] <= 512:
-        base = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], 132, 0)
+        base = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], 132, 0,
+                                       dot=decode.dot_down_fits(x.dtype, w2.dtype, "none", m["transposed"], 64, 64))
         cands["decode"] = ("decode", base)
+        if m["transposed"] and base.dot2:  # the FMA loops' tiles, as the candidates below vary them
+            base = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], 132, 0)
+            cands["decode-fma"] = ("decode", base)
         if not smoke and T <= 8:
             KP = 1 << (m["k"] - 1).bit_length()
             # products summed elementwise, reduced across K at the end
@@ -577,6 +581,8 @@ def resources(kernel) -> dict:
 
     out = {"loads": dict(Counter(re.findall(r"ld\.global[.\w]*", kernel.asm["ptx"])))}
     out["pdl"] = tuple(kernel.asm["ptx"].count(f"griddepcontrol.{op}") for op in ("wait", "launch_dependents"))
+    # global -> shared copies: .cg moves 16 bytes, .ca 4 or 8
+    out["cp_async"] = dict(Counter(re.findall(r"cp\.async\.c[ag]\.shared\.global", kernel.asm["ptx"])))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -720,13 +726,19 @@ def ptx_report(only: str | None) -> int:
         spills = res.get("stack", 0) + res.get("local", 0)
         # int4 chunks read their group's scale and zero point per row and chunk:
         # two 2-byte loads a row (of 2048 codes), not the weights.
-        bad += spills > 0 or narrow_loads(res) > (NARROW_MAX_INT4 if "int4" in name else NARROW_MAX)
+        if "tl.dot" in name:
+            # the weights through the pipeline's 16-byte copies to shared memory; the
+            # loads left are the ids', routing weights' and bias's (16 rows of them)
+            cp = res["cp_async"]
+            bad += spills > 0 or not cp.get("cp.async.cg.shared.global") or bool(cp.get("cp.async.ca.shared.global"))
+        else:
+            bad += spills > 0 or narrow_loads(res) > (NARROW_MAX_INT4 if "int4" in name else NARROW_MAX)
         # PDL kernels wait once; the others carry no grid-dependency instruction at all.
         wait, release = res["pdl"]
         bad += wait != ("PDL" in name)
         pdl = f"  pdl wait {wait} release {release}" if wait or release else ""
         print(f"{name:52s} regs {res.get('regs', '?'):>3}  spill {spills:>4}  narrow loads {narrow_loads(res):>3}  "
-              f"{res['loads']}{pdl}")
+              f"{res['loads']}{pdl}" + (f"  {res['cp_async']}" if res["cp_async"] else ""))
     return 1 if bad else 0
 
 

@@ -349,7 +349,8 @@ class DecodeConfig:
     stages2: int | None = None  # the down launch's pipeline stages (tl.dot's loads; Triton's default if None)
 
 
-def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int) -> DecodeConfig:
+def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int,
+                     dot: bool = False) -> DecodeConfig:
     """Tiles for T tokens.  Products are summed elementwise and reduced across K
     once at the end (defer): on an H100 (fusepass.bench.registry.moe, commit 0890f1a,
     Qwen3-30B-A3B block at T = 1) that ran 36.4 µs in bf16 and 23.6 in int4,
@@ -363,8 +364,22 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     Qwen3-30B-A3B block (benchmarks/moe_decode_launches.py, commit f70421a),
     router + experts at T = 1 / 4 35.6 / 161.7 µs against 37.0 / 162.9 in
     bf16, 22.0 / 78.0 against 23.3 / 79.0 in int4; gpt-oss-20b's transposed
-    experts ran slower with it (125.2 / 331.8 against 121.8 / 330.1)."""
+    experts ran slower with it (125.2 / 331.8 against 121.8 / 330.1).
+
+    ``dot``: the down weight is 16-bit [E, K, N] (``dot_down_fits``), read on
+    the tensor cores in [64, 64] tiles, K split until the grid has ~2.7
+    programs an SM, gate_up summed every 512-deep tile.  H200, gpt-oss-20b
+    block at T = 1 (fusepass.bench.registry.moe, commit 9ffacd2): experts
+    69.8 µs against 116.7 with the FMA loops (8 columns a down program, 16
+    bytes of each row), 75.1 with gate_up deferred (the floor of their bytes
+    ~72 at the copy rate, read + write counted)."""
     pdl = not transposed
+    if dot and transposed:
+        BM = 1 if T == 1 else 2 if T <= 8 else 4
+        tiles = T * cdiv(H, 64)
+        split2 = max(1, min(8, cdiv(n_sm * 27 // 10, tiles)))
+        return DecodeConfig(BM=BM, BN=16, BK=min(512 // BM, cdiv_pow2(H)), warps=4, BN2=64, BK2=64, warps2=4,
+                            defer=False, defer2=False, pdl=False, split2=split2, dot2=True, stages2=3)
     BM = 1 if T == 1 else 2 if T <= 8 else 4
     KP = cdiv_pow2(k)
     BN = 16
