@@ -445,3 +445,28 @@ def test_bench_e2e_rule_variant(tmp_path, capsys):
     (row,) = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert row["backend"] == "fusepass-no:rms_norm+add_rms_norm" and row["ok"] is True, row
     assert "swiglu" in row["rewrites"] and "rms_norm" not in row["rewrites"], row["rewrites"]
+
+
+def test_replay_rewinds_sliding_window_layers_python_counters():
+    """The replayed step's cache is set back before every call, the sliding-window
+    layers' Python-int counter too: left to grow it changed Dynamo's guards at
+    every call, and the recompile inside the CUDA-graph capture failed
+    (gpt-oss-20b's replay row, for every backend)."""
+    from transformers import GptOssConfig, StaticCache
+
+    from fusepass.bench.e2e.phases import _rewinder
+
+    cfg = GptOssConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                       hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                       num_local_experts=2, num_experts_per_tok=1, intermediate_size=16, vocab_size=64)
+    cache = StaticCache(config=cfg, max_cache_len=16)
+    sliding = [layer for layer in cache.layers if isinstance(getattr(layer, "cumulative_length_int", None), int)]
+    assert sliding, "transformers' sliding-window static layer no longer counts in a Python int"
+    rewind = _rewinder(cache, 6)
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(9)
+    for layer in sliding:
+        layer.cumulative_length_int = 9
+    rewind()
+    assert all(int(layer.cumulative_length) == 6 for layer in cache.layers)
+    assert all(layer.cumulative_length_int == 6 for layer in sliding)

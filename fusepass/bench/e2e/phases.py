@@ -246,12 +246,21 @@ def _rewinder(cache: Any, position: int) -> Callable[[], None]:
     Recent transformers keep it in a tensor per layer (``cumulative_length``,
     advanced by every update: replaying a step would write past the end);
     older ones take ``cache_position`` from the call and need nothing.
+    Sliding-window layers also count in a Python int (``cumulative_length_int``)
+    that Dynamo guards on: left to grow, every call recompiled, the fourth
+    inside the CUDA-graph capture, where the step's ``torch.tensor(..., device=
+    "cuda")`` calls fail (gpt-oss-20b, transformers 5.17: "Cannot copy between
+    CPU and CUDA tensors during CUDA graph capture").
     """
-    counters = [layer.cumulative_length for layer in getattr(cache, "layers", [])
+    layers = getattr(cache, "layers", [])
+    counters = [layer.cumulative_length for layer in layers
                 if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+    ints = [layer for layer in layers if isinstance(getattr(layer, "cumulative_length_int", None), int)]
 
     def rewind() -> None:
         for c in counters:
             c.fill_(position)
+        for layer in ints:
+            layer.cumulative_length_int = position
 
     return rewind
