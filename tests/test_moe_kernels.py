@@ -467,6 +467,7 @@ def test_decode_tiles_of_plain_and_int4_experts():
     int4 = decode.decode_heuristic(1, 8, 2048, 768, False, 132, 128)
     assert plain.defer and plain.warps == 4
     assert decode.int4_chunk("int4", False, 128, int4.BK) == 16 and int4.BK // 32 >= 32 * int4.warps
+    assert (int4.BK2, int4.warps2) == (128, 1)  # down: measured faster than 256 codes on two warps (H200)
     assert decode.int4_chunk("none", False, 0, 256) == 0 and decode.int4_chunk("int4", False, 7, 256) == 0
 
 

@@ -392,13 +392,15 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     if vb:
         # int4 in chunks of vb bytes, one per thread and row (with fewer chunks
         # than threads the loads repeat across them): 4 gate and 4 up rows of
-        # 1024 codes a one-warp program; down: the k experts' 256-code chunks
+        # 1024 codes a one-warp program; down: the k experts' 128-code chunks
         # of 2 rows (4.4 / 5.2 sm_90 SASS instructions a weight value against
         # 16 for the value-by-value tile).  H200, Qwen3-30B-A3B block at T = 1
         # (commit 9ba7c38): 16.0 µs for the experts against 21.2 with 8 + 8
-        # rows and 24.3 with 8 + 8 rows of 2048 codes on two warps.
+        # rows and 24.3 with 8 + 8 rows of 2048 codes on two warps; down with
+        # 128 codes on one warp against 256 on two, two sweeps (1714dd5,
+        # 9e60a16): 15.4 and 16.1 µs against 16.5 and 16.7.
         BK = min(cdiv_pow2(H), 1024)
-        BK2 = min(cdiv_pow2(I), 256)
+        BK2 = min(cdiv_pow2(I), 128)
         warps = max(1, min(4, BK // (2 * vb) // 32))
         warps2 = max(1, min(4, KP * BK2 // (2 * vb) // 32))
         return DecodeConfig(BM=BM, BN=4, BK=BK, warps=warps, BN2=min(BN2, 2), BK2=BK2, warps2=warps2, defer=False,
