@@ -649,12 +649,12 @@ def ptx_kernels(only: str | None):
                 KP=4, BN=64, BK=64, defer=False, bias=True, trans=True, split=True, dot=True)),
             ("decode down, gpt-oss T1 (transposed), tl.dot, K split, BN128 BK64 4 stages", lambda: decode_down(
                 KP=4, BN=128, BK=64, defer=False, bias=True, trans=True, split=True, dot=True, stages=4)),
-            ("decode down, int4 g128 (chunks, BN2 2 warps)", lambda: decode_down(fmt="int4", BN=2, BK=256,
-                                                                                defer=False, warps=2)),
+            ("decode down, int4 g128 (chunks, BN2 BK128 1 warp)", lambda: decode_down(fmt="int4", BN=2, BK=128,
+                                                                                     defer=False, warps=1)),
             ("decode down, deferred sum BN4 BK128", lambda: decode_down()),
             ("decode up, Qwen3 T1, PDL", lambda: decode_up(BN=8, BK=1024, defer=False, pdl=True)),
             ("decode down, Qwen3 T1, PDL", lambda: decode_down(BN=4, BK=256, defer=False, pdl=True)),
-            ("decode down, int4 g128, PDL", lambda: decode_down(fmt="int4", BN=2, BK=256, defer=False, warps=2,
+            ("decode down, int4 g128, PDL", lambda: decode_down(fmt="int4", BN=2, BK=128, defer=False, warps=1,
                                                                 pdl=True)),
         ],
         "sorted": [
