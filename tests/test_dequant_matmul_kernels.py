@@ -194,6 +194,34 @@ def test_int4_gemv_folded_matches_per_value(group, zdtype, did):
         _assert_close(_run(x, w, s, z, b, "int4", group, cfg), x, w, s, z, b, "int4", group)
 
 
+@pytest.mark.parametrize("K", [32, 256])
+@pytest.mark.parametrize("asym", [False, True])
+def test_int4_gemv_fp32_x_not_folded(K, asym):
+    """fp32 x at M = 1 is summed value by value whatever the plan's fold: the
+    folded sum s (sum (128 + q) x - (128 + z) sum x) rounds products of ~136 |x|
+    and cancels them, 2.2e-4 off the fp64 product where eager's fp32 matmul was
+    3.1e-6 off (a long differential run: x one value 0.7104 broadcast over K =
+    32, s 0.598, y up to 27, sum_k |x_k W_nk| up to 70.5).  Held against fp64
+    to the fp32 table, atol at least the differential checker's summation
+    floor, four units of roundoff of sum_k |x_k W_nk| (1.7e-5 there): per
+    value the kernel is within one unit, folded it was 52 (13 floors)."""
+    gen = torch.Generator().manual_seed(3)
+    N, group = 24, 32
+    x = torch.full((1, K), 0.7104)  # one value over K (an expanded scalar): its sum does not cancel
+    w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
+    s = torch.full((N, K // group), 0.5982)
+    z = (torch.rand(N, K // group, generator=gen) * 15).round() if asym else None
+    b = torch.randn(N, generator=gen)
+    out = _run(x, w, s, z, b, "int4", group, dm.Config("gemv", BN=4, BK=32, split=1, fold=1))
+    ref = dm.dequant_matmul_reference(x.double(), w, s.double(), None if z is None else z.double(), b.double(),
+                                      "int4", group)
+    W = dm.dequant_matmul_reference(torch.eye(K, dtype=torch.float64), w, s.double(),
+                                    None if z is None else z.double(), None, "int4", group)
+    floor = 4 * 2.0**-24 * (x.double().abs() @ W.abs()).max().item()
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out.double(), ref, atol=max(tol.atol, floor), rtol=tol.rtol)
+
+
 @pytest.mark.parametrize("path", ["gemv", "mmt", "mm-splitk", "cublas"])
 @pytest.mark.parametrize("zdtype", [torch.float32, torch.bfloat16])
 def test_int4_fractional_zero_points(path, zdtype):

@@ -354,6 +354,8 @@ def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_
     tile for the BN rows.  128 + q has 8 significant bits, so each
     product with a 16-bit x is exact; the cancellation against (128 + z) sum x
     costs ~2**-24 * 136 * sum |x| of a chunk, far under the output's rounding.
+    16-bit x only (launch._fold): an fp32 x's products are rounded, and that
+    cancellation made them 52 units of roundoff of sum |x w| off.
     Not finite where x is not (inf - inf): the caller re-does such a slice."""
     VB: tl.constexpr = 16 if G >= 32 else G // 2
     NCH: tl.constexpr = BK // (2 * VB)

@@ -27,6 +27,21 @@ from fusepass.kernels.dequant_matmul.tiles import _splitk_reduce_kernel
 _REDUCE_BLOCK = 1024
 
 
+def _fold(cfg: Config, x: Tensor) -> bool:
+    """Whether the int4 GEMV takes the zero point off each chunk's sum
+    (gemv._int4_gemv_folded): for 16-bit x only.  The folded sum
+    s (sum (128 + q) x - (128 + z) sum x) is exact in its products only where x
+    has at most 16 significant bits; an fp32 x's products (128 + q) x are
+    rounded at ~136 |x| each, and the cancellation against (128 + z) sum x
+    keeps those roundings: ~2**-24 * 136 * sum |x| of a chunk against the
+    dequantised matmul's ~2**-24 * sum |(q - z) x|.  fp32, N 24, K 32, x all
+    0.7104, s 0.598: 2.2e-4 off the fp64 product (|y| 1.85 there, 27 at most)
+    where eager's fp32 matmul is 3.1e-6 off; per value (_nibble_gemv) the
+    kernel is within eager's rounding (a long differential run, seed
+    1949640409)."""
+    return bool(cfg.fold) and x.dtype != torch.float32
+
+
 def _workspace(split: int, M: int, N: int, like: Tensor) -> Tensor:
     return torch.empty((split, M, N), dtype=torch.float32, device=like.device)
 
@@ -177,7 +192,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
         asm = x.is_cuda and not interpreting() and gemv_asm(fmt, G, N, cfg)
         return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if fmt == "hqq4" and loop else N, cfg.BN), split),
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "NG": ng, "BM": _pow2(M), "ASM": asm,
-                       "LOOP": loop, "FOLD": bool(cfg.fold)}, outputs, cfg.warps, cfg.stages)
+                       "LOOP": loop, "FOLD": _fold(cfg, x)}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mmt":
         # int4, the code books and HQQ always, int8 in whole tiles: the weight read
         # as int32 words (see the kernel); the code books' words hold codes in
@@ -221,7 +236,7 @@ def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: li
     args = dict(x=x, x2=xp, M=M, K=K, stride_xm=x.stride(0), stride_x2m=xp.stride(0), FMT=fmt, G=max(G, 1),
                 HAS_ZERO=zeros[0] is not None, NW=len(ws), EVEN_K=even,
                 ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, Ns[0], cfg), BM=_pow2(M), BN=cfg.BN,
-                BK=cfg.BK, FOLD=bool(cfg.fold), E0=ends[0], E1=(ends + [e])[1])
+                BK=cfg.BK, FOLD=_fold(cfg, x), E0=ends[0], E1=(ends + [e])[1])
     for i in range(MAX_SIBLINGS):
         j = min(i, len(ws) - 1)  # a slot past the weights: weight 0's tensors, never touched
         s = scales[j]
