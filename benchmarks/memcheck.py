@@ -178,12 +178,6 @@ def dequant_cases(quick: bool):
                 cfg = Config("gemv", BN=4, BK=4096, warps=4, split=1)
                 yield (f"dequant_matmul int4 g128 {cfg.label()} M1 N{N} K{K}", _dequant_config(cfg),
                        (_randn(1, K), q, s, z, None, fmt, group), 2e-2)
-            if fmt == "int4" and group in (128, 32):
-                # the folded loop's loads pipelined through shared memory (stages), split and whole K
-                for cfg in (Config("gemv", BN=4, BK=2048, warps=2, split=2, stages=3),
-                            Config("gemv", BN=8, BK=1024, warps=4, split=1, stages=2)):
-                    yield (f"dequant_matmul int4 g{group} {cfg.label()} M1 N{N} K{K}", _dequant_config(cfg),
-                           (_randn(1, K), q, s, z, None, fmt, group), 2e-2)
             if (fmt == "int4" and group == 128) or fmt == "int8":
                 # int4's scales loaded ahead, x copied into the tile's K order (plans take both at some shapes)
                 for M, split, ahead, xperm in ((16, 2, 1, 0), (16, 1, 2, 0), (64, 4, 2, 0), (64, 2, 2, 1), (16, 4, 1, 1)):

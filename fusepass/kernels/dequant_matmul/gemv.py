@@ -344,7 +344,7 @@ def _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K: t
 @triton.jit
 def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn, DT: tl.constexpr,
                       G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr):
     """[1, BN] int4 sums of one row of x over K in [k_lo, k_hi), the zero point
     taken off each chunk's sum: s (sum (128 + q) x - (128 + z) sum x).  Per value
     one PRMT (_nibbles_128) and one FMA in a chain, where _nibble_gemv adds an
@@ -356,16 +356,14 @@ def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_
     costs ~2**-24 * 136 * sum |x| of a chunk, far under the output's rounding.
     16-bit x only (launch._fold): an fp32 x's products are rounded, and that
     cancellation made them 52 units of roundoff of sum |x w| off.
-    Not finite where x is not (inf - inf): the caller re-does such a slice.
-    STAGES > 1: the loop's loads pipelined (Triton moves them ahead through
-    shared memory; without the annotation a loop with no tl.dot is not)."""
+    Not finite where x is not (inf - inf): the caller re-does such a slice."""
     VB: tl.constexpr = 16 if G >= 32 else G // 2
     NCH: tl.constexpr = BK // (2 * VB)
     o_c = tl.arange(0, NCH)
     o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
     o_r = tl.arange(0, BN)
     acc2 = tl.zeros([BN, NCH], dtype=tl.float32)  # chunks last: spread over the threads
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+    for k0 in range(k_lo, k_hi, BK):
         kp0 = tl.multiple_of(k0 // 2, BK // 2)
         m_c = 2 * kp0 + o_c * (2 * VB) < k_hi
         o_g = (2 * kp0 + o_c * (2 * VB)) // G
@@ -471,7 +469,7 @@ def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, 
     if FMT == "int4" or LOOP:
         if FMT == "int4" and FOLD and BM == 1:
             acc = _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn,
-                                    x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK, FOLD)
+                                    x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK)
             # The folded sums are not the dequantised matmul's where x (or a sum
             # of it) is not finite: inf - inf = NaN where the product gives +-inf.
             # Such a slice is summed again value by value (any non-finite sum
@@ -560,8 +558,6 @@ def _dequant_gemv_kernel(
     # is masked and the loads stay 16-byte vectors.  LOOP: a library layout's loop of
     # its own, an HQQ weight of even N (_hqq_gemv) or a code book's whole blocks
     # (the int4 loop); HQQ of odd N has no pairs of rows and goes value by value.
-    # FOLD (int4 at M = 1): 0 value by value; n >= 1 the folded loop, its loads in n
-    # pipeline stages (launch._fold).
     if FMT == "hqq4" and LOOP:
         _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm, stride_sn, G, HAS_BIAS,
                   PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)

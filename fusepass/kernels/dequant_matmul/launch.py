@@ -27,10 +27,9 @@ from fusepass.kernels.dequant_matmul.tiles import _splitk_reduce_kernel
 _REDUCE_BLOCK = 1024
 
 
-def _fold(cfg: Config, x: Tensor) -> int:
-    """0: the int4 GEMV sums value by value; n >= 1: it takes the zero point off
-    each chunk's sum (gemv._int4_gemv_folded), its loop's loads in n pipeline
-    stages (``cfg.stages``; 1: none).  For 16-bit x only.  The folded sum
+def _fold(cfg: Config, x: Tensor) -> bool:
+    """Whether the int4 GEMV takes the zero point off each chunk's sum
+    (gemv._int4_gemv_folded): for 16-bit x only.  The folded sum
     s (sum (128 + q) x - (128 + z) sum x) is exact in its products only where x
     has at most 16 significant bits; an fp32 x's products (128 + q) x are
     rounded at ~136 |x| each, and the cancellation against (128 + z) sum x
@@ -40,7 +39,7 @@ def _fold(cfg: Config, x: Tensor) -> int:
     where eager's fp32 matmul is 3.1e-6 off; per value (_nibble_gemv) the
     kernel is within eager's rounding (a long differential run, seed
     1949640409)."""
-    return max(1, cfg.stages) if cfg.fold and x.dtype != torch.float32 else 0
+    return bool(cfg.fold) and x.dtype != torch.float32
 
 
 def _workspace(split: int, M: int, N: int, like: Tensor) -> Tensor:
