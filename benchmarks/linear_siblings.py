@@ -36,6 +36,11 @@ SHAPES = {  # name: (K, [N_i])
     "qwen3.5-moe gdn in_proj": (2048, [12288, 64]),
     "llama3-8b q/k/v": (4096, [4096, 1024, 1024]),
     "llama3-8b gate/up": (4096, [14336, 14336]),
+    # one weight (the rule groups two or more; is one worth a launch of its own?)
+    "qwen3-30b-a3b o_proj": (4096, [2048]),
+    "gpt-oss-20b o_proj": (4096, [2880]),
+    "llama3-8b o_proj": (4096, [4096]),
+    "llama3-8b down_proj": (14336, [4096]),
 }
 
 
