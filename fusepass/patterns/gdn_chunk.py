@@ -18,7 +18,9 @@ inputs (see :mod:`fusepass.patterns._gdn`).  Calls of the known
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,28 @@ from fusepass.rule import Form, NearMiss, Rule
 
 aten = torch.ops.aten
 L2_EPS = 1e-6
+
+# The forms' (and near-misses') chunk: 16 tokens, so that the examples and the
+# differential's drawn shapes (up to 48 tokens) span several chunks.  A module
+# global, not a context variable: Dynamo reads a global (and guards on it).
+CHUNK = 16
+
+
+@contextlib.contextmanager
+def forms_chunk(size: int) -> Iterator[None]:
+    """Run (or trace) the forms at chunks of ``size`` tokens instead of :data:`CHUNK`.
+
+    Fed an infinity, the chunked rule's NaNs depend on the chunking: the
+    triangular matrices' zeros times it (0 * inf) reach every earlier token of
+    its chunk.  The differential checker recomputes a step of these forms at
+    the op's chunk (64) to know the op's answer there (see
+    ``fusepass.testing.differential.check``)."""
+    global CHUNK
+    before, CHUNK = CHUNK, size
+    try:
+        yield
+    finally:
+        CHUNK = before
 
 
 def _prep(q, k, v, g, beta, scale_keys=False, divide=False):
@@ -47,9 +71,11 @@ def _prep(q, k, v, g, beta, scale_keys=False, divide=False):
     return (q, k * scale) if scale_keys else (q * scale, k), v, g, beta
 
 
-def chunked(q, k, v, g, beta, state=None, *, size=16, solve=True, decay=torch.exp, use_beta=True,
+def chunked(q, k, v, g, beta, state=None, *, size=None, solve=True, decay=torch.exp, use_beta=True,
             carry=True, scale_keys=False, row_factor=None):
-    """The chunked gated delta rule (and, through its switches, the near-misses)."""
+    """The chunked gated delta rule (and, through its switches, the near-misses); chunks of
+    ``size`` tokens, :data:`CHUNK` by default."""
+    size = CHUNK if size is None else size
     dtype, (B, T) = q.dtype, q.shape[:2]
     (q, k), v, g, beta = _prep(q, k, v, g, beta, scale_keys)
     H, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
