@@ -37,6 +37,12 @@ class Step:
     precision: torch.dtype = torch.float64
     # An absolute error any order of summation may make: see _Dtypes.
     floor: float = 0.0
+    # A block's own step: the block as built, and its function built again on
+    # given inputs (the form, operands and mutation as they are; None where the
+    # mutation no longer lands on the same node), for a check that runs the
+    # form under a switch of its module (check._gdn_op_chunks).
+    block: BlockSpec | None = None
+    remake: Callable[[Sequence[Any]], Callable[..., tuple[torch.Tensor, ...]] | None] | None = None
 
 
 @dataclass
@@ -396,6 +402,10 @@ class _Builder:
         if b.kind == "form" and rule.canonical is not None:
             call = functools.partial(_canonical, rule.canonical, call)
         outs = self.step(call, ins, text)
+        self.steps[-1].block = b
+        self.steps[-1].remake = functools.partial(
+            _remake, functools.partial(_call, fn, tuple(template)), b.mutation, b.pick, mutated,
+            rule.canonical if b.kind == "form" else None)
         reason = _fake_refusal(call, [self.value(r) for r in ins])
         if reason:
             raise _FakeRefused(f"{b.label}: its fake implementation refuses what eager runs ({reason})")
@@ -433,6 +443,23 @@ class _Builder:
 
 # Unit roundoff per dtype, for the summation floor below.
 _UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def _remake(call: Callable[..., Any], mutation: str, pick: int, mutated: str,
+            canonical: Callable[..., Any] | None, values: Sequence[Any]) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+    """A block's step function built again on ``values``: ``call`` (its search function on its
+    operands), mutated as the build did, or None where the same mutation now changes another
+    node (``mutated``, the build's description of it, names the node)."""
+    if mutation:
+        try:
+            call, again = _mutate(call, list(values), mutation, pick)
+        except _Invalid:
+            return None
+        if again != mutated:
+            return None
+    if canonical is not None:
+        call = functools.partial(_canonical, canonical, call)
+    return lambda *a: _flat(call(*a))
 
 
 def _canonical(canonical: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> Any:
