@@ -427,3 +427,54 @@ def test_step_check_takes_either_of_two_tied_top_k_choices():
     wrong = torch.stack([table[2], table[1]])
     found = check._mismatches(program, [wrong])
     assert any("v0 step" in f for f in found) and any("v0 end to end" in f for f in found), found
+
+
+def _gdn_chunk_fed_an_infinity(mutation: str = "", pick: int = 0) -> diff.Program:
+    """One gdn_chunk form (bf16, 46 tokens: three chunks of the form's 16, one of the op's 64)
+    whose value input holds inf at token 18 of heads 2 and 3, as a long run's did (seed
+    20261156, program 2031936244: its v fed from an earlier GDN block); eager's values
+    recomputed on it."""
+    block = diff.BlockSpec("gdn_chunk", "form", "solve_triangular", dtype=torch.bfloat16, shape=(8, 7),
+                           mutation=mutation, pick=pick)
+    program = diff.build(diff.ProgramSpec((block,), seed=3, triton=False))
+    program.args[2][0, 18, 2:4, 0] = float("inf")  # v: [B, T, H, D]
+    for step in program.steps:
+        ins = [program.args[i] if k == "a" else program.eager[i] for k, i in step.ins]
+        program.eager.update(zip(step.outs, step.fn(*ins)))
+    return program
+
+
+def test_gdn_chunk_fed_an_infinity_may_be_nan_as_the_op_chunks():
+    """Fed an infinity, the chunked rule is NaN at every earlier token of the chunk that holds
+    it (the triangular matrices' zeros times inf): from token 16 at the form's chunks of 16,
+    from token 0 at the op's 64.  The op's NaNs pass where they are the form's at 64 (the
+    mutated form's too, the same node mutated); NaNs anywhere else still fail."""
+    from fusepass.patterns import gdn_chunk
+    from fusepass.testing.differential import check
+
+    for mutation, pick in (("", 0), ("extra_cast", 35)):  # the long run's: constant_pad_nd_3 rounded to fp16
+        program = _gdn_chunk_fed_an_infinity(mutation, pick)
+        o, state = program.eager[0], program.eager[1]
+        bad = ~torch.isfinite(o[0, :, :, 0])  # [T, H] of value column 0, the others finite
+        assert bad[:16].sum() == 0 and bad[16:, 2:].all() and bad[:, :2].sum() == 0, bad.nonzero()
+        assert torch.isfinite(o[..., 1:]).all()
+        fused = gdn_chunk.replace(*program.args)
+        assert fused[0][0, :, 2:, 0].isnan().all() and bad.sum() < fused[0].isnan().sum() == 2 * 46
+        assert check._mismatches(program, list(fused)) == [], mutation
+        # NaN where neither chunking has one: a finite token of head 0.
+        wrong = fused[0].clone()
+        wrong[0, 3, 0, 0] = float("nan")
+        found = check._mismatches(program, [wrong, fused[1]])
+        assert any(f.startswith("v0 step") for f in found), found
+        # The chunk of 64's NaNs on head 2, the chunk of 16's on head 3: neither answer.
+        mixed = fused[0].clone()
+        mixed[0, :16, 3] = o[0, :16, 3]
+        found = check._mismatches(program, [mixed, fused[1]])
+        assert any(f.startswith("v0 step") for f in found), found
+
+
+def test_gdn_chunk_fed_an_infinity_compiles_clean():
+    """The long run's block (mutated as it was) compiled with fusepass: rewritten, and no mismatch."""
+    outcome = diff.run(_gdn_chunk_fed_an_infinity("extra_cast", 35))
+    assert outcome.report.count("gdn_chunk") == 1
+    assert not outcome.failures, "\n".join(outcome.failures)

@@ -239,6 +239,8 @@ def _mismatches(program: Program, out: Sequence[torch.Tensor]) -> list[str]:
                     err = None
                 if err and (tied := _eager_ties_lowest_first(step, ins, got[j], list(step.outs).index(j))) is not None:
                     err, r = None, tied
+                if err and fed and (chunked := _gdn_op_chunks(step, ins, got[j], list(step.outs).index(j))) is not None:
+                    err, r = None, chunked
                 if err:
                     found.append(f"v{j} step ({step.text.split(' = ', 1)[1][:80]}): {err}")
                 elif isinstance(r, torch.Tensor):
@@ -291,6 +293,39 @@ def _eager_ties_lowest_first(step: Step, ins: list[torch.Tensor], actual: torch.
     try:
         with _TopkTiesLowestFirst():
             alt = step.fn(*ins)[index]
+    except Exception:  # noqa: BLE001 - no alternative answer
+        return None
+    if not isinstance(alt, torch.Tensor) or _compare(actual, alt, step.precision, floor=step.floor) is not None:
+        return None
+    return alt
+
+
+def _gdn_op_chunks(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, index: int) -> torch.Tensor | None:
+    """A ``gdn_chunk`` form's step output ``index`` recomputed at the op's chunk
+    (``fusepass::gdn_chunk``'s 64 tokens, the forms' 16), where ``actual`` matches
+    that answer (NaNs where it has them, the other values within the table), else
+    None (asked only where ``actual`` did not match eager's own, on non-finite inputs).
+
+    The chunked rule multiplies the triangular matrices' zeros by its values
+    (0 * inf = NaN), so an infinity reaches every earlier token of its chunk:
+    which tokens are NaN is the chunking's.  A long run (seed 20261156, program
+    2031936244): a value fed from an earlier GDN block held inf at token 18 of
+    heads 2 and 3; the form at chunks of 16 is NaN from token 16 of head 2, at
+    64 and as the op from token 0 (the token-by-token recurrence from 18), the
+    finite values the same; 512 outputs NaN in fusepass and finite in eager.
+    Both are the block's answer.  Only this rule's forms (those the op
+    replaces), and their mutations where the same node is mutated again.
+    """
+    block = step.block
+    if block is None or block.rule != "gdn_chunk" or block.kind != "form" or step.remake is None:
+        return None
+    from ...kernels.gdn.reference import CHUNK
+    from ...patterns import gdn_chunk
+
+    try:
+        with gdn_chunk.forms_chunk(CHUNK):
+            fn = step.remake(ins)
+            alt = fn(*ins)[index] if fn is not None else None
     except Exception:  # noqa: BLE001 - no alternative answer
         return None
     if not isinstance(alt, torch.Tensor) or _compare(actual, alt, step.precision, floor=step.floor) is not None:
