@@ -454,7 +454,7 @@ def test_gdn_chunk_fed_an_infinity_may_be_nan_as_the_op_chunks():
 
     for mutation, pick in (("", 0), ("extra_cast", 35)):  # the long run's: constant_pad_nd_3 rounded to fp16
         program = _gdn_chunk_fed_an_infinity(mutation, pick)
-        o, state = program.eager[0], program.eager[1]
+        o = program.eager[0]
         bad = ~torch.isfinite(o[0, :, :, 0])  # [T, H] of value column 0, the others finite
         assert bad[:16].sum() == 0 and bad[16:, 2:].all() and bad[:, :2].sum() == 0, bad.nonzero()
         assert torch.isfinite(o[..., 1:]).all()
