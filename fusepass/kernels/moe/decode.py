@@ -349,6 +349,9 @@ class DecodeConfig:
     stages2: int | None = None  # the down launch's pipeline stages (tl.dot's loads; Triton's default if None)
 
 
+DOT_TILE = 64  # the down kernel's tensor-core tile, [BK2, BN2]
+
+
 def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int,
                      dot: bool = False) -> DecodeConfig:
     """Tiles for T tokens.  Products are summed elementwise and reduced across K
@@ -374,13 +377,11 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     bytes of each row), 75.1 with gate_up deferred (the floor of their bytes
     ~72 at the copy rate, read + write counted)."""
     pdl = not transposed
-    if dot and transposed:
-        BM = 1 if T == 1 else 2 if T <= 8 else 4
-        tiles = T * cdiv(H, 64)
-        split2 = max(1, min(8, cdiv(n_sm * 27 // 10, tiles)))
-        return DecodeConfig(BM=BM, BN=16, BK=min(512 // BM, cdiv_pow2(H)), warps=4, BN2=64, BK2=64, warps2=4,
-                            defer=False, defer2=False, pdl=False, split2=split2, dot2=True, stages2=3)
     BM = 1 if T == 1 else 2 if T <= 8 else 4
+    if dot and transposed:
+        split2 = max(1, min(8, cdiv(n_sm * 27 // 10, T * cdiv(H, DOT_TILE))))
+        return DecodeConfig(BM=BM, BN=16, BK=min(512 // BM, cdiv_pow2(H)), warps=4, BN2=DOT_TILE, BK2=DOT_TILE,
+                            warps2=4, defer=False, defer2=False, pdl=False, split2=split2, dot2=True, stages2=3)
     KP = cdiv_pow2(k)
     BN = 16
     BK = min(4096 // (BN * BM), cdiv_pow2(H))
@@ -477,10 +478,11 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         num_stages=cfg.stages2 if dot else None, pdl=pdl))["out"]
 
 
-def dot_down_fits(x_dtype: torch.dtype, w_dtype: torch.dtype, fmt: str, transposed: bool, BN: int, BK: int) -> bool:
+def dot_down_fits(x_dtype: torch.dtype, w_dtype: torch.dtype, fmt: str, transposed: bool, BN: int = DOT_TILE,
+                  BK: int = DOT_TILE) -> bool:
     """Whether the down kernel's tensor-core form (``DOT``) takes these operands:
     plain 16-bit weights of x's dtype stored [E, K, N] (fp32 would go through
-    TF32), tiles of at least 16 x 16."""
+    TF32), tiles (the heuristic's by default) of at least 16 x 16."""
     return (fmt == "none" and transposed and x_dtype == w_dtype and x_dtype in (torch.bfloat16, torch.float16)
             and BN >= 16 and BK >= 16)
 
