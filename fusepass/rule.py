@@ -195,6 +195,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.gdn_recurrent",
     "fusepass.patterns.causal_conv1d",
     "fusepass.patterns.linear_siblings",
+    "fusepass.patterns.linear_one",
 )
 
 _lock = threading.Lock()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -242,3 +244,83 @@ def test_siblings_kernel_matches_each_weights_op(fmt, group, M):
         for g, w in zip(outs, want):
             assert torch.isfinite(g).all()
             assert_close(g, w, f"{fmt} {cfg.label()}", dtype=torch.bfloat16)
+
+
+# -- one weight alone at one row: linear_one ----------------------------------------------------
+
+
+class _Step(torch.nn.Module):
+    """q / k grouped by linear_siblings; o (biased) and the head each alone."""
+
+    def __init__(self, K=64, vocab=100):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(K, 64, bias=False), torch.nn.Linear(K, 16, bias=False)
+        self.o, self.head = torch.nn.Linear(64, K), torch.nn.Linear(K, vocab, bias=False)
+
+    def forward(self, x):
+        h = self.q(x) * self.k(x).sum(-1, keepdim=True).sigmoid()
+        return self.head(torch.relu(self.o(h)))
+
+
+def _ones(report):
+    return sorted(h.form for h in report.hits if h.rule == "linear_one")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_linear_one_takes_the_lone_products_of_a_decode_step(dtype):
+    model = _Step().to(dtype).eval()
+    got, want, report = _compile(model, torch.randn(1, 1, 64, dtype=dtype))
+    assert _ones(report) == ["biased", "one"]
+    assert [h.form for h in report.hits if h.rule == "linear_siblings"] == ["two"]
+    assert_close(got, want, "linear_one model", dtype=dtype)
+    assert not report.refusals
+
+
+def test_linear_one_leaves_what_cublas_serves_as_well(monkeypatch):
+    """More rows, fp32, a symbolic row count (Dynamo specializes a count of 1), a
+    weight stored [K, N], and a weight over the measured bound stay mm, without a
+    line in the report."""
+    bf16 = torch.bfloat16
+    for model, x, kw in ((_Step().to(bf16).eval(), torch.randn(1, 2, 64, dtype=bf16), {}),
+                         (_Step().eval(), torch.randn(1, 1, 64), {}),
+                         (_Step().to(bf16).eval(), torch.randn(1, 3, 64, dtype=bf16), {"dynamic": True})):
+        got, want, report = _compile(model, x, **kw)
+        assert not _ones(report) and not report.refusals, str(report)
+        assert_close(got, want, "linear_one left", dtype=x.dtype)
+
+    class Stored(torch.nn.Module):  # x @ W with W [K, N] (a Conv1D-style weight)
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 48, dtype=bf16))
+
+        def forward(self, x):
+            return x @ self.w
+
+    got, want, report = _compile(Stored().eval(), torch.randn(1, 64, dtype=bf16))
+    assert not _ones(report)
+    assert_close(got, want, "linear_one stored [K, N]", dtype=bf16)
+    monkeypatch.setattr(ls, "MAX_BYTES_ONE", 100 * 64 * 2 - 1)  # the head's 12.5 KB over the bound, o's 8 KB under
+    with torch._inductor.config.patch(fx_graph_cache=False):  # (the bound is no part of its key)
+        _, _, report = _compile(_Step().to(bf16).eval(), torch.randn(1, 64, dtype=bf16))
+    assert _ones(report) == ["biased"]
+
+
+def test_linear_one_sizes_follow_the_measurements():
+    assert ls.takes_one(1, 32 << 20) and not ls.takes_one(1, (32 << 20) + 1)
+    assert not ls.takes_one(2, 1 << 20) and not ls.takes_one(0, 1 << 20)
+
+
+@interpreted
+def test_linear_one_through_the_kernel_matches_eager():
+    """The compiled step with the op's CUDA body (the interpreted kernel, one weight a launch)."""
+    torch.manual_seed(3)
+    model = _Step(K=40, vocab=33).to(torch.bfloat16).eval()
+    x = torch.randn(1, 1, 40, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with differential.triton_on_cpu(["linear_siblings"]), torch.no_grad():
+        got = torch.compile(model, backend="fusepass")(x)
+    assert _ones(fusepass.last_report()) == ["biased", "one"]
+    with torch.no_grad():
+        want = copy.deepcopy(model).float()(x.float())
+    assert_close(got, want.bfloat16(), "linear_one (Triton)", dtype=torch.bfloat16)

@@ -48,6 +48,18 @@ def takes(M: int, nbytes: int) -> bool:
     return 0 < M <= MAX_ROWS and nbytes <= MAX_BYTES.get(M, MAX_BYTES_ROWS)
 
 
+# One weight alone at one row (``linear_one``), 16-bit: the kernel against
+# cuBLAS's GEMV (a split-K launch and its reduction), cold, H200, 374640d:
+# 1.25x at 16 MiB (Qwen3-30B-A3B's o_proj), 1.34x at 22.5 MiB (gpt-oss-20b's),
+# 1.13x at 32 MiB (Llama-3-8B's), 0.99x at 112 MiB (its down_proj).
+MAX_BYTES_ONE = 32 << 20
+
+
+def takes_one(M: int, nbytes: int) -> bool:
+    """Whether one weight of ``nbytes`` alone at M rows of x is measured faster here than through cuBLAS."""
+    return M == 1 and nbytes <= MAX_BYTES_ONE
+
+
 @triton.jit
 def _rows(x, w, b, o, N, blk, M, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):

@@ -40,11 +40,13 @@ from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M
 from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
 from fusepass.kernels.dequant_matmul.siblings import group_plan
 from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
-from fusepass.match import RESHAPES
+from fusepass.patterns._linear import is_call as _is
+from fusepass.patterns._linear import product as _product
+from fusepass.patterns._linear import root as _root
+from fusepass.patterns._linear import val as _val
 from fusepass.rule import Form, NearMiss, Region, Rule
 
 aten = torch.ops.aten
-_VIEWS = (aten.permute.default, aten.t.default, *RESHAPES)
 _FORMS = {2: "two", 3: "three", 4: "four"}
 
 
@@ -89,40 +91,6 @@ def sized_inputs(dtype, shape):
 
 
 # -- the rule's find ------------------------------------------------------------------------
-
-
-def _val(n):
-    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-
-
-def _is(n, target) -> bool:
-    return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target == target
-
-
-def _root(n):
-    """The node a chain of views starts from (a weight's placeholder under its transpose)."""
-    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _VIEWS:
-        n = n.args[0]
-    return n
-
-
-def _product(node: torch.fx.Node):
-    """(x, B, bias) of ``mm(x, B)`` / ``addmm(bias, x, B)`` (1-D bias) in a kernel dtype, else None."""
-    if _is(node, aten.mm.default):
-        x, b, bias = node.args[0], node.args[1], None
-    elif _is(node, aten.addmm.default) and len(node.args) == 3:
-        bias, x, b = node.args
-        bv = _val(bias)
-        if not isinstance(bv, torch.Tensor) or bv.dim() != 1:
-            return None
-    else:
-        return None
-    xv, wv = _val(x), _val(b)
-    if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and xv.dim() == 2 and wv.dim() == 2):
-        return None
-    if bias is not None and _val(bias).dtype != xv.dtype:
-        return None
-    return x, b, bias
 
 
 def _cublas_known(group) -> bool:
