@@ -621,7 +621,8 @@ def linear_cases(quick: bool):
     """Projections of one x in one launch: models' q / k / v and gate / up, odd N and K
     (K not a whole tile: masked loads), strided weights, biases, 1-4 rows, each
     rows-a-program the plan can pick, and more rows than the GEMV takes (cuBLAS)."""
-    groups = [(2048, [4096, 512, 512]), (4096, [14336, 14336]), (37, [9, 1, 3, 33]), (4097, [5, 1000])]
+    groups = [(2048, [4096, 512, 512]), (4096, [14336, 14336]), (37, [9, 1, 3, 33]), (4097, [5, 1000]),
+              (4096, [2880]), (2049, [1])]  # (one weight alone: linear_one's)
     if quick:
         groups = groups[::2]
     for (K, Ns), M in itertools.product(groups, (1, 3, 4, 6)):

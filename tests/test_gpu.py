@@ -193,12 +193,14 @@ def test_decode_dequant_matmul_under_coordinate_descent_tuning(form):
 
 @pytest.mark.parametrize("M", [1, 3, 4])
 def test_linear_siblings_at_real_sizes(M):
-    """Qwen3-30B-A3B's q / k / v (one launch) and Llama-3-8B's gate / up (past the
-    measured limit: cuBLAS per weight) against the fp64 product, bf16."""
+    """Qwen3-30B-A3B's q / k / v (one launch), Llama-3-8B's gate / up (past the
+    measured limit: cuBLAS per weight), and alone (``linear_one``) Llama-3-8B's
+    o_proj and gpt-oss-20b's (K 4096, N 2880: not a whole row tile) against the
+    fp64 product, bf16."""
     from fusepass.testing import assert_close
 
     torch.manual_seed(M)
-    for K, Ns in [(2048, [4096, 512, 512]), (4096, [14336, 14336])]:
+    for K, Ns in [(2048, [4096, 512, 512]), (4096, [14336, 14336]), (4096, [4096]), (4096, [2880])]:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         ws = [torch.randn(n, K, device="cuda", dtype=torch.bfloat16) * 0.02 for n in Ns]
         bs = [torch.randn(Ns[0], device="cuda", dtype=torch.bfloat16)] + [None] * (len(Ns) - 1)
