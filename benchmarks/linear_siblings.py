@@ -1,9 +1,9 @@
 """Projections of one activation at decode sizes: one launch against cuBLAS's one per weight.
 
-    python benchmarks/linear_siblings.py [--ms 1,4] [--shapes all] [--configs] [--rep 100] [--formats bf16,int4,int8]
+    python benchmarks/linear_siblings.py [--ms 1,4] [--shapes all] [--configs] [--rep 100] [--formats bf16,fp32,int4,int8]
 
-For each group of weights (a model's q / k / v, an MLP's gate / up), bf16,
-cold (a ring of weight copies larger than three L2s, each call on the next
+For each group of weights (a model's q / k / v, an MLP's gate / up), bf16
+(or fp16, fp32), cold (a ring of weight copies larger than three L2s, each call on the next
 copy): cuBLAS (``x @ w.t()`` per weight, what Inductor's graph runs), the
 op with its plan, and with ``--configs`` every (rows a program, K tile,
 warps) the launch takes.  Each output is checked against the fp32 product
@@ -41,7 +41,9 @@ SHAPES = {  # name: (K, [N_i])
     "gpt-oss-20b o_proj": (4096, [2880]),
     "llama3-8b o_proj": (4096, [4096]),
     "llama3-8b down_proj": (14336, [4096]),
+    "qwen3.5-moe shared_expert_gate": (2048, [1]),
 }
+PLAIN = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _configs(M: int):
@@ -64,23 +66,25 @@ def main(argv=None) -> None:
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     rows = []
-    for fmt in (f for f in args.formats.split(",") if f != "bf16"):
+    formats = args.formats.split(",")
+    for fmt in (f for f in formats if f not in PLAIN):
         for name in names:
             rows += _quantized(name, fmt, args, dev, bw, l2)
-    for name in (names if "bf16" in args.formats.split(",") else []):
+    for dtype_name, name in itertools.product([f for f in formats if f in PLAIN], names):
+        dtype = PLAIN[dtype_name]
         K, Ns = SHAPES[name]
-        nbytes = 2 * K * sum(Ns)
+        nbytes = dtype.itemsize * K * sum(Ns)
         copies = max(2, min(64, math.ceil(3 * l2 / nbytes)))
         torch.manual_seed(0)
-        ring = [[torch.randn(n, K, device=dev, dtype=torch.bfloat16) * 0.02 for n in Ns] for _ in range(copies)]
+        ring = [[torch.randn(n, K, device=dev, dtype=dtype) * 0.02 for n in Ns] for _ in range(copies)]
         floor = nbytes / (bw * 1e9) * 1e6
         for M in (int(m) for m in args.ms.split(",")):
-            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            ref = [x.float() @ w.float().t() for w in ring[0]]
+            x = torch.randn(M, K, device=dev, dtype=dtype)
+            ref = [x.double() @ w.double().t() for w in ring[0]]
 
             def timed(label, call):
                 outs = call(0)
-                err = max(((o.float() - r).norm() / r.norm()).item() for o, r in zip(outs, ref))
+                err = max(((o.double() - r).norm() / r.norm()).item() for o, r in zip(outs, ref))
                 if not err <= 1e-2:
                     print(f"  {name} M{M} {label}: error {err:.2e}", flush=True)
                     return None
@@ -99,7 +103,7 @@ def main(argv=None) -> None:
             if args.configs and M <= MAX_ROWS:
                 for cfg in _configs(M):
                     def launch(i, cfg=cfg):
-                        outs = [torch.full((M, n), float("nan"), device=dev, dtype=torch.bfloat16) for n in Ns]
+                        outs = [torch.full((M, n), float("nan"), device=dev, dtype=dtype) for n in Ns]
                         siblings_launch(x, ring[i], [None] * len(Ns), outs, cfg).run()
                         return outs
                     try:
@@ -111,9 +115,9 @@ def main(argv=None) -> None:
             for label, v in got.items():
                 if v is None or not (label.startswith(("cuBLAS", "op")) or label == best[1]):
                     continue
-                rows.append([name, M, f"{nbytes / 2**20:.1f}", f"{floor:.2f}", label, f"{v[0]:.2f}",
+                rows.append([f"{name} {dtype_name}", M, f"{nbytes / 2**20:.1f}", f"{floor:.2f}", label, f"{v[0]:.2f}",
                              f"{100 * floor / v[0]:.0f}%", f"{base[0] / v[0]:.2f}x" if base else "-", f"{v[1]:.1e}"])
-            print(f"  {name} M{M}: cuBLAS {base[0] if base else float('nan'):.2f} µs, best {best[1]} {best[0]:.2f}",
+            print(f"  {name} {dtype_name} M{M}: cuBLAS {base[0] if base else float('nan'):.2f} µs, best {best[1]} {best[0]:.2f}",
                   flush=True)
     print(f"\n{env.get('device', '')}, torch {torch.__version__}, Triton {triton.__version__}, "
           f"commit {env.get('commit', '')}, copy {bw:.0f} GB/s, cold weights, CUDA-graph µs a call\n")
