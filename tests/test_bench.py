@@ -470,3 +470,15 @@ def test_replay_rewinds_sliding_window_layers_python_counters():
     rewind()
     assert all(int(layer.cumulative_length) == 6 for layer in cache.layers)
     assert all(layer.cumulative_length_int == 6 for layer in sliding)
+
+
+def test_e2e_rewrites_say_when_a_graph_was_compiled_again():
+    """A graph compiled again another way after a failure (without inlining) ran
+    something other than the default: the row's rewrites column says so."""
+    from fusepass.bench.e2e.run import rewrites
+    from fusepass.report import GraphReport, Hit, RewriteReport
+
+    report = RewriteReport([GraphReport("0/0", hits=[Hit("rms_norm", "one", "norm", "m.py:1", 0)])])
+    assert rewrites(report) == "rms_norm×1 (1 graph(s))"
+    report.graphs[0].notes.append("compiling failed (InductorError: ...); compiled again with inline_kernels=False")
+    assert "1 compiled again after a failure" in rewrites(report)

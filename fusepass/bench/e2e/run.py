@@ -20,11 +20,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def rewrites(report: Any) -> str:
-    """The report's totals: hits per rule, graphs (from cache), refusals."""
+    """The report's totals: hits per rule, graphs (from cache), refusals, and the
+    graphs compiled again another way after a failed compile (what ran is then
+    not the default: the row must say so)."""
     cached = sum(1 for g in report.graphs if g.cache == "hit")
+    again = sum(1 for g in report.graphs if any("compiled again" in n for n in g.notes))
     text = _hit_totals([(h.rule, h.where) for h in report.hits])
     return (f"{text} ({len(report.graphs)} graph(s){f', {cached} from cache' if cached else ''}"
-            f"{f', {len(report.refusals)} refused' if report.refusals else ''})")
+            f"{f', {len(report.refusals)} refused' if report.refusals else ''}"
+            f"{f', {again} compiled again after a failure (see the log)' if again else ''})")
 
 
 def _hit_totals(hits: list[Any]) -> str:
