@@ -434,6 +434,8 @@ def test_bench_e2e_rule_variant(tmp_path, capsys):
     assert compile_args("inductor") == {"backend": "inductor"}
     assert compile_args("fusepass-no:rms_norm+swiglu") == {
         "backend": "fusepass", "options": {"disable_rules": ["rms_norm", "swiglu"]}}
+    assert compile_args("fusepass-no:inline") == {
+        "backend": "fusepass", "options": {"disable_rules": [], "inline_kernels": False}}
     for backends, phases, message in (("fusepass-no:nope", "replay", "name the rules"),
                                       ("fusepass-no:", "replay", "name the rules"),
                                       ("fusepass-no:swiglu", "startup", "plain backends only")):

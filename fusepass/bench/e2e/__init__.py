@@ -85,9 +85,10 @@ def main(args: argparse.Namespace) -> int:
 
         known = {r.name for r in rules()}
         bad = [r for b in variants for r in fusepass_options(b)["disable_rules"] if r not in known] or \
-            [b for b in variants if not fusepass_options(b)["disable_rules"]]
+            [b for b in variants if fusepass_options(b) == {"disable_rules": []}]
         if bad:
-            raise SystemExit(f"fusepass bench e2e: {bad}: name the rules to leave out, of {sorted(known)}")
+            raise SystemExit(f"fusepass bench e2e: {bad}: name the rules to leave out, of {sorted(known)}, "
+                             "or 'inline'")
         if "startup" in phases:
             raise SystemExit(f"fusepass bench e2e: the startup phase times plain backends only, not {variants}")
     if args.quantize in ("int8", "int4"):
@@ -118,7 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help="comma list (default: eager,inductor,fusepass); fusepass-no:RULE[+RULE...]: "
-                        "fusepass without those rules")
+                        "fusepass without those rules ('inline': the ops called through the dispatcher, "
+                        "not launched from Inductor's code)")
     p.add_argument("--quick", action="store_true", help="the tiny model on the CPU, a few shapes (CI)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16 on CUDA, float32 on CPU")

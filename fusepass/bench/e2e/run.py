@@ -139,8 +139,11 @@ class Run:
 
 
 # A backend "fusepass-no:RULE+RULE" is fusepass without those rules: an A/B of
-# rules in one process, against the same Inductor row.
+# rules in one process, against the same Inductor row.  The name "inline"
+# among them keeps the ops' launches out of Inductor's code (each op called
+# through the dispatcher: ``inline_kernels=False``).
 VARIANT = "fusepass-no:"
+NO_INLINE = "inline"
 
 
 def fusepass_options(backend: str) -> dict[str, Any] | None:
@@ -149,7 +152,11 @@ def fusepass_options(backend: str) -> dict[str, Any] | None:
     if backend == "fusepass":
         return {}
     if backend.startswith(VARIANT):
-        return {"disable_rules": [r for r in backend[len(VARIANT):].split("+") if r]}
+        names = [r for r in backend[len(VARIANT):].split("+") if r]
+        opts: dict[str, Any] = {"disable_rules": [r for r in names if r != NO_INLINE]}
+        if NO_INLINE in names:
+            opts["inline_kernels"] = False
+        return opts
     return None
 
 
