@@ -49,9 +49,11 @@ def takes(M: int, nbytes: int) -> bool:
 
 
 # One weight alone at one row (``linear_one``), 16-bit: the kernel against
-# cuBLAS's GEMV (a split-K launch and its reduction), cold, H200, 374640d:
-# 1.25x at 16 MiB (Qwen3-30B-A3B's o_proj), 1.34x at 22.5 MiB (gpt-oss-20b's),
-# 1.13x at 32 MiB (Llama-3-8B's), 0.99x at 112 MiB (its down_proj).
+# cuBLAS's GEMV (a split-K launch and its reduction), cold, H200, af03263:
+# 1.27x at 16 MiB (Qwen3-30B-A3B's o_proj), 1.32x at 22.5 MiB (gpt-oss-20b's),
+# 1.12x at 32 MiB (Llama-3-8B's), 0.99x at 112 MiB (its down_proj); at four
+# rows 0.76-1.00x, fp32 0.99-1.16x.  In a model: Qwen3-30B-A3B's decode step
+# 2 µs a layer faster (b99549f).
 MAX_BYTES_ONE = 32 << 20
 
 
