@@ -305,6 +305,15 @@ def test_linear_one_leaves_what_cublas_serves_as_well(monkeypatch):
     assert _ones(report) == ["biased"]
 
 
+@pytest.mark.parametrize("shape", [(0, 64), (1, 0), (0, 0)], ids=["no-rows", "no-features", "neither"])
+def test_linear_one_on_empty_operands(shape):
+    """No rows (an empty output) or no features (the bias alone): rewritten, as eager."""
+    model = _Step(K=shape[-1]).to(torch.bfloat16).eval()
+    got, want, report = _compile(model, torch.randn(*shape, dtype=torch.bfloat16))
+    assert _ones(report) == ["biased", "one"]
+    torch.testing.assert_close(got, want)
+
+
 def test_linear_one_sizes_follow_the_measurements():
     assert ls.takes_one(1, 32 << 20) and not ls.takes_one(1, (32 << 20) + 1)
     assert not ls.takes_one(2, 1 << 20) and not ls.takes_one(0, 1 << 20)
