@@ -43,7 +43,7 @@ def test_four_weights_and_the_op_through_its_cuda_body():
     torch.manual_seed(1)
     x = torch.randn(2, 1, 40, dtype=torch.bfloat16)
     ws = [torch.randn(n, 40, dtype=torch.bfloat16) for n in (7, 1, 16, 3)]
-    bs = [None, torch.randn(1, dtype=torch.bfloat16), None, torch.randn(3, dtype=torch.bfloat16)]
+    bs = [None, torch.randn(1, dtype=torch.bfloat16), None, torch.randn(6, dtype=torch.bfloat16)[::2]]  # (strided)
     with differential.triton_on_cpu(["linear_siblings"]):
         got = torch.ops.fusepass.linear_siblings(x, ws, bs)
     for g, w in zip(got, _reference(x, ws, bs)):

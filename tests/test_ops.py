@@ -220,8 +220,10 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
                                                       [_t(9, dtype=torch.bfloat16), None])),
         ("M4-fp16-four", lambda: (_t(4, 16, dtype=torch.float16), [_t(n, 16, dtype=torch.float16) for n in (1, 5, 8, 2)],
                                   [None] * 4)),
-        ("M1-bf16-one-weight-bias", lambda: (_t(1, 37, dtype=torch.bfloat16), [_t(33, 37, dtype=torch.bfloat16)],
-                                             [_t(33, dtype=torch.bfloat16)])),  # (linear_one's call)
+        # (linear_one's call; a bias of stride 2: the kernel reads N packed values)
+        ("M1-bf16-one-weight-strided-bias", lambda: (_t(1, 37, dtype=torch.bfloat16),
+                                                     [_t(33, 37, dtype=torch.bfloat16)],
+                                                     [_t(66, dtype=torch.bfloat16)[::2]])),
         ("M6-fp32-rows-past-the-gemv", lambda: (_t(6, 16), [_t(4, 16), _t(3, 16)], [None, _t(3)])),
         ("fp64", lambda: (_t(2, 9, dtype=torch.float64), [_t(3, 9, dtype=torch.float64)] * 2, [None, None])),
         ("empty-rows", lambda: (_t(0, 8), [_t(3, 8), _t(2, 8)], [None, None])),
@@ -725,7 +727,8 @@ def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empt
     ("gdn_recurrent", lambda: _gdn_inputs(2, 1, 2, 4, 8, 12, torch.float32, True)),
     ("dequant_matmul", TABLE["dequant_matmul"][0][1]),
     ("linear_siblings", TABLE["linear_siblings"][0][1]),  # Tensor[] arguments, a list of outputs
-    ("linear_siblings", TABLE["linear_siblings"][2][1]),  # a list of one output
+    ("linear_siblings", lambda: (_t(1, 37, dtype=torch.bfloat16), [_t(33, 37, dtype=torch.bfloat16)],
+                                 [_t(33, dtype=torch.bfloat16)])),  # a list of one output
 ], ids=["gdn_chunk-T70", "gdn_chunk-T5", "gdn_recurrent-T1", "dequant_matmul", "linear_siblings",
         "linear_siblings-one"])
 def test_engine_inlines_op_nodes_in_the_graph(op, args, fake_cuda):

@@ -179,11 +179,14 @@ def _reference(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) ->
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
 
 
-def _operands(x: Tensor, weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+def _operands(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> tuple[Tensor, list[Tensor], list]:
+    """x as [M, K] rows, weights and biases at unit stride in their last dim, as the kernel reads them (a
+    bias of stride 2 once gave every other value: the kernel reads N packed values)."""
     x2 = x.reshape(flat_rows(x, x.shape[-1]), x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return x2, [w if w.stride(-1) == 1 else w.contiguous() for w in weights]
+    return (x2, [w if w.stride(-1) == 1 else w.contiguous() for w in weights],
+            [b if b is None or b.stride(-1) == 1 else b.contiguous() for b in biases])
 
 
 def linear_siblings_fwd(x: Tensor, weights: list[Tensor], biases: list[Tensor | None],
@@ -193,10 +196,10 @@ def linear_siblings_fwd(x: Tensor, weights: list[Tensor], biases: list[Tensor | 
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     if x.dtype not in KERNEL_DTYPES or x.shape[-1] == 0 or (cfg is None and not takes(M, nbytes)) or M == 0:
         return _reference(x, weights, biases)
-    x2, ws = _operands(x, weights)
+    x2, ws, bs = _operands(x, weights, biases)
     outs = [torch.empty((M, w.shape[0]), dtype=x.dtype, device=x.device) for w in ws]
     with on_device(x):
-        siblings_launch(x2, ws, list(biases), outs, cfg).run()
+        siblings_launch(x2, ws, bs, outs, cfg).run()
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
 
 
@@ -224,10 +227,10 @@ def _linear_siblings_cuda(x, weights, biases):
 
 
 def _traced(x, weights, biases):
-    x2, ws = _operands(x, weights)
+    x2, ws, bs = _operands(x, weights, biases)
     M = x2.shape[0]
     outs = [torch.empty((M, w.shape[0]), dtype=x.dtype, device=x.device) for w in ws]
-    got = siblings_launch(x2, ws, list(biases), outs).traced()
+    got = siblings_launch(x2, ws, bs, outs).traced()
     return [got[f"o{i}"].view(*x.shape[:-1], w.shape[0]) for i, w in enumerate(ws)]
 
 
