@@ -326,6 +326,63 @@ def test_opcheck_triton_path(op):
     assert not kernel_fallbacks(), kernel_fallbacks()
 
 
+def _strided(a):
+    """``a`` with every non-empty numeric tensor (and each tensor of a list) replaced by a copy of the same
+    values at stride 2 in its last dim: a slice of a larger tensor, as a model can pass one."""
+    if isinstance(a, list):
+        return [_strided(t) for t in a]
+    if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.numel() == 0 or a.dtype == torch.bool:
+        return a
+    return torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=a.dtype, device=a.device)[..., ::2].copy_(a)
+
+
+@pytest.mark.parametrize("op,make", [pytest.param(op, make, id=f"{op}/{case}")
+                                     for op in OPS for case, make in TABLE.get(op, [])])
+def test_strided_operands_through_the_triton_path(op, make, fake_cuda):
+    """The CUDA implementation and the inlined form read every operand at its
+    own strides: each tensor at stride 2 in its last dim gives what the
+    contiguous one gives (a kernel reading N packed values from a strided bias
+    returns every other one)."""
+    from fusepass.kernels._common import inline_forms, inline_kernels
+
+    torch.manual_seed(0)
+    args = make()
+    path, _ = _kernel_path(op, ())
+    # (the tensors in lists too; strided after the move, which copies a strided tensor contiguous)
+    inputs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.cuda() if torch.cuda.is_available() else t,
+                                               list(args))
+    strided = [_strided(a) for a in inputs]
+    assert all(s.stride(-1) == 2 for s in torch.utils._pytree.tree_leaves(strided)
+               if isinstance(s, torch.Tensor) and s.dim() and s.numel() and s.dtype != torch.bool)
+    packet = getattr(torch.ops.fusepass, op)
+    clear_kernel_fallbacks()
+    try:
+        with path:
+            expected = packet(*inputs)
+            fell_back = dict(kernel_fallbacks())
+            actual = packet(*strided)
+        # A strided operand may send the op to its reference (correct), never more than the contiguous one did.
+        assert kernel_fallbacks() == fell_back, kernel_fallbacks()
+    finally:
+        clear_kernel_fallbacks()
+    precision = loosest(a.dtype for a in torch.utils._pytree.tree_leaves(args)
+                        if isinstance(a, torch.Tensor) and a.is_floating_point())
+    assert_close(actual, expected, f"{op} with strided operands", dtype=precision)
+    form = inline_forms().get(packet.default)
+    if differential.interpreting() and form is not None:
+        _, twin = fake_cuda
+        with inline_kernels(True):
+            try:
+                inlined = form.ok(*[twin(a) for a in strided])
+            except RuntimeError as exc:  # a CPU-only torch cannot copy a strided fake CUDA tensor: contiguous twins
+                if "not linked with support for cuda" not in str(exc):
+                    raise
+                inlined = form.ok(*[twin(a) for a in inputs])
+        if inlined:  # the launches as a graph runs them, on the CPU tensors under the interpreter
+            assert_close(form.traced(*strided), expected, f"{op}'s inlined form with strided operands",
+                         dtype=precision)
+
+
 # -- a kernel that fails at run time --------------------------------------------------------
 
 def _model_for(op):

@@ -55,7 +55,7 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 @triton.jit
 def _causal_conv1d_kernel(
     x, w, bias, out, T, C,
-    s_xb, s_xc, s_xt, s_wc, s_wk,
+    s_xb, s_xc, s_xt, s_wc, s_wk, s_bc,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     WDT: tl.constexpr,
 ):
@@ -68,7 +68,7 @@ def _causal_conv1d_kernel(
     p_x = x + i_b.to(tl.int64) * s_xb + o_c[None, :].to(tl.int64) * s_xc
     b_acc = tl.zeros([BT, BC], dtype=tl.float32)
     if HAS_BIAS:
-        b_acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(WDT).to(tl.float32)[None, :]
+        b_acc += tl.load(bias + o_c * s_bc, mask=m_c, other=0.0).to(WDT).to(tl.float32)[None, :]
     for j in tl.static_range(K):
         o_s = o_t - (K - 1) + j
         m = ((o_s >= 0) & (o_s < T))[:, None] & m_c[None, :]
@@ -94,7 +94,7 @@ def _window(state, x, idx, S, L, p_s, s_ss, p_x, s_xt, m_c):
 @triton.jit
 def _causal_conv1d_update_kernel(
     x, state, w, bias, out, new_state, L, S, C,
-    s_xb, s_xc, s_xt, s_sb, s_sc, s_ss, s_wc, s_wk,
+    s_xb, s_xc, s_xt, s_sb, s_sc, s_ss, s_wc, s_wk, s_bc,
     K: tl.constexpr, BL: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr, WDT: tl.constexpr,
 ):
@@ -112,7 +112,7 @@ def _causal_conv1d_update_kernel(
     b_new = tl.where((L + o_s[None, :]) < S, b_ns.to(WDT), b_nx.to(WDT))
     b_acc = tl.zeros([BC, BL], dtype=tl.float32)
     if HAS_BIAS:
-        b_acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(WDT).to(tl.float32)[:, None]
+        b_acc += tl.load(bias + o_c * s_bc, mask=m_c, other=0.0).to(WDT).to(tl.float32)[:, None]
     for j in tl.static_range(K):
         # output l reads positions S - K + 1 + l + j of cat(state, x)
         idx = S - K + 1 + o_l[None, :] + j
@@ -149,6 +149,11 @@ def _update_outs(x: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:
     return (x.new_empty(x.shape), conv_state.new_empty(conv_state.shape))
 
 
+def _bias_stride(bias: Tensor | None) -> int:
+    """The bias's stride, which the kernels read it at: a bias sliced from a larger tensor need not be packed."""
+    return 0 if bias is None else bias.stride(0)
+
+
 def conv_launch(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, out: Tensor) -> Launch:
     """The prefill kernel into ``out`` ([B, C, T], the transpose of a contiguous [B, T, C])."""
     B, C, T = x.shape
@@ -156,6 +161,7 @@ def conv_launch(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str 
     BT, BC = 32, min(128, _pow2(C))
     args = dict(x=x, w=weight, bias=weight if bias is None else bias, out=out, T=T, C=C,
                 s_xb=x.stride(0), s_xc=x.stride(1), s_xt=x.stride(2), s_wc=weight.stride(0), s_wk=weight.stride(1),
+                s_bc=_bias_stride(bias),
                 K=weight.shape[-1], BT=BT, BC=BC, HAS_BIAS=bias is not None, SILU=activation is not None,
                 WDT=_TL[weight.dtype])
     return Launch(_causal_conv1d_kernel, (cdiv(T, BT), cdiv(C, BC), B), args, ("out",), 4)
@@ -170,6 +176,7 @@ def update_launch(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | 
     args = dict(x=x, state=conv_state, w=weight, bias=weight if bias is None else bias, out=out, new_state=new_state,
                 L=L, S=S, C=C, s_xb=x.stride(0), s_xc=x.stride(1), s_xt=x.stride(2), s_sb=conv_state.stride(0),
                 s_sc=conv_state.stride(1), s_ss=conv_state.stride(2), s_wc=weight.stride(0), s_wk=weight.stride(1),
+                s_bc=_bias_stride(bias),
                 K=weight.shape[-1], BL=_pow2(L), BS=_pow2(S), BC=BC, HAS_BIAS=bias is not None,
                 SILU=activation is not None, WDT=_TL[weight.dtype])
     return Launch(_causal_conv1d_update_kernel, (cdiv(C, BC), B), args, ("out", "new_state"), 4)
