@@ -326,61 +326,133 @@ def test_opcheck_triton_path(op):
     assert not kernel_fallbacks(), kernel_fallbacks()
 
 
+def _numeric(t):
+    return isinstance(t, torch.Tensor) and t.numel() > 0 and t.dtype != torch.bool
+
+
+def _relaid(fn):
+    """``fn`` applied to every non-empty numeric tensor of an op argument (and each tensor of a list)."""
+    def relay(a):
+        return [relay(t) for t in a] if isinstance(a, list) else fn(a) if _numeric(a) else a
+    return relay
+
+
+@_relaid
 def _strided(a):
-    """``a`` with every non-empty numeric tensor (and each tensor of a list) replaced by a copy of the same
-    values at stride 2 in its last dim: a slice of a larger tensor, as a model can pass one."""
-    if isinstance(a, list):
-        return [_strided(t) for t in a]
-    if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.numel() == 0 or a.dtype == torch.bool:
+    """A copy of ``a``'s values at stride 2 in its last dim: a slice of a larger tensor, as a model can pass one."""
+    if a.dim() == 0:
         return a
     return torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=a.dtype, device=a.device)[..., ::2].copy_(a)
 
 
-@pytest.mark.parametrize("op,make", [pytest.param(op, make, id=f"{op}/{case}")
-                                     for op in OPS for case, make in TABLE.get(op, [])])
-def test_strided_operands_through_the_triton_path(op, make, fake_cuda):
-    """The CUDA implementation and the inlined form read every operand at its
-    own strides: each tensor at stride 2 in its last dim gives what the
-    contiguous one gives (a kernel reading N packed values from a strided bias
-    returns every other one)."""
+@_relaid
+def _odd_offset(a):
+    """A copy of ``a``'s values at its own strides, one element past the start of
+    its storage: a 16-bit tensor there is not 4-byte aligned (a slice of a
+    larger tensor, the second half of an odd-width chunk)."""
+    assert all(st > 0 or n == 1 for n, st in zip(a.shape, a.stride())), "an overlapping view cannot be copied into"
+    span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
+    return torch.empty(span + 1, dtype=a.dtype, device=a.device).as_strided(a.shape, a.stride(), 1).copy_(a)
+
+
+@_relaid
+def _column_major(a):
+    """A copy of ``a``'s values (2-D and up) with unit stride in its second-last
+    dim: a weight or activation handed over transposed."""
+    return a.transpose(-1, -2).contiguous().transpose(-1, -2) if a.dim() >= 2 else a
+
+
+def _refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is an op's argument check refusing (torch._check's
+    RuntimeError/ValueError), not a crash that happens to share the type."""
+    if not isinstance(exc, (RuntimeError, ValueError)):
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_name == "_check_with"
+
+
+def _check_layout(op, make, fake_cuda, relayout, layout, refusals):
+    """Runs ``op`` on ``make()``'s operands and on ``relayout`` of them (same
+    values, another layout), through the CUDA implementation and the inlined
+    form: the same values, or a refusal by the op's argument check (then
+    appended to ``refusals``).  Never a silently wrong value, a crash, or a
+    kernel failure the contiguous operands did not have."""
     from fusepass.kernels._common import inline_forms, inline_kernels
 
     torch.manual_seed(0)
     args = make()
     path, _ = _kernel_path(op, ())
-    # (the tensors in lists too; strided after the move, which copies a strided tensor contiguous)
+    # (the tensors in lists too; re-laid after the move, which copies a strided tensor contiguous)
     inputs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.cuda() if torch.cuda.is_available() else t,
                                                list(args))
-    strided = [_strided(a) for a in inputs]
-    assert all(s.stride(-1) == 2 for s in torch.utils._pytree.tree_leaves(strided)
-               if isinstance(s, torch.Tensor) and s.dim() and s.numel() and s.dtype != torch.bool)
+    relaid = [relayout(a) for a in inputs]
     packet = getattr(torch.ops.fusepass, op)
+    precision = loosest(a.dtype for a in torch.utils._pytree.tree_leaves(args)
+                        if isinstance(a, torch.Tensor) and a.is_floating_point())
     clear_kernel_fallbacks()
     try:
         with path:
             expected = packet(*inputs)
             fell_back = dict(kernel_fallbacks())
-            actual = packet(*strided)
-        # A strided operand may send the op to its reference (correct), never more than the contiguous one did.
+            try:
+                actual = packet(*relaid)
+            except Exception as exc:  # noqa: BLE001 - only the op's own refusal passes
+                if not _refusal(exc):
+                    raise
+                refusals.append(f"{op}: {exc}")
+                return
+        # The layout may send the op to its reference (correct), never more than the contiguous one did:
+        # a new entry is a kernel that crashed on this layout.
         assert kernel_fallbacks() == fell_back, kernel_fallbacks()
     finally:
         clear_kernel_fallbacks()
-    precision = loosest(a.dtype for a in torch.utils._pytree.tree_leaves(args)
-                        if isinstance(a, torch.Tensor) and a.is_floating_point())
-    assert_close(actual, expected, f"{op} with strided operands", dtype=precision)
+    assert_close(actual, expected, f"{op} with {layout} operands", dtype=precision)
     form = inline_forms().get(packet.default)
     if differential.interpreting() and form is not None:
         _, twin = fake_cuda
         with inline_kernels(True):
             try:
-                inlined = form.ok(*[twin(a) for a in strided])
+                inlined = form.ok(*[twin(a) for a in relaid])
             except RuntimeError as exc:  # a CPU-only torch cannot copy a strided fake CUDA tensor: contiguous twins
                 if "not linked with support for cuda" not in str(exc):
                     raise
                 inlined = form.ok(*[twin(a) for a in inputs])
         if inlined:  # the launches as a graph runs them, on the CPU tensors under the interpreter
-            assert_close(form.traced(*strided), expected, f"{op}'s inlined form with strided operands",
+            assert_close(form.traced(*relaid), expected, f"{op}'s inlined form with {layout} operands",
                          dtype=precision)
+
+
+TABLE_CASES = [pytest.param(op, make, id=f"{op}/{case}") for op in OPS for case, make in TABLE.get(op, [])]
+
+
+@pytest.mark.parametrize("op,make", TABLE_CASES)
+def test_strided_operands_through_the_triton_path(op, make, fake_cuda):
+    """The CUDA implementation and the inlined form read every operand at its
+    own strides: each tensor at stride 2 in its last dim gives what the
+    contiguous one gives (a kernel reading N packed values from a strided bias
+    returns every other one)."""
+    refusals = []
+    _check_layout(op, make, fake_cuda, _strided, "strided", refusals)
+    assert not refusals, refusals
+
+
+@pytest.mark.parametrize("layout", ["odd-offset", "column-major"])
+@pytest.mark.parametrize("op,make", TABLE_CASES)
+def test_offset_and_transposed_operands_through_the_triton_path(op, make, layout, fake_cuda):
+    """Two more layouts a model or the differential generator can hand an op,
+    same values: every operand one element past the start of its storage (a
+    16-bit tensor there is not 4-byte aligned: an int32 view of it, which some
+    kernels use to load pairs, fails), and every operand of 2 dims or more
+    column-major (unit stride in its second-last dim: a weight handed over
+    transposed).  The op gives what the contiguous operands give, or its
+    argument check refuses them."""
+    refusals = []
+    _check_layout(op, make, fake_cuda, {"odd-offset": _odd_offset, "column-major": _column_major}[layout], layout,
+                  refusals)
+    if refusals:
+        print("refused:", *refusals)
 
 
 # -- a kernel that fails at run time --------------------------------------------------------
@@ -626,7 +698,11 @@ def fake_cuda(monkeypatch):
         if not isinstance(a, torch.Tensor):
             return a
         with mode:
-            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
+            if not a.storage_offset():
+                return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
+            # (the offset too: an inlined form may refuse a tensor that is not aligned)
+            span = a.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
+            return torch.empty(span, dtype=a.dtype, device="cuda").as_strided(a.shape, a.stride(), a.storage_offset())
 
     yield mode, twin
     _common.sm_count.cache_clear()
