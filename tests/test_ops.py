@@ -356,6 +356,14 @@ def _odd_offset(a):
 
 
 @_relaid
+def _leading_permuted(a):
+    """A copy of ``a``'s values (3-D and up) with its first two dims swapped in
+    storage: rows that are not evenly spaced (a [B, T, C] activation taken from
+    a [T, B, C] one)."""
+    return a.transpose(0, 1).contiguous().transpose(0, 1) if a.dim() >= 3 else a
+
+
+@_relaid
 def _column_major(a):
     """A copy of ``a``'s values (2-D and up) with unit stride in its second-last
     dim: a weight or activation handed over transposed."""
@@ -438,19 +446,20 @@ def test_strided_operands_through_the_triton_path(op, make, fake_cuda):
     assert not refusals, refusals
 
 
-@pytest.mark.parametrize("layout", ["odd-offset", "column-major"])
+@pytest.mark.parametrize("layout", ["odd-offset", "column-major", "leading-permuted"])
 @pytest.mark.parametrize("op,make", TABLE_CASES)
 def test_offset_and_transposed_operands_through_the_triton_path(op, make, layout, fake_cuda):
-    """Two more layouts a model or the differential generator can hand an op,
-    same values: every operand one element past the start of its storage (a
-    16-bit tensor there is not 4-byte aligned: an int32 view of it, which some
-    kernels use to load pairs, fails), and every operand of 2 dims or more
-    column-major (unit stride in its second-last dim: a weight handed over
-    transposed).  The op gives what the contiguous operands give, or its
-    argument check refuses them."""
+    """More layouts a model or the differential generator can hand an op, same
+    values: every operand one element past the start of its storage (a 16-bit
+    tensor there is not 4-byte aligned: an int32 view of it, which some kernels
+    use to load pairs, fails), every operand of 2 dims or more column-major
+    (unit stride in its second-last dim: a weight handed over transposed), and
+    every operand of 3 dims or more with its first two dims swapped in storage
+    (rows a reshape cannot flatten without a copy).  The op gives what the
+    contiguous operands give, or its argument check refuses them."""
     refusals = []
-    _check_layout(op, make, fake_cuda, {"odd-offset": _odd_offset, "column-major": _column_major}[layout], layout,
-                  refusals)
+    relayout = {"odd-offset": _odd_offset, "column-major": _column_major, "leading-permuted": _leading_permuted}
+    _check_layout(op, make, fake_cuda, relayout[layout], layout, refusals)
     if refusals:
         print("refused:", *refusals)
 
