@@ -11,7 +11,6 @@ replacement does (:func:`fusepass.kernels._common.call`).
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -52,28 +51,17 @@ def _op_args(node: torch.fx.Node) -> list[Any]:
     return args
 
 
-def _op_region(graph: torch.fx.Graph, node: torch.fx.Node, args: list[Any]) -> Region | None:
-    """The op node as a region whose outputs its inlined form returns.  An op
-    returning a list of one tensor (``linear_siblings`` of one weight) has its
-    ``getitem`` as the output: Inductor's replacement maps a one-output
-    region's node to the replacement's one value, which would leave a
-    ``getitem`` of a tensor (Inductor's lowering refuses it; H200: the whole
-    graph compiled again without inlining).  None where such an op's list is
-    read otherwise than by index: the op call stays."""
+def _packed(node: torch.fx.Node, traced):
+    """``traced`` as the one output of the op node it replaces.  An op returning
+    a list (``Tensor[]``) returns it as one value, which Inductor's replacement
+    then takes apart for the node's ``getitem`` users; returned bare, a list of
+    one tensor was matched to the node itself, leaving ``getitem(tensor, 0)``
+    (``linear_siblings`` of one weight: Inductor's lowering refused it, and on
+    the H200 the whole graph was compiled again without inlining)."""
     returns = node.target._schema.returns
-    val = node.meta.get("val")
-    if not (len(returns) == 1 and isinstance(returns[0].type, torch.ListType) and isinstance(val, (list, tuple))
-            and len(val) == 1):
-        return Region(form="inline", anchor=node, nodes=[node], outputs=[node], args=args)
-    users = list(node.users)
-    if not users or not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0
-                            for u in users):
-        return None
-    first = users[0]
-    for u in users[1:]:  # the same element taken twice
-        u.replace_all_uses_with(first)
-        graph.erase_node(u)
-    return Region(form="inline", anchor=node, nodes=[node, first], outputs=[first], args=args)
+    if len(returns) == 1 and isinstance(returns[0].type, torch.ListType):
+        return lambda *args: (traced(*args),)
+    return traced
 
 
 def inline_op_nodes(gm: torch.fx.GraphModule) -> tuple[int, list[str]]:
@@ -92,10 +80,8 @@ def inline_op_nodes(gm: torch.fx.GraphModule) -> tuple[int, list[str]]:
             vals = list(torch.fx.map_arg(args, lambda a: a.meta.get("val")))  # (lists of nodes too: Tensor[])
             if not form.ok(*vals):
                 continue
-            region = _op_region(gm.graph, node, args)
-            if region is None:
-                continue
-            region_match(gm.graph, region).replace_by_example(form.traced, args)
+            region = Region(form="inline", anchor=node, nodes=[node], outputs=[node], args=args)
+            region_match(gm.graph, region).replace_by_example(_packed(node, form.traced), args)
         except Exception as exc:  # noqa: BLE001 - the op call stays, correct and slower
             failed.append(f"{node.name} ({node.target}): {type(exc).__name__}: {exc}".splitlines()[0][:300])
             continue

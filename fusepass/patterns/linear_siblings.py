@@ -40,10 +40,7 @@ from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M
 from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
 from fusepass.kernels.dequant_matmul.siblings import group_plan
 from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
-from fusepass.patterns._linear import is_call as _is
-from fusepass.patterns._linear import product as _product
-from fusepass.patterns._linear import root as _root
-from fusepass.patterns._linear import val as _val
+from fusepass.patterns._linear import is_call as _is, product as _product, root as _root, val as _val
 from fusepass.rule import Form, NearMiss, Region, Rule
 
 aten = torch.ops.aten
