@@ -5,7 +5,7 @@
 
 Groups: norms, dequant_matmul (int8 / int4 / fp8), library (nf4, fp4, gptq4
 with an act-order g_idx and, at GEMV sizes, g_idx = k // G too, gptq4_v1,
-hqq4), gdn, conv, linear (linear_siblings), moe (router and experts
+hqq4), gdn, conv, linear (linear_siblings), attention (decode_attention), moe (router and experts
 at Qwen3-30B-A3B's, gpt-oss-20b's and DeepSeek-V3's sizes, quantized expert
 stacks) and all_reduce (``all_reduce_rms_norm`` on a one-rank process group:
 NCCL for the CUDA tensors, gloo for the CPU copies).  Besides each op's own
@@ -647,8 +647,40 @@ def linear_cases(quick: bool):
                (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0), 2e-2)
 
 
+def attention_cases(quick: bool):
+    """decode_attention: models' head shapes over static caches (one split and many, blocks the mask
+    hides skipped), odd L, D and D_v (masked lanes), speculative rows, a per-head float mask,
+    multi-head, strided q (a transposed view) and a cache slice, batch 8, and each block / split /
+    warps the plan can pick."""
+    from fusepass.kernels.decode_attention import decode_attention_fwd
+
+    shapes = [(1, 32, 8, 1, 4096, 128, 128), (1, 32, 4, 1, 256, 128, 128), (1, 16, 2, 1, 1000, 256, 256),
+              (8, 64, 8, 1, 777, 64, 64), (2, 12, 3, 3, 91, 80, 48), (1, 8, 8, 2, 33, 32, 32), (3, 6, 1, 1, 5, 16, 16)]
+    if quick:
+        shapes = shapes[1::2]
+    for B, H, HKV, T, L, D, DV in shapes:
+        q = _randn(B, T, H, D).transpose(1, 2)  # (as a model's q reaches attention)
+        k = _randn(B, HKV, L + 5, D)[:, :, :L]  # (a slice of a longer cache)
+        v = _randn(B, HKV, L, DV)
+        n = torch.randint(1, L + 1, (B,), device=DEVICE)
+        mask = (torch.arange(L, device=DEVICE)[None, :] < n[:, None])[:, None, None, :].expand(B, 1, T, L)
+        yield f"decode_attention B{B} H{H}/{HKV} T{T} L{L} D{D}/{DV} bool", ops.decode_attention, \
+            (q, k, v, mask, D ** -0.5), 2e-2
+        fmask = torch.where(torch.rand(B, H, T, L, device=DEVICE) < 0.7, 0.0, float("-inf")).to(torch.bfloat16)
+        fmask[..., 0] = 0
+        yield f"decode_attention B{B} H{H}/{HKV} T{T} L{L} D{D}/{DV} float per head", ops.decode_attention, \
+            (q, k, v, fmask, 0.1), 2e-2
+    for cfg in [(16, 1, 4), (32, 7, 8), (128, 3, 4), (64, 64, 4)]:
+        q, k, v = _randn(2, 32, 1, 128), _randn(2, 8, 1500, 128), _randn(2, 8, 1500, 128)
+        mask = (torch.arange(1500, device=DEVICE) < 1300)[None, None, None, :]
+        yield (f"decode_attention cfg {cfg} B2 H32/8 L1500",
+               lambda *a, c=cfg: decode_attention_fwd(*a, cfg=c) if a[0].is_cuda else ops.decode_attention(*a),
+               (q, k, v, mask, 0.09), 2e-2)
+
+
 GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "library": library_cases, "gdn": gdn_cases,
-          "conv": conv_cases, "moe": moe_cases, "all_reduce": all_reduce_cases, "linear": linear_cases}
+          "conv": conv_cases, "moe": moe_cases, "all_reduce": all_reduce_cases, "linear": linear_cases,
+          "attention": attention_cases}
 
 
 def run_group(group: str, quick: bool, start: int = 0, record=None, match: str = "") -> list[tuple[str, str, float]]:

@@ -196,6 +196,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.causal_conv1d",
     "fusepass.patterns.linear_siblings",
     "fusepass.patterns.linear_one",
+    "fusepass.patterns.decode_attention",
 )
 
 _lock = threading.Lock()

@@ -213,6 +213,21 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("fp64", lambda: _siblings_inputs("int8", 0, (2,), (5, 3), torch.float64)),
         ("empty-rows", lambda: _siblings_inputs("int8", 0, (0,), (5, 3), torch.bfloat16)),
     ],
+    "decode_attention": [
+        # (a static cache of 300 slots, 9 written: the kernel splits L and skips the hidden blocks)
+        ("gqa-bool-mask-bf16-L300", lambda: (_t(1, 8, 1, 32, dtype=torch.bfloat16), _t(1, 2, 300, 32, dtype=torch.bfloat16),
+                                             _t(1, 2, 300, 32, dtype=torch.bfloat16), _cache_mask(1, 1, 300, 9),
+                                             0.2)),
+        ("mha-float-mask-per-head-fp16-T2", lambda: (_t(2, 4, 2, 16, dtype=torch.float16),
+                                                      _t(2, 4, 45, 16, dtype=torch.float16),
+                                                      _t(2, 4, 45, 16, dtype=torch.float16),
+                                                      _t(2, 4, 2, 45, dtype=torch.float16), 0.25)),
+        ("no-mask-fp32-dv40-odd-dims", lambda: (_t(1, 6, 1, 24), _t(1, 3, 33, 24), _t(1, 3, 33, 40), None, 0.3)),
+        ("fp64", lambda: (_t(1, 4, 1, 8, dtype=torch.float64), _t(1, 2, 9, 8, dtype=torch.float64),
+                          _t(1, 2, 9, 8, dtype=torch.float64), _cache_mask(1, 1, 9, 4), 0.5)),
+        ("rows-past-a-tile", lambda: (_t(1, 32, 4, 16), _t(1, 1, 20, 16), _t(1, 1, 20, 16), None, 0.25)),
+        ("empty-batch", lambda: (_t(0, 4, 1, 16), _t(0, 2, 7, 16), _t(0, 2, 7, 16), None, 0.25)),
+    ],
     "linear_siblings": [
         ("3d-M2x1-bf16-strided-weight-bias", lambda: (_t(2, 1, 37, dtype=torch.bfloat16),
                                                       [_t(9, 40, dtype=torch.bfloat16)[:, :37],
@@ -229,6 +244,12 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("empty-rows", lambda: (_t(0, 8), [_t(3, 8), _t(2, 8)], [None, None])),
     ],
 }
+
+
+def _cache_mask(B, T, L, written):
+    """A static cache's boolean mask [B, 1, T, L]: the first ``written`` slots (more for later rows)."""
+    m = torch.arange(L)[None, :] < (written + torch.arange(T))[:, None]
+    return m[None, None].expand(B, 1, T, L).clone()
 
 
 def _siblings_inputs(fmt, group, lead, Ns, dtype, zero=False, bias=()):

@@ -29,7 +29,7 @@ Importing a module registers its ops.
 Ops: ``rms_norm`` (rms_norm, add_rms_norm), ``rms_norm_gated``, ``gated_act``
 (swiglu, geglu), ``gdn/`` (gdn_chunk, gdn_recurrent), ``causal_conv1d``
 (causal_conv1d, causal_conv1d_update), ``dequant_matmul/``, ``moe/``, ``all_reduce_rms_norm``,
-``linear_siblings``.
+``linear_siblings``, ``decode_attention``.
 """
 
 import importlib
@@ -37,7 +37,7 @@ import importlib
 OP_MODULES = ("fusepass.kernels.rms_norm", "fusepass.kernels.rms_norm_gated", "fusepass.kernels.gated_act",
               "fusepass.kernels.gdn", "fusepass.kernels.causal_conv1d", "fusepass.kernels.dequant_matmul",
               "fusepass.kernels.moe", "fusepass.kernels.all_reduce_rms_norm",
-              "fusepass.kernels.linear_siblings")
+              "fusepass.kernels.linear_siblings", "fusepass.kernels.decode_attention")
 
 
 def _load() -> None:

@@ -1,0 +1,319 @@
+"""Attention of a few query rows over a key/value cache: ``fusepass::decode_attention``.
+
+    out[b, t, h] = softmax(scale * q[b, h, t] . k[b, h // G]^T + bias[b, h, t]) @ v[b, h // G]
+
+q [B, H, T, D], k [B, H_kv, L, D], v [B, H_kv, L, D_v], G = H / H_kv query heads
+per key/value head (grouped-query attention; G = 1 is multi-head), bias an
+additive float mask or a boolean one (True: attend) broadcastable to
+[B, H, T, L], and out [B, T, H, D_v] (the layout an output projection reads).
+
+A decode step asks attention for one query row (a few with speculative
+tokens) against a cache of L positions.  The model's graph hands SDPA the
+cache repeated G times (``repeat_kv``: a copy of G x the cache a layer and a
+step, then SDPA reads the copy) and a mask over every slot of a static
+cache, written or not; SDPA's kernels tile 64 query rows of which one is
+used.  Here one program takes the G x T query rows of one key/value head
+(one tile), so each cache row is read once for all heads that share it, and
+skips every block of positions whose mask is all -inf (a static cache's
+unwritten slots) without reading its keys or values: exact, since such a
+block adds exp(-inf) = 0 to every sum.
+
+The kernel: programs (batch x key/value head, split of L).  Each streams
+its positions in BL-row blocks: scores with tl.dot in fp32, the mask
+added, an online softmax (running max and sum in the exp2 domain), p @ v
+accumulated in fp32 (p rounded to the cache's dtype for the dot, as flash
+attention kernels do; fp32 caches multiply in full fp32).  One split writes
+the normalised rows; more write (max, sum, unnormalised rows) to a
+workspace that a second launch merges.  A row masked everywhere gives 0,
+as PyTorch's math attention (its safe softmax) does.  fp64 and more than
+``MAX_ROWS`` query rows a head go to the reference (plain torch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fusepass.formats import KERNEL_DTYPES
+from fusepass.kernels._common import Launch, call, cdiv, emulate_rounding, inline_enabled, on_device, \
+    register_inline, rne_bf16, round_to, run_all, run_kernel, sm_count, trace_all
+
+MAX_ROWS = 64  # query rows of one key/value head (G x T) in one tile; more are a prefill (SDPA's)
+MAX_DIM = 256
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, SPAN,
+                             s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kl, s_kd, s_vb, s_vh, s_vl, s_vd,
+                             s_bb, s_bh, s_bt, s_bl, qk_scale,
+                             HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                             IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
+                             BDV: tl.constexpr):
+    pid = tl.program_id(0)  # b * HKV + key/value head
+    sp = tl.program_id(1)  # split of L
+    b = pid // HKV
+    kvh = pid % HKV
+    r = tl.arange(0, BR)
+    rep = r // T
+    t = r % T
+    h = kvh * G + rep
+    ok_r = r < G * T
+    d = tl.arange(0, BD)
+    dv = tl.arange(0, BDV)
+    b64 = b.to(tl.int64)
+    p_q = q + b64 * s_qb + h.to(tl.int64)[:, None] * s_qh + t[:, None] * s_qt + d[None, :] * s_qd
+    b_q = tl.load(p_q, mask=ok_r[:, None] & (d[None, :] < D), other=0)
+    k0 = k + b64 * s_kb + kvh.to(tl.int64) * s_kh
+    v0 = v + b64 * s_vb + kvh.to(tl.int64) * s_vh
+    m_i = tl.full([BR], float("-inf"), tl.float32)
+    l_i = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, BDV], tl.float32)
+    start = sp * SPAN
+    end = tl.minimum(start + SPAN, L)
+    for l0 in range(start, end, BL):
+        pos = l0 + tl.arange(0, BL)
+        ok_l = pos < end
+        if HAS_BIAS:
+            p_b = bias + b64 * s_bb + h.to(tl.int64)[:, None] * s_bh + t[:, None] * s_bt + \
+                pos.to(tl.int64)[None, :] * s_bl
+            m_b = ok_r[:, None] & ok_l[None, :]
+            if BOOL_BIAS:
+                keep = tl.load(p_b, mask=m_b, other=0) != 0
+                add = tl.where(keep, 0.0, float("-inf"))
+            else:
+                add = tl.load(p_b, mask=m_b, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+            live = tl.max(tl.max(add, axis=1), axis=0) > float("-inf")
+        else:
+            add = tl.where(ok_r[:, None] & ok_l[None, :], 0.0, float("-inf"))
+            live = True
+        if live:  # a block masked everywhere adds nothing: its keys and values are not read
+            b_k = tl.load(k0 + pos.to(tl.int64)[:, None] * s_kl + d[None, :] * s_kd,
+                          mask=ok_l[:, None] & (d[None, :] < D), other=0)
+            if IEEE or EMU:  # (EMU: the interpreter's bf16 dot is wrong; bf16 products are exact in fp32)
+                s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(b_q, tl.trans(b_k))
+            s = s * qk_scale + add  # log2 domain
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            b_v = tl.load(v0 + pos.to(tl.int64)[:, None] * s_vl + dv[None, :] * s_vd,
+                          mask=ok_l[:, None] & (dv[None, :] < DV), other=0)
+            if IEEE:
+                pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+            elif EMU:
+                pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(b_v.dtype), b_v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+    if SPLIT:
+        slot = pid * tl.num_programs(1) + sp
+        tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BDV + dv[None, :], acc)
+        tl.store(wml + (slot * 2) * BR + r, m_i)
+        tl.store(wml + (slot * 2 + 1) * BR + r, l_i)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        p_o = o + ((b64 * T + t[:, None]) * H + h[:, None]) * DV + dv[None, :]
+        tl.store(p_o, round_to(out, o.dtype.element_ty, EMU), mask=ok_r[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _decode_attention_merge_kernel(ws, wml, o, H, HKV, T, DV, G, NSPLIT, EMU: tl.constexpr, BR: tl.constexpr,
+                                   BDV: tl.constexpr):
+    # The splits of one (batch, key/value head): rows scaled to the largest max, summed, divided once.
+    pid = tl.program_id(0)
+    b = pid // HKV
+    kvh = pid % HKV
+    r = tl.arange(0, BR)
+    dv = tl.arange(0, BDV)
+    m_all = tl.full([BR], float("-inf"), tl.float32)
+    for s in range(0, NSPLIT):
+        m_all = tl.maximum(m_all, tl.load(wml + ((pid * NSPLIT + s) * 2) * BR + r))
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, BDV], tl.float32)
+    for s in range(0, NSPLIT):
+        slot = pid * NSPLIT + s
+        w = tl.exp2(tl.load(wml + (slot * 2) * BR + r) - m_use)
+        l_all += w * tl.load(wml + (slot * 2 + 1) * BR + r)
+        acc += w[:, None] * tl.load(ws + (slot * BR + r)[:, None].to(tl.int64) * BDV + dv[None, :])
+    out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
+    rep = r // T
+    t = r % T
+    h = kvh * G + rep
+    p_o = o + ((b.to(tl.int64) * T + t[:, None]) * H + h[:, None]) * DV + dv[None, :]
+    tl.store(p_o, round_to(out, o.dtype.element_ty, EMU), mask=(r < G * T)[:, None] & (dv[None, :] < DV))
+
+
+# ------------------------------------------------------------------ launches ----
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.device) -> tuple[int, int, int]:
+    """(BL, split count, warps): 64-position blocks (32 past 128-wide heads, for registers), and L split
+    so that the grid gives every SM about two programs, each at least one block."""
+    BL = 64 if max(D, DV) <= 128 else 32
+    if rows > 16:
+        BL = min(BL, 32)
+    n_sm = sm_count(device) if device.type == "cuda" else 8
+    blocks = max(cdiv(L, BL), 1)
+    split = max(1, min(blocks, cdiv(2 * n_sm, max(B * HKV, 1))))
+    return BL, split, 8 if max(16, _pow2(rows)) * max(D, DV) >= 8192 else 4
+
+
+def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, out: Tensor,
+             cfg: tuple[int, int, int] | None = None) -> tuple[list[Launch], Tensor]:
+    """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]."""
+    B, H, T, D = q.shape
+    HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
+    G = H // HKV
+    BR = max(16, _pow2(G * T))
+    BL, split, warps = cfg or plan(B, HKV, G * T, L, D, DV, q.device)
+    span = cdiv(cdiv(L, split), BL) * BL  # positions a split owns, whole blocks
+    split = max(1, cdiv(L, span))
+    BDV = max(16, _pow2(DV))
+    if split > 1:
+        ws = torch.empty((B * HKV * split * BR, BDV), dtype=torch.float32, device=q.device)
+        wml = torch.empty((B * HKV * split * 2 * BR,), dtype=torch.float32, device=q.device)
+    else:  # (never touched: the kernel's SPLIT branch is compiled out)
+        ws = wml = torch.empty((1,), dtype=torch.float32, device=q.device)
+    bb = bias if bias is not None else q
+    bs = bias.stride() if bias is not None else (0, 0, 0, 0)
+    main = Launch(_decode_attention_kernel, (B * HKV, split), dict(
+        q=q, k=k, v=v, bias=bb, o=out, ws=ws, wml=wml, H=H, HKV=HKV, T=T, L=L, D=D, DV=DV, G=G, SPAN=span,
+        s_qb=q.stride(0), s_qh=q.stride(1), s_qt=q.stride(2), s_qd=q.stride(3),
+        s_kb=k.stride(0), s_kh=k.stride(1), s_kl=k.stride(2), s_kd=k.stride(3),
+        s_vb=v.stride(0), s_vh=v.stride(1), s_vl=v.stride(2), s_vd=v.stride(3),
+        s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
+        HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
+        IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)), BDV=BDV),
+        ("ws", "wml") if split > 1 else ("o",), warps, 2)
+    if split == 1:
+        return [main], out
+    merge = Launch(_decode_attention_merge_kernel, (B * HKV,), dict(
+        ws=ws, wml=wml, o=out, H=H, HKV=HKV, T=T, DV=DV, G=G, NSPLIT=split, EMU=emulate_rounding(q.dtype), BR=BR,
+        BDV=BDV), ("o",), 4)
+    return [main, merge], out
+
+
+# ------------------------------------------------------------------------ op ----
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> None:
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                 lambda: f"q, k, v are [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = q.shape
+    torch._check(k.shape[0] == B and v.shape[0] == B and k.shape[3] == D and v.shape[1] == k.shape[1]
+                 and v.shape[2] == k.shape[2],
+                 lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
+    torch._check(k.shape[1] > 0 and H % k.shape[1] == 0,
+                 lambda: f"{H} query heads are not a multiple of {k.shape[1]} key/value heads")
+    torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: f"q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if bias is not None:
+        torch._check(bias.dtype == torch.bool or bias.dtype == q.dtype,
+                     lambda: f"the mask is {bias.dtype}: bool or {q.dtype}")
+        torch._check(bias.dim() <= 4, lambda: f"the mask has {bias.dim()} dims")
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    """The op in plain torch ([B, T, H, D_v]), in fp32 (fp64 for fp64)."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    G = q.shape[1] // k.shape[1]
+    kf = k.to(work).repeat_interleave(G, dim=1)
+    vf = v.to(work).repeat_interleave(G, dim=1)
+    s = (q.to(work) @ kf.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + (torch.where(bias, 0.0, float("-inf")).to(work) if bias.dtype == torch.bool else bias.to(work))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(m == float("-inf"), 0.0, m)
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    out = (p @ vf) / torch.where(den == 0, 1.0, den)
+    return out.to(q.dtype).transpose(1, 2).contiguous()
+
+
+def _full_bias(q: Tensor, k: Tensor, bias: Tensor | None) -> Tensor | None:
+    """The mask as a [B, H, T, L] view (broadcast dims at stride 0)."""
+    if bias is None:
+        return None
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the kernel serves these shapes (else the reference)."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    return (q.dtype in KERNEL_DTYPES and 0 < G * T <= MAX_ROWS and 0 < D <= MAX_DIM and 0 < v.shape[3] <= MAX_DIM
+            and k.shape[2] > 0 and B > 0)
+
+
+def decode_attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
+                         cfg: tuple[int, int, int] | None = None) -> Tensor:
+    """The CUDA body (``cfg`` overrides the plan: tests, sweeps)."""
+    if not takes(q, k, v):
+        return reference(q, k, v, bias, scale)
+    B, H, T, _ = q.shape
+    out = torch.empty((B, T, H, v.shape[3]), dtype=q.dtype, device=q.device)
+    with on_device(q):
+        run_all(launches(q, k, v, _full_bias(q, k, bias), scale, out, cfg)[0])
+    return out
+
+
+@torch.library.custom_op("fusepass::decode_attention", mutates_args=())
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    """softmax(scale q k^T + bias) v per query head, k and v shared by H / H_kv heads; out [B, T, H, D_v].
+    This body serves CPU."""
+    _check(q, k, v, bias)
+    return reference(q, k, v, bias, scale)
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(q, k, v, bias, scale):
+    _check(q, k, v, bias)
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))
+
+
+@decode_attention.register_kernel("cuda")
+def _decode_attention_cuda(q, k, v, bias, scale):
+    _check(q, k, v, bias)
+    return run_kernel("decode_attention", lambda: decode_attention_fwd(q, k, v, bias, scale),
+                      lambda: reference(q, k, v, bias, scale))
+
+
+# ------------------------------------------------------- calls in graphs ----
+
+
+def _traced(q, k, v, bias, scale):
+    B, H, T, _ = q.shape
+    out = torch.empty((B, T, H, v.shape[3]), dtype=q.dtype, device=q.device)
+    steps, out = launches(q, k, v, _full_bias(q, k, bias), scale, out)
+    return trace_all(steps)[id(out)]
+
+
+def _inline_ok(q, k, v, bias, scale) -> bool:
+    # The grid, the tile and the split need every size as a number.
+    sizes = (*q.shape, *k.shape, *v.shape, *q.stride(), *k.stride(), *v.stride())
+    if bias is not None:
+        sizes += (*bias.shape, *bias.stride())
+    return (inline_enabled(q) and all(isinstance(s, int) for s in sizes) and takes(q, k, v)
+            and not math.isnan(scale))
+
+
+register_inline(torch.ops.fusepass.decode_attention.default, _inline_ok, _traced)
+
+
+def decode_attention_call(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    """What the rule puts in a graph ([B, T, H, D_v]): the launches themselves when the engine inlines
+    kernels for a CUDA graph, else the op."""
+    return call(torch.ops.fusepass.decode_attention.default, q, k, v, bias, scale)
