@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     dev = torch.device("cuda")
     env = environment(dev)
     bw = copy_bandwidth(dev)
-    print(f"{env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, copy {bw / 1e9:.0f} GB/s")
+    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, copy {bw:.0f} GB/s")
     models = list(MODELS) if args.models == "all" else args.models.split(",")
     compiled = torch.compile(sdpa_path, dynamic=False)
     rows = []
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
                     err = (got.float() - ref).abs().max().item() / ref.abs().max().item()
                     want = sdpa_path(q, k, v, mask).transpose(1, 2).float()
                     err_sdpa = (want - ref).abs().max().item() / ref.abs().max().item()
-                    floor = 2 * B * HKV * n * D * 2 / bw * 1e6 * 2  # (read + write counted in the copy rate)
+                    floor = 2 * B * HKV * n * D * 2 / (bw * 1e3)  # µs; (bw: GB/s, read + write counted)
                     t_eager = triton.testing.do_bench_cudagraph(lambda: sdpa_path(q, k, v, mask), rep=args.rep)
                     compiled(q, k, v, mask)
                     t_ind = triton.testing.do_bench_cudagraph(lambda: compiled(q, k, v, mask), rep=args.rep)
