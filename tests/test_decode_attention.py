@@ -123,6 +123,22 @@ def test_rule_takes_each_layers_attention_in_a_decode_step(kv_heads, qk_norm):
     assert_close(got, want, "decode step", dtype=torch.float32)
 
 
+def test_rule_takes_grouped_sdpa_without_a_mask():
+    """A first token without a cache: transformers passes SDPA no mask and the cache as stored, with
+    enable_gqa (no repeat_kv in the graph): one call a layer, the replacement traced without a mask."""
+    model = _llama(2, torch.float32)
+    ids = torch.randint(0, 128, (1, 1))
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with torch.no_grad():
+        got = torch.compile(model, backend="fusepass")(input_ids=ids).logits
+        want = model(input_ids=ids).logits
+    report = fusepass.last_report()
+    assert [h.form for h in report.hits if h.rule == "decode_attention"] == ["gqa"] * 2, str(report)
+    assert not report.reasons("decode_attention")
+    assert_close(got, want, "first token", dtype=torch.float32)
+
+
 @interpreted
 def test_rule_through_the_kernel_matches_eager():
     """The compiled bf16 step with the op's CUDA body (the interpreted kernel) against the fp32 model."""

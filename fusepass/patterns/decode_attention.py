@@ -210,7 +210,9 @@ def find(gm: torch.fx.GraphModule):
         v2, rv, vn = _unrepeat(v)
         qv, kv_ = val(q), val(k2)
         H = qv.shape[1]
-        if rk != rv or kv_.shape[1] * rk != H or val(v2).shape[1] * rv != H:
+        # (k and v as stored may also reach SDPA grouped, with enable_gqa: query head h reads key/value head
+        # h // (H / H_kv) either way, as repeat_interleave gives)
+        if rk != rv or val(v2).shape[1] != kv_.shape[1] or H % kv_.shape[1]:
             yield Region("sdpa", node, reason=f"keys repeated {rk}x and values {rv}x for {H} query heads")
             continue
         if (H // kv_.shape[1]) * qv.shape[2] > MAX_ROWS:
@@ -225,16 +227,23 @@ def find(gm: torch.fx.GraphModule):
         nodes = [node, *users, *kn, *vn]
         args = [q, k2, v2] + ([mask] if mask is not None else [])
         names = ["q", "k", "v"] + (["mask"] if mask is not None else [])
-        form = "gqa" if rk > 1 else "mha"
+        form = "gqa" if kv_.shape[1] < H else "mha"
         yield Region(form, node, nodes, [out], args, _replace(scale, mask is not None, bshd), names=names,
                      arguments_checked=True)
 
 
 def _replace(scale: float, has_mask: bool, bshd: bool):
-    def replace(q, k, v, mask=None):
-        o = decode_attention_call(q, k, v, mask if has_mask else None, scale).transpose(1, 2)
+    def out(q, k, v, mask):
+        o = decode_attention_call(q, k, v, mask, scale).transpose(1, 2)
         return o if bshd else o.contiguous()
-    return replace
+
+    def masked(q, k, v, mask):
+        return out(q, k, v, mask)
+
+    def unmasked(q, k, v):  # (the replacement is traced with exactly the region's arguments)
+        return out(q, k, v, None)
+
+    return masked if has_mask else unmasked
 
 
 # -- near-misses ------------------------------------------------------------------------------
