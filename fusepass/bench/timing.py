@@ -164,6 +164,8 @@ _KINDS = [
     ("fusepass GDN", ("_gdn_",)),
     ("fusepass norm/activation", ("_rms_norm", "_gated_act")),
     ("fusepass projections of one x", ("_linear_siblings",)),
+    ("fusepass MoE", ("_moe_",)),
+    ("fusepass attention", ("_decode_attention",)),
     ("Inductor-generated", ("triton_",)),  # before attention: its names quote the ops they fuse
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("cuBLAS/CUTLASS matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitkreduce")),
