@@ -307,6 +307,11 @@ def test_profile_kinds_and_table():
     assert _kind("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT") == "cuBLAS/CUTLASS matmul"
     assert _kind("void at::native::vectorized_elementwise_kernel<FillFunctor>") == "copies and fills"
     assert _kind("something_else") == "other aten"
+    assert _kind("_moe_decode_up_kernel") == "fusepass MoE"
+    assert _kind("_decode_attention_kernel") == "fusepass attention"
+    # (Inductor's kernels quote the ops they feed, fusepass's too)
+    assert _kind("triton_per_fused__to_copy_add_arange_bmm_cat_cos_decode_attention_e_0") == "Inductor-generated"
+    assert _kind("triton_poi_fused__unsafe_view_add_rms_norm_embedding_rms_norm_0") == "Inductor-generated"
     prof = {"kernels_per_call": 3.0, "kernel_ms_per_call": 0.5, "span_ms_per_call": 0.6,
             "kinds": {"attention": {"ms": 0.4, "kernels": 2.0}, "other aten": {"ms": 0.1, "kernels": 1.0}},
             "top": [{"kernel": "flash_fwd", "kind": "attention", "calls": 2.0, "ms": 0.4}]}

@@ -158,7 +158,8 @@ def environment(device: str | torch.device) -> dict[str, str]:
     }
 
 
-# Kernel names -> what they are, for the profile's breakdown (first match wins).
+# Kernel names -> what they are, for the profile's breakdown (first match wins;
+# names starting "triton_" are Inductor's whatever ops they quote: see _kind).
 _KINDS = [
     ("fusepass quantized linear", ("_dequant_", "_splitk_reduce")),
     ("fusepass GDN", ("_gdn_",)),
@@ -166,7 +167,6 @@ _KINDS = [
     ("fusepass projections of one x", ("_linear_siblings",)),
     ("fusepass MoE", ("_moe_",)),
     ("fusepass attention", ("_decode_attention",)),
-    ("Inductor-generated", ("triton_",)),  # before attention: its names quote the ops they fuse
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("cuBLAS/CUTLASS matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitkreduce")),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
@@ -175,6 +175,8 @@ _KINDS = [
 
 def _kind(name: str) -> str:
     low = name.lower()
+    if low.startswith("triton_"):  # Inductor's, whatever ops its name quotes (a fusepass op it feeds, too)
+        return "Inductor-generated"
     return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other aten")
 
 

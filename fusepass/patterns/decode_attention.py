@@ -160,8 +160,8 @@ def _refusal(node: torch.fx.Node, a: dict, q, k, v, mask_name) -> str | None:
     B, H, T, D = qv.shape
     if not all(isinstance(s, int) for s in (H, T, D, kv_.shape[1], kv_.shape[2], vv.shape[3])):
         return ""  # a symbolic size: left to SDPA
-    if H * T > 4096 or T > MAX_ROWS:
-        return ""  # a prefill: SDPA's
+    if H * T > 4096 or T > MAX_ROWS or kv_.shape[2] == 0:
+        return ""  # a prefill (or an empty cache): SDPA's
     if a.get("dropout_p", 0.0) != 0.0:
         return "dropout"
     if a.get("is_causal", False):
@@ -219,6 +219,9 @@ def find(gm: torch.fx.GraphModule):
             continue  # more rows a key/value head than one tile: SDPA's
         mask = a.get(mask_name) if mask_name else None
         scale = a.get("scale")
+        if scale is not None and not isinstance(scale, (int, float)):
+            yield Region("sdpa", node, reason="a scale known only at run time")
+            continue
         scale = 1.0 / math.sqrt(qv.shape[-1]) if scale is None else float(scale)
         ov = val(out)
         # the op writes [B, T, H, Dv]; SDPA's output here had the strides the graph's views were traced for
