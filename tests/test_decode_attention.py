@@ -221,6 +221,43 @@ def test_finder_refuses_dropout_and_a_read_log_sum_exp():
     assert "log-sum-exp" in region.reason
 
 
+def _scaled(q, k, v, mask):
+    return rule.search_gqa(q, k, v, mask) * 2
+
+
+def test_training_graph_is_refused_and_backward_runs():
+    """With inputs that need grad, the forward's log-sum-exp is saved for the backward: refused, the
+    reason in the report, gradients as eager's."""
+    torch.manual_seed(2)
+    args = [torch.randn(1, 8, 1, 16), torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)]
+    mask = _mask(1, 1, 30, 21)
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    leaves = [a.clone().requires_grad_() for a in args]
+    torch.compile(_scaled, backend="fusepass")(*leaves, mask).sum().backward()
+    report = fusepass.last_report()
+    assert report.count("decode_attention") == 0
+    assert any("log-sum-exp" in r for r in report.reasons("decode_attention"))
+    eager = [a.clone().requires_grad_() for a in args]
+    _scaled(*eager, mask).sum().backward()
+    for got, want in zip(leaves, eager):
+        assert_close(got.grad, want.grad, "gradient", dtype=torch.float32)
+
+
+def test_symbolic_sizes_are_left_to_sdpa():
+    """dynamic=True makes every size symbolic (a cache's too): the kernel's tile needs them as numbers,
+    so SDPA keeps the call, without a line; the answer is eager's for two batch sizes."""
+    for B in (2, 3):
+        torch.manual_seed(B)
+        args = [torch.randn(B, 8, 1, 16), torch.randn(B, 2, 30, 16), torch.randn(B, 2, 30, 16), _mask(B, 1, 30, 20)]
+        torch._dynamo.reset()
+        fusepass.reset_reports()
+        got = torch.compile(_scaled, backend="fusepass", dynamic=True)(*args)
+        report = fusepass.last_report()
+        assert report.count("decode_attention") == 0 and not report.reasons("decode_attention")
+        assert_close(got, _scaled(*args), "dynamic", dtype=torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,HKV,D,L", [(32, 8, 128, 4096), (32, 4, 128, 256), (16, 2, 256, 3000), (64, 8, 64, 777)])
 def test_kernel_real_sizes_gpu(H, HKV, D, L):

@@ -201,7 +201,7 @@ def find(gm: torch.fx.GraphModule):
         users = list(node.users)
         if not (all(is_call(u, operator.getitem) for u in users)
                 and all(u.args[1] == 0 or not u.users for u in users)):
-            yield Region("sdpa", node, reason="the log-sum-exp or another of SDPA's outputs is read")
+            yield Region("sdpa", node, reason="SDPA's log-sum-exp is read (a training graph saves it for the backward)")
             continue
         out = next((u for u in users if u.args[1] == 0), None)
         if out is None:
