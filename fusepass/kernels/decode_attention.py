@@ -21,12 +21,15 @@ keys or values: exact, since such a block adds exp(-inf) = 0 to every sum.
 The kernel: programs (batch x key/value head, split of L).  Each reads
 its positions' mask first and keeps the span from the first block it lets
 through to the last, then streams that span in BL-row blocks (no branch:
-the loads pipeline): scores with tl.dot in fp32, the mask added, an online softmax (running max and sum in the exp2 domain), p @ v
-accumulated in fp32 (p rounded to the cache's dtype for the dot, as flash
-attention kernels do; fp32 caches multiply in full fp32).  One split writes
-the normalised rows; more write (max, sum, unnormalised rows) to a
-workspace that a second launch merges.  A row masked everywhere gives 0,
-as PyTorch's math attention (its safe softmax) does.  fp64 and more than
+the loads pipeline): scores with tl.dot in fp32, the mask added, an online
+softmax (running max and sum in the exp2 domain), p @ v accumulated in
+fp32 (p rounded to the cache's dtype for the dot, as flash attention
+kernels do; fp32 caches multiply in full fp32).  One split writes the
+normalised rows; more write (max, sum, unnormalised rows) to a workspace
+that a second launch merges.  A row masked everywhere gives 0, as
+PyTorch's math attention (its safe softmax) does; scores holding
+infinities of both signs (an inf in q) give NaN, as the math attention
+does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more than
 ``MAX_ROWS`` query rows a head go to the reference (plain torch).
 """
 
@@ -65,8 +68,8 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                              s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kl, s_kd, s_vb, s_vh, s_vl, s_vd,
                              s_bb, s_bh, s_bt, s_bl, qk_scale,
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                             IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
-                             BDV: tl.constexpr):
+                             IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr,
+                             BD: tl.constexpr, BDV: tl.constexpr):
     pid = tl.program_id(0)  # b * HKV + key/value head
     sp = tl.program_id(1)  # split of L
     b = pid // HKV

@@ -62,7 +62,7 @@ def search_gqa(q, k, v, mask):
 
 def _additive(mask, dtype):
     """A boolean mask as the additive one transformers' eager masks are (the dtype's min where hidden)."""
-    return torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def search_additive(q, k, v, mask):
