@@ -258,6 +258,70 @@ def test_symbolic_sizes_are_left_to_sdpa():
         assert_close(got, _scaled(*args), "dynamic", dtype=torch.float32)
 
 
+_TTIR_CHILD = r"""
+import json, torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from triton._C.libtriton import ir
+from fusepass.kernels.decode_attention import launches
+
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.bool: "i1"}
+
+
+def ttir(launch):
+    fn = launch.kernel
+    sig, consts = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        v = launch.args[name]
+        if fn.params[i].is_constexpr:
+            sig[name], consts[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + TYPES[v.dtype]
+        else:  # as Inductor types a user kernel's scalars: a Python float is fp64
+            sig[name] = "fp64" if isinstance(v, float) else "i32"
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    opts = backend.parse_options({"num_warps": launch.num_warps})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    mod = ASTSource(fn, sig, consts).make_ir(target, opts, backend.get_codegen_implementation(opts),
+                                             backend.get_module_map(), ctx)
+    return str(mod)
+
+
+q, k = torch.randn(1, 8, 1, 32, dtype=torch.bfloat16), torch.randn(1, 2, 300, 32, dtype=torch.bfloat16)
+mask = torch.ones(1, 1, 1, 300, dtype=torch.bool).expand(1, 8, 1, 300)
+steps, _ = launches(q, k, k, mask, 0.2, torch.empty(1, 1, 8, 32, dtype=torch.bfloat16), (32, 3, 4))
+out = {}
+for launch in steps:
+    text = ttir(launch)
+    body = text
+    # (tiles in fp64: a scalar's own conversion is one op; an fp64 tile is every element)
+    out[launch.kernel.__name__] = [ln.strip()[:160] for ln in body.splitlines() if "xf64>" in ln]
+print(json.dumps(out))
+"""
+
+
+def test_kernels_stay_fp32_with_inductors_fp64_scalars():
+    """Inductor types a user kernel's Python-float argument fp64 (torch's triton_utils): the scale then
+    turned the scores' running max fp64 and the inlined kernel failed to compile on the GPU (the
+    graph went through the dispatcher).  Built here for sm_90 with Triton's frontend (no GPU): no
+    tile is computed in fp64 (the scale is converted once)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    got = subprocess.run([sys.executable, "-c", _TTIR_CHILD], capture_output=True, text=True, timeout=300, env=env)
+    assert got.returncode == 0, got.stderr[-2000:]
+    f64 = json.loads(got.stdout.strip().splitlines()[-1])
+    assert set(f64) == {"_decode_attention_kernel", "_decode_attention_merge_kernel"}
+    assert f64 == {"_decode_attention_kernel": [], "_decode_attention_merge_kernel": []}, f64
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,HKV,D,L", [(32, 8, 128, 4096), (32, 4, 128, 256), (16, 2, 256, 3000), (64, 8, 64, 777)])
 def test_kernel_real_sizes_gpu(H, HKV, D, L):

@@ -86,6 +86,8 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
     b_q = tl.load(p_q, mask=ok_r[:, None] & (d[None, :] < D), other=0)
     k0 = k + b64 * s_kb + kvh.to(tl.int64) * s_kh
     v0 = v + b64 * s_vb + kvh.to(tl.int64) * s_vh
+    # (Inductor types a float argument fp64: cast once here, or every score tile is scaled in fp64)
+    qk = (qk_scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
     m_i = tl.full([BR], float("-inf"), tl.float32)
     l_i = tl.zeros([BR], tl.float32)
     acc = tl.zeros([BR, BDV], tl.float32)
@@ -119,8 +121,7 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
             s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(b_q, tl.trans(b_k))
-        # (log2 domain; Inductor hands a float argument in as an fp64 constant: the cast keeps fp32)
-        s = (s * qk_scale).to(tl.float32) + add
+        s = s * qk + add  # (log2 domain)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
         alpha = tl.exp2(m_i - m_use)
