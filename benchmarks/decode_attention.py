@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 import triton
 from tabulate import tabulate
 
 import fusepass  # noqa: F401 - registers the ops
 from fusepass.bench.timing import copy_bandwidth, environment
 from fusepass.kernels.decode_attention import decode_attention_fwd, plan, reference
+from fusepass.patterns.decode_attention import search_gqa
 
 MODELS = {  # name: (query heads, key/value heads, head dim)
     "llama3-8b": (32, 8, 128),
@@ -34,15 +34,8 @@ MODELS = {  # name: (query heads, key/value heads, head dim)
     "gpt-oss-20b": (64, 8, 64),
 }
 
-
-def repeat_kv(x, n):
-    B, H, L, D = x.shape
-    return x[:, :, None].expand(B, H, n, L, D).reshape(B, H * n, L, D)
-
-
-def sdpa_path(q, k, v, mask):
-    n = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, repeat_kv(k, n), repeat_kv(v, n), attn_mask=mask)
+# transformers' path (repeat_kv, then SDPA with the mask): the rule's own search form
+sdpa_path = search_gqa
 
 
 def main(argv=None) -> None:

@@ -103,6 +103,20 @@ def tensor_scalar_refusal(name: str, node: torch.fx.Node, like: torch.Tensor) ->
     return None  # read by the CPU body when the op runs
 
 
+def arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """An op node's arguments by schema name, in schema order, defaults filled in (an argument with
+    neither a value nor a default is left out)."""
+    got = {}
+    for i, a in enumerate(node.target._schema.arguments):
+        if i < len(node.args) and not a.kwarg_only:
+            got[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            got[a.name] = node.kwargs[a.name]
+        elif a.has_default_value():
+            got[a.name] = a.default_value
+    return got
+
+
 def same(a: Any, b: Any) -> bool:
     """Shape/size equality that never specialises a dynamic dimension."""
     return bool(statically_known_true(a == b))

@@ -18,6 +18,7 @@ import torch.fx
 from torch._inductor.pattern_matcher import Match, MatchContext, PatternExpr
 
 from .kernels._common import inline_forms
+from .match import arguments
 from .rule import Region
 
 
@@ -39,16 +40,11 @@ def region_match(graph: torch.fx.Graph, region: Region) -> Match:
 
 def _op_args(node: torch.fx.Node) -> list[Any]:
     """An op node's arguments in schema order, defaults filled in."""
-    schema = node.target._schema
-    args = list(node.args)
-    for arg in schema.arguments[len(args):]:
-        if arg.name in node.kwargs:
-            args.append(node.kwargs[arg.name])
-        elif arg.has_default_value():
-            args.append(arg.default_value)
-        else:
-            raise TypeError(f"{node.target}: no value for {arg.name}")
-    return args
+    got = arguments(node)
+    missing = [a.name for a in node.target._schema.arguments if a.name not in got]
+    if missing:
+        raise TypeError(f"{node.target}: no value for {missing[0]}")
+    return list(got.values())
 
 
 def _packed(node: torch.fx.Node, traced):

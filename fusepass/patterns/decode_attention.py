@@ -33,6 +33,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from fusepass.kernels.decode_attention import MAX_DIM, MAX_ROWS, decode_attention_call
+from fusepass.match import arguments
 from fusepass.patterns._linear import is_call, val
 from fusepass.rule import Form, NearMiss, Region, Rule
 
@@ -97,20 +98,6 @@ def sized_inputs(dtype, shape):
 
 
 # -- the rule's find ------------------------------------------------------------------------
-
-
-def _arguments(node: torch.fx.Node) -> dict:
-    """The node's arguments by schema name, defaults filled in."""
-    schema = node.target._schema
-    got = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(node.args) and not a.kwarg_only:
-            got[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            got[a.name] = node.kwargs[a.name]
-        elif a.has_default_value():
-            got[a.name] = a.default_value
-    return got
 
 
 def _only_user(n: torch.fx.Node) -> bool:
@@ -190,7 +177,7 @@ def find(gm: torch.fx.GraphModule):
         if node.op != "call_function" or node.target not in SDPA:
             continue
         mask_name = SDPA[node.target]
-        a = _arguments(node)
+        a = arguments(node)
         q, k, v = a["query"], a["key"], a["value"]
         reason = _refusal(node, a, q, k, v, mask_name)
         if reason == "":
@@ -236,15 +223,12 @@ def find(gm: torch.fx.GraphModule):
 
 
 def _replace(scale: float, has_mask: bool, bshd: bool):
-    def out(q, k, v, mask):
+    def masked(q, k, v, mask):
         o = decode_attention_call(q, k, v, mask, scale).transpose(1, 2)
         return o if bshd else o.contiguous()
 
-    def masked(q, k, v, mask):
-        return out(q, k, v, mask)
-
     def unmasked(q, k, v):  # (the replacement is traced with exactly the region's arguments)
-        return out(q, k, v, None)
+        return masked(q, k, v, None)
 
     return masked if has_mask else unmasked
 

@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from fusepass.formats import bnb_absmax
-from fusepass.match import same, shape_str
+from fusepass.match import arguments, same, shape_str
 from fusepass.patterns import dequant_matmul as dm
 from fusepass.rule import Form, NearMiss, Region, Rule
 
@@ -129,16 +129,6 @@ def _bnb_op(node: torch.fx.Node) -> str | None:
     return target.overloadpacket.__name__ if target.namespace == "bitsandbytes" else None
 
 
-def _args(node: torch.fx.Node) -> dict:
-    names = [a.name for a in node.target._schema.arguments]
-    bound = dict(zip(names, node.args))
-    bound.update(node.kwargs)
-    for a in node.target._schema.arguments:
-        if a.name not in bound and a.has_default_value():
-            bound[a.name] = a.default_value
-    return bound
-
-
 def _refusal(a: dict, node: torch.fx.Node) -> str | None:
     x, packed, absmax = _val(a["A"]), _val(a["B"]), _val(a["absmax"])
     shape, blocksize, quant_type = a["shapeB"], a["blocksize"], a["quant_type"]
@@ -208,7 +198,7 @@ def find(gm: torch.fx.GraphModule):
             yield Region(name, node, reason=f"bitsandbytes::{name}: " + _OTHER_OPS.get(
                 name, "a bitsandbytes op fusepass has no form for"))
             continue
-        a = _args(node)
+        a = arguments(node)
         reason = _refusal(a, node) or dm.check_library_device(_val(a["A"]), a["quant_type"])
         form = a["quant_type"] if isinstance(a["quant_type"], str) else "gemm_4bit"
         if reason:

@@ -11,7 +11,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -280,6 +280,20 @@ class _TopkTiesLowestFirst(TorchDispatchMode):
         return values.narrow(dim, 0, k), ids.narrow(dim, 0, k)
 
 
+def _if_agrees(step: Step, actual: torch.Tensor, answer: Callable[[], Any],
+               nonfinite_in: bool = False) -> torch.Tensor | None:
+    """``answer()`` (another right answer for the step's output) where ``actual`` matches it within
+    the step's table, else None (also when it cannot be computed)."""
+    try:
+        alt = answer()
+    except Exception:  # noqa: BLE001 - no alternative answer
+        return None
+    if not isinstance(alt, torch.Tensor) or _compare(actual, alt, step.precision, floor=step.floor,
+                                                     nonfinite_in=nonfinite_in) is not None:
+        return None
+    return alt
+
+
 def _eager_ties_lowest_first(step: Step, ins: list[torch.Tensor], actual: torch.Tensor,
                              index: int) -> torch.Tensor | None:
     """The step's output ``index`` run eagerly with top-k ties taken lowest index first,
@@ -292,14 +306,11 @@ def _eager_ties_lowest_first(step: Step, ins: list[torch.Tensor], actual: torch.
     routing weights both 0.2899 (bf16 logits 1.125 and 1.125), and the block's
     output differed by 0.88.  Both are the block's answer.
     """
-    try:
+    def answer():
         with _TopkTiesLowestFirst():
-            alt = step.fn(*ins)[index]
-    except Exception:  # noqa: BLE001 - no alternative answer
-        return None
-    if not isinstance(alt, torch.Tensor) or _compare(actual, alt, step.precision, floor=step.floor) is not None:
-        return None
-    return alt
+            return step.fn(*ins)[index]
+
+    return _if_agrees(step, actual, answer)
 
 
 def _gdn_op_chunks(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, index: int) -> torch.Tensor | None:
@@ -324,15 +335,12 @@ def _gdn_op_chunks(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, in
     from ...kernels.gdn.reference import CHUNK
     from ...patterns import gdn_chunk
 
-    try:
+    def answer():
         with gdn_chunk.forms_chunk(CHUNK):
             fn = step.remake(ins)
-            alt = fn(*ins)[index] if fn is not None else None
-    except Exception:  # noqa: BLE001 - no alternative answer
-        return None
-    if not isinstance(alt, torch.Tensor) or _compare(actual, alt, step.precision, floor=step.floor) is not None:
-        return None
-    return alt
+            return fn(*ins)[index] if fn is not None else None
+
+    return _if_agrees(step, actual, answer)
 
 
 def _sdpa_math(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, index: int) -> torch.Tensor | None:
@@ -351,15 +359,11 @@ def _sdpa_math(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, index:
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    try:
+    def answer():
         with sdpa_kernel(SDPBackend.MATH):
-            alt = step.fn(*ins)[index]
-    except Exception:  # noqa: BLE001 - no alternative answer
-        return None
-    if not isinstance(alt, torch.Tensor) or _compare(actual, alt, step.precision, floor=step.floor,
-                                                     nonfinite_in=True) is not None:
-        return None
-    return alt
+            return step.fn(*ins)[index]
+
+    return _if_agrees(step, actual, answer, nonfinite_in=True)
 
 
 def _eager_overflowed(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, expected: torch.Tensor,
