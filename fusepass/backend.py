@@ -102,6 +102,13 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
 
     graph_id = _graph_id()
     on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    notes: list[str] = []
+    if opts.inline_kernels is None:  # the default: by whether Inductor replays the graph (fusepass.options)
+        graphs = bool(patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs))
+        opts = dataclasses.replace(opts, inline_kernels=not graphs)
+        if graphs and on_cuda:
+            notes.append("kernels called through the fusepass ops, not inlined: Inductor's CUDA graphs replay "
+                         "them (option inline_kernels)")
     # Kernels inlined into Inductor's code are compiled with the rest of the
     # graph: if that fails, compile again with the ops called through the
     # dispatcher (their launch failures fall back per call), and say so.
@@ -109,7 +116,6 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     if opts.inline_kernels and on_cuda:
         attempts.append(dataclasses.replace(opts, inline_kernels=False))
     t0 = time.perf_counter()
-    notes: list[str] = []
     # Tensor-subclass parameters (torchao) are taken apart once, here, rather
     # than by AOTAutograd on every call; should that compile fail, the graph
     # is put back as Dynamo gave it and compiled once more.

@@ -95,6 +95,50 @@ def test_mode_maps_to_inductor_options(monkeypatch, mode, key):
     assert seen.get(key) is True
 
 
+@pytest.mark.parametrize("mode,options,env,inline", [
+    (None, None, None, True),  # no CUDA graphs: kernels inlined
+    ("reduce-overhead", None, None, False),  # CUDA graphs: ops called (their host time is paid at capture)
+    (None, {"triton.cudagraphs": True}, None, False),
+    (None, {"triton.cudagraphs": True, "inline_kernels": True}, None, True),  # an explicit choice wins
+    (None, {"inline_kernels": False}, None, False),
+    ("reduce-overhead", None, "1", True),
+    (None, None, "0", False),
+])
+def test_inline_kernels_default_follows_cuda_graphs(monkeypatch, mode, options, env, inline):
+    import fusepass.backend as backend
+
+    seen = []
+    real = backend._compile
+
+    def spy(gm, example_inputs, opts, *args):
+        seen.append(opts.inline_kernels)
+        return real(gm, example_inputs, opts, *args)
+
+    monkeypatch.setattr(backend, "_compile", spy)
+    if env is None:
+        monkeypatch.delenv("FUSEPASS_INLINE_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("FUSEPASS_INLINE_KERNELS", env)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    x = torch.randn(3)
+    assert_close(backend.fusepass_backend(gm, [x], mode=mode, options=options)(x), x + 1)
+    assert seen == [inline]
+
+
+@pytest.mark.parametrize("env,parsed", [(None, None), ("", None), ("0", False), ("1", True)])
+def test_inline_kernels_option_parses_three_ways(monkeypatch, env, parsed):
+    from fusepass.options import Options
+
+    if env is None:
+        monkeypatch.delenv("FUSEPASS_INLINE_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("FUSEPASS_INLINE_KERNELS", env)
+    assert Options.parse({})[0].inline_kernels is parsed
+    assert Options.parse({"inline_kernels": True})[0].inline_kernels is True
+    with pytest.raises(TypeError, match="'inline_kernels' takes a bool"):
+        Options.parse({"inline_kernels": "no"})
+
+
 def test_chains_a_user_pass():
     from torch._inductor.custom_graph_pass import CustomGraphPass
 

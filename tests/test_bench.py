@@ -428,7 +428,7 @@ def test_tp_bench_rank_that_fails_exits_with_its_traceback():
     assert done.returncode == 1 and "ZeroDivisionError" in done.stderr and "after" not in done.stdout
 
 
-def test_bench_e2e_rule_variant(tmp_path, capsys):
+def test_bench_e2e_rule_variant(tmp_path, capsys, monkeypatch):
     """A backend "fusepass-no:RULE+RULE" compiles without those rules (an A/B of
     rules in one process); unknown rules, an empty list and the startup phase are
     refused before anything runs."""
@@ -441,6 +441,13 @@ def test_bench_e2e_rule_variant(tmp_path, capsys):
         "backend": "fusepass", "options": {"disable_rules": ["rms_norm", "swiglu"]}}
     assert compile_args("fusepass-no:inline") == {
         "backend": "fusepass", "options": {"disable_rules": [], "inline_kernels": False}}
+    # a step the bench captures itself: fusepass told so, unless the variant or the environment decides
+    monkeypatch.delenv("FUSEPASS_INLINE_KERNELS", raising=False)
+    assert compile_args("fusepass", captured=True) == {"backend": "fusepass", "options": {"inline_kernels": False}}
+    assert compile_args("inductor", captured=True) == {"backend": "inductor"}
+    monkeypatch.setenv("FUSEPASS_INLINE_KERNELS", "1")
+    assert compile_args("fusepass", captured=True) == {"backend": "fusepass"}
+    monkeypatch.delenv("FUSEPASS_INLINE_KERNELS")
     for backends, phases, message in (("fusepass-no:nope", "replay", "name the rules"),
                                       ("fusepass-no:", "replay", "name the rules"),
                                       ("fusepass-no:swiglu", "startup", "plain backends only")):

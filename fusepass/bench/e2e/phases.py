@@ -183,7 +183,7 @@ def phase_replay(run: Run) -> None:
     # Eager last: a capture that fails (a host sync inside eager code) must not
     # leave the compiled backends a device in a bad state.
     for backend in sorted(run.backends, key=lambda b: b == "eager"):
-        fn = _fresh(model, backend, fullgraph=True)
+        fn = _fresh(model, backend, captured=run.cuda, fullgraph=True)
         _start_report(backend)
         for batch in [int(b) for b in run.args.batch.split(",")]:
             if run.over_budget("replay", f"replay B{batch}", backend):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import Counter
@@ -160,20 +161,26 @@ def fusepass_options(backend: str) -> dict[str, Any] | None:
     return None
 
 
-def compile_args(backend: str) -> dict[str, Any]:
-    """``torch.compile``'s backend (and options) for a backend name."""
+def compile_args(backend: str, captured: bool = False) -> dict[str, Any]:
+    """``torch.compile``'s backend (and options) for a backend name.  ``captured``:
+    the caller captures the compiled step into a CUDA graph itself, so a fusepass
+    backend is told so as fusepass's options ask (``inline_kernels=False``, what
+    it picks itself under ``mode="reduce-overhead"``), unless the variant or
+    ``FUSEPASS_INLINE_KERNELS`` says otherwise."""
     opts = fusepass_options(backend)
+    if captured and opts is not None and "inline_kernels" not in opts and not os.environ.get("FUSEPASS_INLINE_KERNELS"):
+        opts = {**opts, "inline_kernels": False}
     return {"backend": "fusepass", "options": opts} if opts else {"backend": backend}
 
 
-def _fresh(model: torch.nn.Module, backend: str, **kwargs: Any) -> Any:
+def _fresh(model: torch.nn.Module, backend: str, captured: bool = False, **kwargs: Any) -> Any:
     """``model`` compiled with ``backend`` from a clean Dynamo state (eager: the model itself)."""
     torch._dynamo.reset()
     if hasattr(model, "_compiled_call"):  # generate's cached compile of __call__
         del model._compiled_call
     if backend == "eager":
         return model
-    return torch.compile(model, dynamic=False, **compile_args(backend), **kwargs)
+    return torch.compile(model, dynamic=False, **compile_args(backend, captured), **kwargs)
 
 
 def _start_report(backend: str) -> None:
