@@ -5,8 +5,7 @@
 For each model's attention shape (query heads, key/value heads, head dim),
 static cache length L, written share of the cache and batch, bf16, one query
 row: the op with its plan (and with ``--configs`` every block / split the
-launch takes; "merge launch": splits merged by a second launch, as where no
-counters can be had), against transformers' SDPA path as a compiled model runs it
+launch takes), against transformers' SDPA path as a compiled model runs it
 (``repeat_kv`` of the cache, then SDPA with the boolean cache mask; eager and
 under Inductor).  Outputs are checked against the fp32 reference first (the
 op's output buffer poisoned with NaN by a first call on garbage).
@@ -79,8 +78,6 @@ def main(argv=None) -> None:
                     t_ind = triton.testing.do_bench_cudagraph(lambda: compiled(q, k, v, mask), rep=args.rep)
                     t_op = triton.testing.do_bench_cudagraph(lambda: decode_attention_fwd(q, k, v, mask, scale),
                                                              rep=args.rep)
-                    t_launch = triton.testing.do_bench_cudagraph(  # splits merged by a second launch
-                        lambda: decode_attention_fwd(q, k, v, mask, scale, merge_launch=True), rep=args.rep)
                     best, best_cfg = t_op, plan(B, HKV, H // HKV, L, D, D, dev)
                     if args.configs:
                         for BL in (16, 32, 64, 128):
@@ -100,13 +97,11 @@ def main(argv=None) -> None:
                                     if t < best:
                                         best, best_cfg = t, cfg
                     rows.append([name, L, f"{share:.2f}", B, f"{floor:.1f}", f"{t_eager * 1e3:.1f}",
-                                 f"{t_ind * 1e3:.1f}", f"{t_op * 1e3:.1f}", f"{t_launch * 1e3:.1f}",
-                                 f"{t_ind / t_op:.2f}x",
+                                 f"{t_ind * 1e3:.1f}", f"{t_op * 1e3:.1f}", f"{t_ind / t_op:.2f}x",
                                  f"{best * 1e3:.1f} {best_cfg}", f"{err:.1e} / {err_sdpa:.1e}"])
                     print(*rows[-1], flush=True)
     print(tabulate(rows, headers=["model", "L", "written", "B", "floor µs", "SDPA eager µs", "SDPA Inductor µs",
-                                  "fusepass µs", "merge launch µs", "vs Inductor", "best (BL, split, warps)",
-                                  "rel err op / SDPA"]))
+                                  "fusepass µs", "vs Inductor", "best (BL, split, warps)", "rel err op / SDPA"]))
 
 
 if __name__ == "__main__":

@@ -670,13 +670,11 @@ def attention_cases(quick: bool):
         fmask[..., 0] = 0
         yield f"decode_attention B{B} H{H}/{HKV} T{T} L{L} D{D}/{DV} float per head", ops.decode_attention, \
             (q, k, v, fmask, 0.1), 2e-2
-    for cfg, merge_launch in [((16, 1, 4), False), ((32, 7, 8), False), ((32, 7, 8), True), ((128, 3, 4), True),
-                              ((64, 64, 4), False)]:
+    for cfg in [(16, 1, 4), (32, 7, 8), (128, 3, 4), (64, 64, 4)]:
         q, k, v = _randn(2, 32, 1, 128), _randn(2, 8, 1500, 128), _randn(2, 8, 1500, 128)
         mask = (torch.arange(1500, device=DEVICE) < 1300)[None, None, None, :]
-        yield (f"decode_attention cfg {cfg}{' merge launch' if merge_launch else ''} B2 H32/8 L1500",
-               lambda *a, c=cfg, m=merge_launch: decode_attention_fwd(*a, cfg=c, merge_launch=m) if a[0].is_cuda
-               else ops.decode_attention(*a),
+        yield (f"decode_attention cfg {cfg} B2 H32/8 L1500",
+               lambda *a, c=cfg: decode_attention_fwd(*a, cfg=c) if a[0].is_cuda else ops.decode_attention(*a),
                (q, k, v, mask, 0.09), 2e-2)
 
 

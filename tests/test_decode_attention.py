@@ -26,7 +26,6 @@ def _mask(B, T, L, written):
 
 
 @interpreted
-@pytest.mark.parametrize("merge_launch", [False, True], ids=["last-merges", "merge-launch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,H,HKV,T,L,D,DV,cfg", [
     (1, 8, 2, 1, 70, 16, 16, (16, 1, 4)),  # one split, a partial last block
@@ -35,49 +34,19 @@ def _mask(B, T, L, written):
     (2, 4, 4, 2, 37, 16, 16, None),  # multi-head, the plan's choice
     (1, 64, 1, 1, 20, 16, 16, (16, 64, 4)),  # 64 rows a tile; more splits than blocks
 ])
-def test_kernel_matches_fp64_on_every_row(dtype, B, H, HKV, T, L, D, DV, cfg, merge_launch):
+def test_kernel_matches_fp64_on_every_row(dtype, B, H, HKV, T, L, D, DV, cfg):
     """Every output element written (the output pool is NaN first) and within the dtype's
-    tolerance of fp64, for q as a transposed view, a cache slice and a per-batch mask; splits merged
-    by their last program (counters) and by a second launch."""
-    if merge_launch and (cfg is None or cfg[1] == 1):
-        pytest.skip("one split: nothing to merge")
+    tolerance of fp64, for q as a transposed view, a cache slice and a per-batch mask."""
     torch.manual_seed(L * H)
     q = torch.randn(B, T, H, D, dtype=dtype).transpose(1, 2)
     k = torch.randn(B, HKV, L + 3, D, dtype=dtype)[:, :, :L]
     v = torch.randn(B, HKV, L, DV, dtype=dtype)
     mask = _mask(B, T, L, torch.randint(1, L - T + 1, (B,)))
     da.decode_attention_fwd(torch.full_like(q, float("nan")), k, v, mask, 0.3, cfg)  # (NaN in the freed output)
-    got = da.decode_attention_fwd(q, k, v, mask, 0.3, cfg, merge_launch=merge_launch)
+    got = da.decode_attention_fwd(q, k, v, mask, 0.3, cfg)
     want = da.reference(q.double(), k.double(), v.double(), mask, 0.3)
     assert got.shape == (B, T, H, DV) and torch.isfinite(got).all()
     assert_close(got, want.to(dtype), "decode_attention", dtype=dtype)
-
-
-@interpreted
-def test_last_split_merges_and_leaves_its_counters_zeroed():
-    """Splits merged by the last to arrive: one launch, right on a second call with the same counters
-    (each left at zero again), and the plan splits to single blocks only when counters are there."""
-    torch.manual_seed(3)
-    q, k, v = torch.randn(2, 8, 1, 32), torch.randn(2, 2, 260, 32), torch.randn(2, 2, 260, 32)
-    mask = _mask(2, 1, 260, torch.tensor([259, 100]))
-    ctr = torch.zeros(16, dtype=torch.int32)
-    taken = []
-
-    def counters(n):
-        taken.append(n)
-        return ctr[:n]
-
-    want = da.reference(q.double(), k.double(), v.double(), mask, 0.2).float()
-    for _ in range(2):
-        out = torch.full((2, 1, 8, 32), float("nan"))
-        steps, _ = da.launches(q, k, v, da._full_bias(q, k, mask), 0.2, out, (32, 5, 4), counters)
-        assert len(steps) == 1
-        da.run_all(steps)
-        assert_close(out, want, "decode_attention")
-        assert not ctr.any()
-    assert taken == [4, 4]
-    assert da.plan(1, 4, 8, 256, 128, 128, torch.device("cpu"))[1] == 2  # a block a split
-    assert da.plan(1, 4, 8, 256, 128, 128, torch.device("cpu"), last_merges=False)[1] == 1
 
 
 @interpreted
@@ -297,7 +266,7 @@ from triton.compiler import ASTSource
 from triton._C.libtriton import ir
 from fusepass.kernels.decode_attention import launches
 
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.bool: "i1", torch.int32: "i32"}
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.bool: "i1"}
 
 
 def ttir(launch):
@@ -324,16 +293,13 @@ def ttir(launch):
 
 q, k = torch.randn(1, 8, 1, 32, dtype=torch.bfloat16), torch.randn(1, 2, 300, 32, dtype=torch.bfloat16)
 mask = torch.ones(1, 1, 1, 300, dtype=torch.bool).expand(1, 8, 1, 300)
-out_ = torch.empty(1, 1, 8, 32, dtype=torch.bfloat16)
-steps, _ = launches(q, k, k, mask, 0.2, out_, (32, 3, 4))  # splits merged by a second launch
-steps += launches(q, k, k, mask, 0.2, out_, (32, 3, 4), lambda n: torch.zeros(n, dtype=torch.int32))[0]
+steps, _ = launches(q, k, k, mask, 0.2, torch.empty(1, 1, 8, 32, dtype=torch.bfloat16), (32, 3, 4))
 out = {}
 for launch in steps:
     text = ttir(launch)
     body = text
     # (tiles in fp64: a scalar's own conversion is one op; an fp64 tile is every element)
-    name = launch.kernel.__name__ + ("/last merges" if launch.args.get("LAST_MERGES") else "")
-    out[name] = [ln.strip()[:160] for ln in body.splitlines() if "xf64>" in ln]
+    out[launch.kernel.__name__] = [ln.strip()[:160] for ln in body.splitlines() if "xf64>" in ln]
 print(json.dumps(out))
 """
 
@@ -352,8 +318,8 @@ def test_kernels_stay_fp32_with_inductors_fp64_scalars():
     got = subprocess.run([sys.executable, "-c", _TTIR_CHILD], capture_output=True, text=True, timeout=300, env=env)
     assert got.returncode == 0, got.stderr[-2000:]
     f64 = json.loads(got.stdout.strip().splitlines()[-1])
-    names = {"_decode_attention_kernel", "_decode_attention_merge_kernel", "_decode_attention_kernel/last merges"}
-    assert f64 == {name: [] for name in names}, f64
+    assert set(f64) == {"_decode_attention_kernel", "_decode_attention_merge_kernel"}
+    assert f64 == {"_decode_attention_kernel": [], "_decode_attention_merge_kernel": []}, f64
 
 
 @pytest.mark.gpu

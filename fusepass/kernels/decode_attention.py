@@ -26,8 +26,7 @@ softmax (running max and sum in the exp2 domain), p @ v accumulated in
 fp32 (p rounded to the cache's dtype for the dot, as flash attention
 kernels do; fp32 caches multiply in full fp32).  One split writes the
 normalised rows; more write (max, sum, unnormalised rows) to a workspace
-that the splits' last program (a counter per key/value head) merges, or a
-second launch where no counters can be had.  A row masked everywhere gives 0, as
+that a second launch merges.  A row masked everywhere gives 0, as
 PyTorch's math attention (its safe softmax) does; scores holding
 infinities of both signs (an inf in q) give NaN, as the math attention
 does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more than
@@ -37,7 +36,6 @@ does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more than
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import triton
@@ -45,7 +43,6 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
-from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels._common import Launch, call, cdiv, emulate_rounding, inline_enabled, on_device, \
     register_inline, rne_bf16, round_to, run_all, run_kernel, sm_count, trace_all
 
@@ -67,12 +64,12 @@ def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIA
 
 
 @triton.jit
-def _decode_attention_kernel(q, k, v, bias, o, ws, wml, ctr, H, HKV, T, L, D, DV, G, SPAN,
+def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, SPAN,
                              s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kl, s_kd, s_vb, s_vh, s_vl, s_vd,
                              s_bb, s_bh, s_bt, s_bl, qk_scale,
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                             LAST_MERGES: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr,
-                             BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                             IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr,
+                             BD: tl.constexpr, BDV: tl.constexpr):
     pid = tl.program_id(0)  # b * HKV + key/value head
     sp = tl.program_id(1)  # split of L
     b = pid // HKV
@@ -140,16 +137,9 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, ctr, H, HKV, T, L, D, DV
         m_i = m_new
     if SPLIT:
         slot = pid * tl.num_programs(1) + sp
-        tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BDV + dv[None, :], acc, mask=ok_r[:, None])
-        tl.store(wml + (slot * 2) * BR + r, m_i, mask=ok_r)
-        tl.store(wml + (slot * 2 + 1) * BR + r, l_i, mask=ok_r)
-        if LAST_MERGES:
-            # The split of this (batch, key/value head) to arrive last merges them all: no second launch
-            # (~2 µs each in a model's step), so a split may be as short as one block.
-            tl.debug_barrier()
-            if tl.atomic_add(ctr + pid, 1) == tl.num_programs(1) - 1:  # acq_rel, gpu scope
-                _merge_splits(ws, wml, o, pid, b, kvh, r, dv, H, T, DV, G, tl.num_programs(1), EMU, BR, BDV, BDV)
-                tl.atomic_xchg(ctr + pid, 0)  # zero again for the next launch
+        tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BDV + dv[None, :], acc)
+        tl.store(wml + (slot * 2) * BR + r, m_i)
+        tl.store(wml + (slot * 2 + 1) * BR + r, l_i)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         p_o = o + ((b64 * T + t[:, None]) * H + h[:, None]) * DV + dv[None, :]
@@ -157,40 +147,32 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, ctr, H, HKV, T, L, D, DV
 
 
 @triton.jit
-def _merge_splits(ws, wml, o, pid, b, kvh, r, dv, H, T, DV, G, NSPLIT, EMU: tl.constexpr, BR: tl.constexpr,
-                  BC: tl.constexpr, BW: tl.constexpr):
-    """The splits of one (batch, key/value head), columns ``dv``: rows scaled to the largest max, summed,
-    divided once.  (ws rows are BW wide; loads past L1, which another program's stores do not reach.)"""
-    ok_r = r < G * T
+def _decode_attention_merge_kernel(ws, wml, o, H, HKV, T, DV, G, NSPLIT, EMU: tl.constexpr, BR: tl.constexpr,
+                                   BDV: tl.constexpr, BW: tl.constexpr):
+    # The splits of one (batch, key/value head) and BDV columns: rows scaled to the largest max, summed,
+    # divided once.  (ws rows are BW wide; BDV <= BW columns a program.)
+    pid = tl.program_id(0)
+    b = pid // HKV
+    kvh = pid % HKV
+    r = tl.arange(0, BR)
+    dv = tl.program_id(1) * BDV + tl.arange(0, BDV)
     m_all = tl.full([BR], float("-inf"), tl.float32)
     for s in range(0, NSPLIT):
-        m_all = tl.maximum(m_all, tl.load(wml + ((pid * NSPLIT + s) * 2) * BR + r, mask=ok_r, other=float("-inf"),
-                                          cache_modifier=".cg"))
+        m_all = tl.maximum(m_all, tl.load(wml + ((pid * NSPLIT + s) * 2) * BR + r))
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_all = tl.zeros([BR], tl.float32)
-    acc = tl.zeros([BR, BC], tl.float32)
+    acc = tl.zeros([BR, BDV], tl.float32)
     for s in range(0, NSPLIT):
         slot = pid * NSPLIT + s
-        w = tl.exp2(tl.load(wml + (slot * 2) * BR + r, mask=ok_r, other=float("-inf"), cache_modifier=".cg") - m_use)
-        l_all += w * tl.load(wml + (slot * 2 + 1) * BR + r, mask=ok_r, other=0, cache_modifier=".cg")
-        acc += w[:, None] * tl.load(ws + (slot * BR + r)[:, None].to(tl.int64) * BW + dv[None, :],
-                                    mask=ok_r[:, None], other=0, cache_modifier=".cg")
+        w = tl.exp2(tl.load(wml + (slot * 2) * BR + r) - m_use)
+        l_all += w * tl.load(wml + (slot * 2 + 1) * BR + r)
+        acc += w[:, None] * tl.load(ws + (slot * BR + r)[:, None].to(tl.int64) * BW + dv[None, :])
     out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
     rep = r // T
     t = r % T
     h = kvh * G + rep
     p_o = o + ((b.to(tl.int64) * T + t[:, None]) * H + h[:, None]) * DV + dv[None, :]
-    tl.store(p_o, round_to(out, o.dtype.element_ty, EMU), mask=ok_r[:, None] & (dv[None, :] < DV))
-
-
-@triton.jit
-def _decode_attention_merge_kernel(ws, wml, o, H, HKV, T, DV, G, NSPLIT, EMU: tl.constexpr, BR: tl.constexpr,
-                                   BDV: tl.constexpr, BW: tl.constexpr):
-    # The merge as a second launch, where the splits had no counters: BDV <= BW columns a program.
-    pid = tl.program_id(0)
-    dv = tl.program_id(1) * BDV + tl.arange(0, BDV)
-    _merge_splits(ws, wml, o, pid, pid // HKV, pid % HKV, tl.arange(0, BR), dv, H, T, DV, G, NSPLIT, EMU, BR, BDV,
-                  BW)
+    tl.store(p_o, round_to(out, o.dtype.element_ty, EMU), mask=(r < G * T)[:, None] & (dv[None, :] < DV))
 
 
 # ------------------------------------------------------------------ launches ----
@@ -200,44 +182,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.device,
-         last_merges: bool = True) -> tuple[int, int, int]:
+def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.device) -> tuple[int, int, int]:
     """(BL, split count, warps).  Measured (H200, bf16, one query row, cold L2 not forced): 128-position
     blocks beat 64 (Llama-3-8B's heads over a 4096-slot cache: 20.3 µs against 30.5 with 64 and 33
-    splits).  A program streams its blocks slowly (there 20.3 µs for four blocks of 64 KB each: latency,
-    not bytes), so L is split up to a program an SM.  Splits merged by their last program (``last_merges``, counters)
-    may be one block each; merged by a second launch (~2 µs: one split of Qwen3-30B-A3B's 256 slots 4.8
-    µs against 7.4 in four), at least four blocks each.  Smaller blocks for wide heads and many rows
-    (registers)."""
+    splits), and a split costs a merge launch (~2 µs: one split of Qwen3-30B-A3B's 256 slots 4.8 µs
+    against 7.4 in four), so splits of at least four blocks, up to a program an SM.  Smaller blocks
+    for wide heads and many rows (registers)."""
     BL = 128 if max(D, DV) <= 128 and rows <= 16 else 64 if rows <= 32 else 32
     n_sm = sm_count(device) if device.type == "cuda" else 8
     blocks = max(cdiv(L, BL), 1)
-    split = max(1, min(blocks if last_merges else cdiv(blocks, 4), cdiv(n_sm, max(B * HKV, 1))))
+    split = max(1, min(cdiv(blocks, 4), cdiv(n_sm, max(B * HKV, 1))))
     return BL, split, 8 if max(16, _pow2(rows)) * max(D, DV) >= 8192 or BL * max(D, DV) >= 32768 else 4
 
 
 def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, out: Tensor,
-             cfg: tuple[int, int, int] | None = None, counters: Callable[[int], Tensor | None] | None = None,
-             ) -> tuple[list[Launch], Tensor]:
-    """The kernel's launch writing ``out`` [B, T, H, D_v]; with more than one split, ``counters(n)`` (n
-    zeroed int32 that the launch leaves zeroed, or None) lets the splits' last program merge them, else
-    a second launch does."""
+             cfg: tuple[int, int, int] | None = None) -> tuple[list[Launch], Tensor]:
+    """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]."""
     B, H, T, D = q.shape
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
     BR = max(16, _pow2(G * T))
-    ctr = None
-    if cfg is None:
-        cfg = plan(B, HKV, G * T, L, D, DV, q.device, last_merges=counters is not None)
-        if cfg[1] > 1 and counters is not None and (ctr := counters(B * HKV)) is None:
-            cfg = plan(B, HKV, G * T, L, D, DV, q.device, last_merges=False)
-    elif cfg[1] > 1 and counters is not None:
-        ctr = counters(B * HKV)
-    BL, split, warps = cfg
+    BL, split, warps = cfg or plan(B, HKV, G * T, L, D, DV, q.device)
     span = cdiv(cdiv(L, split), BL) * BL  # positions a split owns, whole blocks
     split = max(1, cdiv(L, span))
     BDV = max(16, _pow2(DV))
-    last_merges = split > 1 and ctr is not None
     if split > 1:
         ws = torch.empty((B * HKV * split * BR, BDV), dtype=torch.float32, device=q.device)
         wml = torch.empty((B * HKV * split * 2 * BR,), dtype=torch.float32, device=q.device)
@@ -245,19 +213,16 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         ws = wml = torch.empty((1,), dtype=torch.float32, device=q.device)
     bb = bias if bias is not None else q
     bs = bias.stride() if bias is not None else (0, 0, 0, 0)
-    written = ("ws", "wml") + (("ctr", "o") if last_merges else ()) if split > 1 else ("o",)
     main = Launch(_decode_attention_kernel, (B * HKV, split), dict(
-        q=q, k=k, v=v, bias=bb, o=out, ws=ws, wml=wml, ctr=ctr if last_merges else q, H=H, HKV=HKV, T=T, L=L,
-        D=D, DV=DV, G=G, SPAN=span,
+        q=q, k=k, v=v, bias=bb, o=out, ws=ws, wml=wml, H=H, HKV=HKV, T=T, L=L, D=D, DV=DV, G=G, SPAN=span,
         s_qb=q.stride(0), s_qh=q.stride(1), s_qt=q.stride(2), s_qd=q.stride(3),
         s_kb=k.stride(0), s_kh=k.stride(1), s_kl=k.stride(2), s_kd=k.stride(3),
         s_vb=v.stride(0), s_vh=v.stride(1), s_vl=v.stride(2), s_vd=v.stride(3),
         s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
-        LAST_MERGES=last_merges, IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL,
-        BD=max(16, _pow2(D)), BDV=BDV),
-        written, warps, 2)
-    if split == 1 or last_merges:
+        IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)), BDV=BDV),
+        ("ws", "wml") if split > 1 else ("o",), warps, 2)
+    if split == 1:
         return [main], out
     BDM = min(BDV, 64)
     merge = Launch(_decode_attention_merge_kernel, (B * HKV, BDV // BDM), dict(
@@ -318,16 +283,14 @@ def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def decode_attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
-                         cfg: tuple[int, int, int] | None = None, merge_launch: bool = False) -> Tensor:
-    """The CUDA body (``cfg`` overrides the plan, ``merge_launch`` merges splits in a second launch
-    even where counters can be had: tests, sweeps)."""
+                         cfg: tuple[int, int, int] | None = None) -> Tensor:
+    """The CUDA body (``cfg`` overrides the plan: tests, sweeps)."""
     if not takes(q, k, v):
         return reference(q, k, v, bias, scale)
     B, H, T, _ = q.shape
     out = torch.empty((B, T, H, v.shape[3]), dtype=q.dtype, device=q.device)
-    counters = None if merge_launch else (lambda n: _split_counters(q.device, n))
     with on_device(q):
-        run_all(launches(q, k, v, _full_bias(q, k, bias), scale, out, cfg, counters)[0])
+        run_all(launches(q, k, v, _full_bias(q, k, bias), scale, out, cfg)[0])
     return out
 
 
@@ -358,9 +321,7 @@ def _decode_attention_cuda(q, k, v, bias, scale):
 def _traced(q, k, v, bias, scale):
     B, H, T, _ = q.shape
     out = torch.empty((B, T, H, v.shape[3]), dtype=q.dtype, device=q.device)
-    # (counters zeroed in the graph: the launch leaves them zeroed, but a graph has no state of its own)
-    steps, out = launches(q, k, v, _full_bias(q, k, bias), scale, out,
-                          counters=lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
+    steps, out = launches(q, k, v, _full_bias(q, k, bias), scale, out)
     return trace_all(steps)[id(out)]
 
 
