@@ -22,10 +22,11 @@ and fusepass side by side in one process, each phase selectable:
   compiled without CUDA graphs, captured into one CUDA graph by hand and
   replayed K times back to back between two events: the GPU time of a step
   with no launch gaps.  fusepass is told the step is captured
-  (``inline_kernels=False``, as it picks itself under ``mode="reduce-overhead"``);
-  ``FUSEPASS_INLINE_KERNELS=1`` in the environment measures the inlined form.  On the CPU: compiled step called back to back.  With
-  ``decode`` in the same run, each decode row also says how much of its step
-  lies outside the graph (generate's own work per token).
+  (``inline_kernels=False``, as it picks itself under
+  ``mode="reduce-overhead"``); ``FUSEPASS_INLINE_KERNELS=1`` in the
+  environment measures the inlined form.  On the CPU: compiled step called
+  back to back.  With ``decode`` in the same run, each decode row also says
+  how much of its step lies outside the graph (generate's own work per token).
 - ``startup``: compile plus first forward, each in a fresh Python process
   sharing an Inductor (and Triton) cache folder: the first process finds it
   empty (cold), the second warm.  fusepass is not imported beforehand: the

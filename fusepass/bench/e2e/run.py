@@ -168,7 +168,8 @@ def compile_args(backend: str, captured: bool = False) -> dict[str, Any]:
     it picks itself under ``mode="reduce-overhead"``), unless the variant or
     ``FUSEPASS_INLINE_KERNELS`` says otherwise."""
     opts = fusepass_options(backend)
-    if captured and opts is not None and "inline_kernels" not in opts and not os.environ.get("FUSEPASS_INLINE_KERNELS"):
+    told = opts is None or "inline_kernels" in opts or os.environ.get("FUSEPASS_INLINE_KERNELS")
+    if captured and not told:
         opts = {**opts, "inline_kernels": False}
     return {"backend": "fusepass", "options": opts} if opts else {"backend": backend}
 
