@@ -786,12 +786,9 @@ def test_every_op_has_an_inlined_form():
     assert sorted(op for op in OPS if getattr(torch.ops.fusepass, op).default not in forms) == sorted(NOT_INLINED)
 
 
-@pytest.mark.parametrize("op,make", inline_cases())
-def test_inlined_graph_names_every_kernel_argument(op, make, fake_cuda):
-    """Traced for a CUDA graph with inlining on, a rule's call of the op becomes
-    launches naming every kernel argument, no op call left -- or, where the
-    inlined form refuses the arguments (fp64, a run-time eps, no rows, ...),
-    the op call alone."""
+def _trace_inlined(op, make, fake_cuda):
+    """(whether the op's inlined form takes the case's arguments, as fake CUDA
+    tensors; the graph make_fx traces of a rule's call of the op with inlining on)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from fusepass.kernels._common import call, inline_forms, inline_kernels
@@ -804,12 +801,22 @@ def test_inlined_graph_names_every_kernel_argument(op, make, fake_cuda):
             return inline_forms()[packet].ok(*args), make_fx(lambda *a: call(packet, *a))(*args)
 
     try:
-        inlined, gm = trace([twin(a) for a in _args(make)])
+        return trace([twin(a) for a in _args(make)])
     except RuntimeError as exc:  # a CPU-only torch cannot copy a strided fake CUDA tensor: contiguous twins
         if "not linked with support for cuda" not in str(exc):
             raise
-        inlined, gm = trace([twin(torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, a))
-                             for a in _args(make)])
+        return trace([twin(torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, a))
+                      for a in _args(make)])
+
+
+@pytest.mark.parametrize("op,make", inline_cases())
+def test_inlined_graph_names_every_kernel_argument(op, make, fake_cuda):
+    """Traced for a CUDA graph with inlining on, a rule's call of the op becomes
+    launches naming every kernel argument, no op call left -- or, where the
+    inlined form refuses the arguments (fp64, a run-time eps, no rows, ...),
+    the op call alone."""
+    packet = getattr(torch.ops.fusepass, op).default
+    inlined, gm = _trace_inlined(op, make, fake_cuda)
     ops = [n for n in gm.graph.nodes if n.target is packet]
     launches = _functional_launches(gm)
     if inlined:
@@ -853,23 +860,19 @@ def test_inlined_launches_compute_the_op(op, make, fake_cuda, poisoned_empty):
                                                      if isinstance(a, torch.Tensor)))
 
 
-@pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")
-@pytest.mark.parametrize("path", ["gemv", "gemv-splitk", "mm-splitk", "mmt", "mmt-splitk", "mmt-ahead-xperm", "cublas"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empty):
-    """Each of dequant_matmul's paths put into a graph computes the op: a split
-    K with its slices and zeroed counters allocated in the graph, summed by
-    each tile's last program; the cuBLAS path as the dequantising pass and the
-    graph's own mm."""
-    from fusepass.kernels.dequant_matmul import Config, op as dm_op
+def _dequant_paths():
+    from fusepass.kernels.dequant_matmul import Config
 
-    cfg = {"gemv": Config("gemv", BN=8, BK=64), "gemv-splitk": Config("gemv", BN=8, BK=32, split=3),
-           "mm-splitk": Config("mm", BM=16, BN=16, BK=32, split=2), "mmt": Config("mmt", BM=16, BN=16, BK=32),
-           "mmt-splitk": Config("mmt", BM=16, BN=16, BK=32, split=2),
-           # int4's scales two steps ahead, x copied into the tile's K order as a node of the graph
-           "mmt-ahead-xperm": Config("mmt", BM=16, BN=16, BK=32, split=3, ahead=2, xperm=1),
-           "cublas": Config("cublas")}[path]
-    monkeypatch.setattr(dm_op, "_plan", lambda *a: cfg)
+    return {"gemv": Config("gemv", BN=8, BK=64), "gemv-splitk": Config("gemv", BN=8, BK=32, split=3),
+            "mm-splitk": Config("mm", BM=16, BN=16, BK=32, split=2), "mmt": Config("mmt", BM=16, BN=16, BK=32),
+            "mmt-splitk": Config("mmt", BM=16, BN=16, BK=32, split=2),
+            # int4's scales two steps ahead, x copied into the tile's K order as a node of the graph
+            "mmt-ahead-xperm": Config("mmt", BM=16, BN=16, BK=32, split=3, ahead=2, xperm=1),
+            "cublas": Config("cublas")}
+
+
+def _dequant_inputs(fmt, cfg):
+    """dequant_matmul's arguments for a path's plan: x [M, 96] bf16 with a bias, 24 output columns."""
     torch.manual_seed(0)
     M = 3 if cfg.kind == "gemv" else 17
     x = torch.randn(M, 96, dtype=torch.bfloat16)
@@ -878,7 +881,22 @@ def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empt
         z, g = torch.rand(24, 3, dtype=torch.bfloat16) * 15, 32
     else:
         w, s, z, g = torch.randint(-128, 128, (24, 96), dtype=torch.int8), torch.rand(24, dtype=torch.bfloat16) / 300, None, 0
-    b = torch.randn(24, dtype=torch.bfloat16)
+    return x, w, s, z, torch.randn(24, dtype=torch.bfloat16), fmt, g
+
+
+@pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")
+@pytest.mark.parametrize("path", ["gemv", "gemv-splitk", "mm-splitk", "mmt", "mmt-splitk", "mmt-ahead-xperm", "cublas"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empty):
+    """Each of dequant_matmul's paths put into a graph computes the op: a split
+    K with its slices and zeroed counters allocated in the graph, summed by
+    each tile's last program; the cuBLAS path as the dequantising pass and the
+    graph's own mm."""
+    from fusepass.kernels.dequant_matmul import op as dm_op
+
+    cfg = _dequant_paths()[path]
+    monkeypatch.setattr(dm_op, "_plan", lambda *a: cfg)
+    x, w, s, z, b, fmt, g = _dequant_inputs(fmt, cfg)
     expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, b, fmt, g)
     actual = dm_op.dequant_matmul_traced(x, w, s, z, b, fmt, g)
     assert_close(actual, expected, f"dequant_matmul {path}")
