@@ -947,6 +947,101 @@ def test_engine_inlines_op_nodes_in_the_graph(op, args, fake_cuda):
             assert not isinstance(n.args[0].meta.get("val"), torch.Tensor), gm.graph
 
 
+# Kernels no inlined form launches: their ops launch them.
+OP_ONLY_KERNELS = {
+    "_one_shot_kernel",  # all_reduce_rms_norm's one-shot path (the op picks it when it runs)
+    "_rms_norm_fwd_looped_kernel",  # rows too long for the one-pass kernels (rms_norm._inline_ok)
+    "_splitk_reduce_kernel",  # a split K without counters: inlined, the tile's last program sums the slices
+}
+
+
+def _more_inlined_launches():
+    """Inlined launches the inline cases do not reach, so that every kernel an
+    inlined form may launch is built: (case, op, make, [(object, attribute,
+    value) set while tracing])."""
+    from fusepass.kernels.dequant_matmul import op as dm_op
+    from fusepass.kernels.gdn import launch as gdn_launch
+    from fusepass.kernels.moe import experts
+
+    bf16 = torch.bfloat16
+    yield ("decode_attention/split-L1024", "decode_attention",  # two splits and their merge
+           lambda: (_t(1, 8, 1, 32, dtype=bf16), _t(1, 2, 1024, 32, dtype=bf16), _t(1, 2, 1024, 32, dtype=bf16),
+                    _cache_mask(1, 1, 1024, 700), 0.2), [])
+    yield ("rms_norm_gated/looped-N16400", "rms_norm_gated",
+           lambda: (_t(2, 16400, dtype=bf16), _t(2, 16400, dtype=bf16), _t(16400, dtype=bf16), 1e-6, True, "silu"), [])
+    yield ("gdn_chunk/fused-scan", "gdn_chunk", lambda: _gdn_inputs(1, 70, 2, 2, 16, 16, bf16, True),
+           [(gdn_launch, "_FUSE_MIN_WAVES", 0)])
+    for plan in ("sorted", "grouped_mm"):  # (gpt_oss: the activation with a clamp, alpha and limit)
+        yield (f"moe_experts/{plan}-gpt_oss", "moe_experts",
+               lambda: _moe_experts_inputs(12, 4, 2, 32, 16, bf16, act="gpt_oss", layout="interleaved", bias=True),
+               [(experts, "moe_experts_plan", lambda *a, plan=plan, **k: plan)])
+    for path, cfg in _dequant_paths().items():
+        for fmt in ("int8", "int4"):
+            yield (f"dequant_matmul/{path}-{fmt}", "dequant_matmul", lambda fmt=fmt, cfg=cfg: _dequant_inputs(fmt, cfg),
+                   [(dm_op, "_plan", lambda *a, cfg=cfg: cfg)])
+
+
+def _inlined_kernels() -> set[str]:
+    """Every fusepass kernel (a jit function named ``*_kernel``) but OP_ONLY_KERNELS."""
+    import importlib
+    import pkgutil
+
+    import fusepass.kernels
+
+    names = set()
+    for info in pkgutil.walk_packages(fusepass.kernels.__path__, "fusepass.kernels."):
+        for name, value in vars(importlib.import_module(info.name)).items():
+            if name.endswith("_kernel") and getattr(getattr(value, "fn", None), "__module__", None) == info.name:
+                names.add(name)
+    return names - OP_ONLY_KERNELS
+
+
+def test_inlined_kernels_stay_fp32_with_inductors_fp64_scalars(fake_cuda, monkeypatch):
+    """Inductor compiles an inlined launch from its own code and types a Python-float argument fp64
+    (fusepass.testing.ttir): an fp32 tile meeting it becomes fp64, every element computed in fp64, or,
+    carried by a loop, fails to compile (on the GPU the graph then goes through the dispatcher).  Every
+    launch of every inline case, and of paths they do not reach, built for sm_90 with Triton's frontend
+    in one process without the interpreter: every kernel builds, with no fp64 tile."""
+    import json
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from fusepass.kernels._common import Launch
+    from fusepass.testing.ttir import launch_spec
+
+    specs, case = [], None
+    traced = Launch.traced
+
+    def record(self):
+        specs.append({**launch_spec(self), "case": case})
+        return traced(self)
+
+    monkeypatch.setattr(Launch, "traced", record)
+    # Launches planned as on the GPU, without the interpreter's own choices (EMU's rounding, smaller tiles,
+    # no inline asm): nothing is run here.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cases = [(p.id, *p.values, []) for p in inline_cases()] + list(_more_inlined_launches())
+    for case, op, make, patches in cases:
+        with pytest.MonkeyPatch.context() as patch:
+            for obj, name, value in patches:
+                patch.setattr(obj, name, value)
+            _trace_inlined(op, make, fake_cuda)
+    # (the child builds the kernels of the fusepass this process imported)
+    root = os.path.dirname(os.path.dirname(fusepass.__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    got = subprocess.run([sys.executable, "-c", "from fusepass.testing.ttir import main; main()"],
+                         input=pickle.dumps(specs), capture_output=True, timeout=300, env=env)
+    assert got.returncode == 0, got.stderr.decode()[-2000:]
+    report = json.loads(got.stdout.splitlines()[-1])
+    assert {r["kernel"] for r in report} == _inlined_kernels()
+    bad = {f"{r['kernel']} ({r['case']})": {"fp64 args": r["fp64_args"], "error": r["error"], "tiles": r["tiles"][:3]}
+           for r in report if r["error"] or r["tiles"]}
+    assert not bad, json.dumps(bad, indent=1)
+
+
 def test_a_launch_names_exactly_the_kernels_arguments():
     from fusepass.kernels._common import Launch
     from fusepass.kernels.gated_act import _gated_act_fwd_kernel
