@@ -786,12 +786,9 @@ def test_every_op_has_an_inlined_form():
     assert sorted(op for op in OPS if getattr(torch.ops.fusepass, op).default not in forms) == sorted(NOT_INLINED)
 
 
-@pytest.mark.parametrize("op,make", inline_cases())
-def test_inlined_graph_names_every_kernel_argument(op, make, fake_cuda):
-    """Traced for a CUDA graph with inlining on, a rule's call of the op becomes
-    launches naming every kernel argument, no op call left -- or, where the
-    inlined form refuses the arguments (fp64, a run-time eps, no rows, ...),
-    the op call alone."""
+def _trace_inlined(op, make, fake_cuda):
+    """(whether the op's inlined form takes the case's arguments, as fake CUDA
+    tensors; the graph make_fx traces of a rule's call of the op with inlining on)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from fusepass.kernels._common import call, inline_forms, inline_kernels
@@ -804,12 +801,22 @@ def test_inlined_graph_names_every_kernel_argument(op, make, fake_cuda):
             return inline_forms()[packet].ok(*args), make_fx(lambda *a: call(packet, *a))(*args)
 
     try:
-        inlined, gm = trace([twin(a) for a in _args(make)])
+        return trace([twin(a) for a in _args(make)])
     except RuntimeError as exc:  # a CPU-only torch cannot copy a strided fake CUDA tensor: contiguous twins
         if "not linked with support for cuda" not in str(exc):
             raise
-        inlined, gm = trace([twin(torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, a))
-                             for a in _args(make)])
+        return trace([twin(torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, a))
+                      for a in _args(make)])
+
+
+@pytest.mark.parametrize("op,make", inline_cases())
+def test_inlined_graph_names_every_kernel_argument(op, make, fake_cuda):
+    """Traced for a CUDA graph with inlining on, a rule's call of the op becomes
+    launches naming every kernel argument, no op call left -- or, where the
+    inlined form refuses the arguments (fp64, a run-time eps, no rows, ...),
+    the op call alone."""
+    packet = getattr(torch.ops.fusepass, op).default
+    inlined, gm = _trace_inlined(op, make, fake_cuda)
     ops = [n for n in gm.graph.nodes if n.target is packet]
     launches = _functional_launches(gm)
     if inlined:
@@ -853,23 +860,19 @@ def test_inlined_launches_compute_the_op(op, make, fake_cuda, poisoned_empty):
                                                      if isinstance(a, torch.Tensor)))
 
 
-@pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")
-@pytest.mark.parametrize("path", ["gemv", "gemv-splitk", "mm-splitk", "mmt", "mmt-splitk", "mmt-ahead-xperm", "cublas"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empty):
-    """Each of dequant_matmul's paths put into a graph computes the op: a split
-    K with its slices and zeroed counters allocated in the graph, summed by
-    each tile's last program; the cuBLAS path as the dequantising pass and the
-    graph's own mm."""
-    from fusepass.kernels.dequant_matmul import Config, op as dm_op
+def _dequant_paths():
+    from fusepass.kernels.dequant_matmul import Config
 
-    cfg = {"gemv": Config("gemv", BN=8, BK=64), "gemv-splitk": Config("gemv", BN=8, BK=32, split=3),
-           "mm-splitk": Config("mm", BM=16, BN=16, BK=32, split=2), "mmt": Config("mmt", BM=16, BN=16, BK=32),
-           "mmt-splitk": Config("mmt", BM=16, BN=16, BK=32, split=2),
-           # int4's scales two steps ahead, x copied into the tile's K order as a node of the graph
-           "mmt-ahead-xperm": Config("mmt", BM=16, BN=16, BK=32, split=3, ahead=2, xperm=1),
-           "cublas": Config("cublas")}[path]
-    monkeypatch.setattr(dm_op, "_plan", lambda *a: cfg)
+    return {"gemv": Config("gemv", BN=8, BK=64), "gemv-splitk": Config("gemv", BN=8, BK=32, split=3),
+            "mm-splitk": Config("mm", BM=16, BN=16, BK=32, split=2), "mmt": Config("mmt", BM=16, BN=16, BK=32),
+            "mmt-splitk": Config("mmt", BM=16, BN=16, BK=32, split=2),
+            # int4's scales two steps ahead, x copied into the tile's K order as a node of the graph
+            "mmt-ahead-xperm": Config("mmt", BM=16, BN=16, BK=32, split=3, ahead=2, xperm=1),
+            "cublas": Config("cublas")}
+
+
+def _dequant_inputs(fmt, cfg):
+    """dequant_matmul's arguments for a path's plan: x [M, 96] bf16 with a bias, 24 output columns."""
     torch.manual_seed(0)
     M = 3 if cfg.kind == "gemv" else 17
     x = torch.randn(M, 96, dtype=torch.bfloat16)
@@ -878,7 +881,22 @@ def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empt
         z, g = torch.rand(24, 3, dtype=torch.bfloat16) * 15, 32
     else:
         w, s, z, g = torch.randint(-128, 128, (24, 96), dtype=torch.int8), torch.rand(24, dtype=torch.bfloat16) / 300, None, 0
-    b = torch.randn(24, dtype=torch.bfloat16)
+    return x, w, s, z, torch.randn(24, dtype=torch.bfloat16), fmt, g
+
+
+@pytest.mark.skipif(not differential.interpreting(), reason="the launches on CPU tensors, under the interpreter")
+@pytest.mark.parametrize("path", ["gemv", "gemv-splitk", "mm-splitk", "mmt", "mmt-splitk", "mmt-ahead-xperm", "cublas"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_inlined_dequant_matmul_every_path(path, fmt, monkeypatch, poisoned_empty):
+    """Each of dequant_matmul's paths put into a graph computes the op: a split
+    K with its slices and zeroed counters allocated in the graph, summed by
+    each tile's last program; the cuBLAS path as the dequantising pass and the
+    graph's own mm."""
+    from fusepass.kernels.dequant_matmul import op as dm_op
+
+    cfg = _dequant_paths()[path]
+    monkeypatch.setattr(dm_op, "_plan", lambda *a: cfg)
+    x, w, s, z, b, fmt, g = _dequant_inputs(fmt, cfg)
     expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, b, fmt, g)
     actual = dm_op.dequant_matmul_traced(x, w, s, z, b, fmt, g)
     assert_close(actual, expected, f"dequant_matmul {path}")
@@ -927,6 +945,101 @@ def test_engine_inlines_op_nodes_in_the_graph(op, args, fake_cuda):
     for n in gm.graph.nodes:
         if n.target is operator.getitem:
             assert not isinstance(n.args[0].meta.get("val"), torch.Tensor), gm.graph
+
+
+# Kernels no inlined form launches: their ops launch them.
+OP_ONLY_KERNELS = {
+    "_one_shot_kernel",  # all_reduce_rms_norm's one-shot path (the op picks it when it runs)
+    "_rms_norm_fwd_looped_kernel",  # rows too long for the one-pass kernels (rms_norm._inline_ok)
+    "_splitk_reduce_kernel",  # a split K without counters: inlined, the tile's last program sums the slices
+}
+
+
+def _more_inlined_launches():
+    """Inlined launches the inline cases do not reach, so that every kernel an
+    inlined form may launch is built: (case, op, make, [(object, attribute,
+    value) set while tracing])."""
+    from fusepass.kernels.dequant_matmul import op as dm_op
+    from fusepass.kernels.gdn import launch as gdn_launch
+    from fusepass.kernels.moe import experts
+
+    bf16 = torch.bfloat16
+    yield ("decode_attention/split-L1024", "decode_attention",  # two splits and their merge
+           lambda: (_t(1, 8, 1, 32, dtype=bf16), _t(1, 2, 1024, 32, dtype=bf16), _t(1, 2, 1024, 32, dtype=bf16),
+                    _cache_mask(1, 1, 1024, 700), 0.2), [])
+    yield ("rms_norm_gated/looped-N16400", "rms_norm_gated",
+           lambda: (_t(2, 16400, dtype=bf16), _t(2, 16400, dtype=bf16), _t(16400, dtype=bf16), 1e-6, True, "silu"), [])
+    yield ("gdn_chunk/fused-scan", "gdn_chunk", lambda: _gdn_inputs(1, 70, 2, 2, 16, 16, bf16, True),
+           [(gdn_launch, "_FUSE_MIN_WAVES", 0)])
+    for plan in ("sorted", "grouped_mm"):  # (gpt_oss: the activation with a clamp, alpha and limit)
+        yield (f"moe_experts/{plan}-gpt_oss", "moe_experts",
+               lambda: _moe_experts_inputs(12, 4, 2, 32, 16, bf16, act="gpt_oss", layout="interleaved", bias=True),
+               [(experts, "moe_experts_plan", lambda *a, plan=plan, **k: plan)])
+    for path, cfg in _dequant_paths().items():
+        for fmt in ("int8", "int4"):
+            yield (f"dequant_matmul/{path}-{fmt}", "dequant_matmul", lambda fmt=fmt, cfg=cfg: _dequant_inputs(fmt, cfg),
+                   [(dm_op, "_plan", lambda *a, cfg=cfg: cfg)])
+
+
+def _inlined_kernels() -> set[str]:
+    """Every fusepass kernel (a jit function named ``*_kernel``) but OP_ONLY_KERNELS."""
+    import importlib
+    import pkgutil
+
+    import fusepass.kernels
+
+    names = set()
+    for info in pkgutil.walk_packages(fusepass.kernels.__path__, "fusepass.kernels."):
+        for name, value in vars(importlib.import_module(info.name)).items():
+            if name.endswith("_kernel") and getattr(getattr(value, "fn", None), "__module__", None) == info.name:
+                names.add(name)
+    return names - OP_ONLY_KERNELS
+
+
+def test_inlined_kernels_stay_fp32_with_inductors_fp64_scalars(fake_cuda, monkeypatch):
+    """Inductor compiles an inlined launch from its own code and types a Python-float argument fp64
+    (fusepass.testing.ttir): an fp32 tile meeting it becomes fp64, every element computed in fp64, or,
+    carried by a loop, fails to compile (on the GPU the graph then goes through the dispatcher).  Every
+    launch of every inline case, and of paths they do not reach, built for sm_90 with Triton's frontend
+    in one process without the interpreter: every kernel builds, with no fp64 tile."""
+    import json
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from fusepass.kernels._common import Launch
+    from fusepass.testing.ttir import launch_spec
+
+    specs, case = [], None
+    traced = Launch.traced
+
+    def record(self):
+        specs.append({**launch_spec(self), "case": case})
+        return traced(self)
+
+    monkeypatch.setattr(Launch, "traced", record)
+    # Launches planned as on the GPU, without the interpreter's own choices (EMU's rounding, smaller tiles,
+    # no inline asm): nothing is run here.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cases = [(p.id, *p.values, []) for p in inline_cases()] + list(_more_inlined_launches())
+    for case, op, make, patches in cases:
+        with pytest.MonkeyPatch.context() as patch:
+            for obj, name, value in patches:
+                patch.setattr(obj, name, value)
+            _trace_inlined(op, make, fake_cuda)
+    # (the child builds the kernels of the fusepass this process imported)
+    root = os.path.dirname(os.path.dirname(fusepass.__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    got = subprocess.run([sys.executable, "-c", "from fusepass.testing.ttir import main; main()"],
+                         input=pickle.dumps(specs), capture_output=True, timeout=300, env=env)
+    assert got.returncode == 0, got.stderr.decode()[-2000:]
+    report = json.loads(got.stdout.splitlines()[-1])
+    assert {r["kernel"] for r in report} == _inlined_kernels()
+    bad = {f"{r['kernel']} ({r['case']})": {"fp64 args": r["fp64_args"], "error": r["error"], "tiles": r["tiles"][:3]}
+           for r in report if r["error"] or r["tiles"]}
+    assert not bad, json.dumps(bad, indent=1)
 
 
 def test_a_launch_names_exactly_the_kernels_arguments():

@@ -171,6 +171,8 @@ def _gdn_wu_kernel(
     i_t, i_bh = i_c % NT, i_c // NT
     i_b, i_h = i_bh // HV, i_bh % HV
     i_b64, i_bh64 = i_b.to(tl.int64), i_bh.to(tl.int64)
+    # (Inductor types a float argument fp64: converted once here, or q's tiles are scaled in fp64)
+    scale = (scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
     k_base = i_b64 * s_kb + (i_h // GROUP) * s_kh
     v_base = i_b64 * s_vb + i_h * s_vh
     o_c = tl.arange(0, 64)
@@ -417,6 +419,8 @@ def _gdn_output_kernel(
     i_bh = i_p // (NV * NT)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_b64, i_bh64 = i_b.to(tl.int64), i_bh.to(tl.int64)
+    # (Inductor types a float argument fp64: converted once here, or q's tiles are scaled in fp64)
+    scale = (scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, 64)
