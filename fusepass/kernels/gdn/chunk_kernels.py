@@ -259,6 +259,8 @@ def _gdn_scan_kernel(
     q S, f on v' before k^T v', dl on S), q and k as stored straight into
     the products, as the state pass takes them; else normalised and decayed
     here."""
+    # (Inductor types a float argument fp64: converted once here, or q's tiles are scaled in fp64)
+    scale = (scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
     i_p = tl.program_id(0)
     i_v, i_bh = i_p % NV, i_p // NV
     i_b, i_h = i_bh // HV, i_bh % HV
