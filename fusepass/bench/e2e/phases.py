@@ -12,7 +12,7 @@ import torch
 
 from ..ops import rel_err
 from ..timing import Timing, captured, sync, time_cpu
-from .run import Run, _fresh, _report_text, _start_report, compile_args
+from .run import Run, _fresh, _report_text, _start_report, graphs_compile_args
 
 
 def phase_prefill(run: Run) -> None:
@@ -114,7 +114,7 @@ def phase_decode(run: Run) -> None:
                 if backend == "eager":
                     kwargs["disable_compile"] = True
                 else:
-                    cc = CompileConfig(**compile_args(backend), mode="reduce-overhead", fullgraph=True)
+                    cc = CompileConfig(**graphs_compile_args(backend), fullgraph=True)
                     cc._compile_all_devices = not run.cuda or None  # transformers compiles on CUDA only unless asked
                     kwargs["compile_config"] = cc
 

@@ -174,6 +174,17 @@ def compile_args(backend: str, captured: bool = False) -> dict[str, Any]:
     return {"backend": "fusepass", "options": opts} if opts else {"backend": backend}
 
 
+def graphs_compile_args(backend: str) -> dict[str, Any]:
+    """``compile_args`` with Inductor's CUDA graphs (``mode="reduce-overhead"``), as ``generate`` compiles:
+    torch.compile takes a mode or options, not both, so a variant's options get the mode's own."""
+    from torch._inductor import list_mode_options
+
+    args = compile_args(backend)
+    if "options" not in args:
+        return {**args, "mode": "reduce-overhead"}
+    return {**args, "mode": None, "options": {**list_mode_options("reduce-overhead"), **args["options"]}}
+
+
 def _fresh(model: torch.nn.Module, backend: str, captured: bool = False, **kwargs: Any) -> Any:
     """``model`` compiled with ``backend`` from a clean Dynamo state (eager: the model itself)."""
     torch._dynamo.reset()
