@@ -44,7 +44,7 @@ from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
 from fusepass.kernels._common import Launch, call, cdiv, emulate_rounding, inline_enabled, on_device, \
-    register_inline, rne_bf16, round_to, run_all, run_kernel, sm_count, trace_all
+    register_inline, rne_bf16, round_to, run_all, run_kernel, scalar_fp32, sm_count, trace_all
 
 MAX_ROWS = 64  # query rows of one key/value head (G x T) in one tile; more are a prefill (SDPA's)
 MAX_DIM = 256
@@ -86,8 +86,7 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
     b_q = tl.load(p_q, mask=ok_r[:, None] & (d[None, :] < D), other=0)
     k0 = k + b64 * s_kb + kvh.to(tl.int64) * s_kh
     v0 = v + b64 * s_vb + kvh.to(tl.int64) * s_vh
-    # (Inductor types a float argument fp64: cast once here, or every score tile is scaled in fp64)
-    qk = (qk_scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
+    qk = scalar_fp32(qk_scale, False)  # (Inductor passes it fp64: every score tile would be scaled in fp64)
     m_i = tl.full([BR], float("-inf"), tl.float32)
     l_i = tl.zeros([BR], tl.float32)
     acc = tl.zeros([BR, BDV], tl.float32)

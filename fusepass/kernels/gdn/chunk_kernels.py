@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import round_to
+from fusepass.kernels._common import round_to, scalar_fp32
 from fusepass.kernels.gdn.tiles import (_dot, _dot_acc, _gate_block, _inv16x4, _l2rows, _load_rows, _load_vec, _mm, _rnorm,
                                         _row_rnorm, _rows, _store_block)
 
@@ -171,8 +171,7 @@ def _gdn_wu_kernel(
     i_t, i_bh = i_c % NT, i_c // NT
     i_b, i_h = i_bh // HV, i_bh % HV
     i_b64, i_bh64 = i_b.to(tl.int64), i_bh.to(tl.int64)
-    # (Inductor types a float argument fp64: converted once here, or q's tiles are scaled in fp64)
-    scale = (scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
+    scale = scalar_fp32(scale, False)  # (Inductor passes it fp64: q's tiles would be scaled in fp64)
     k_base = i_b64 * s_kb + (i_h // GROUP) * s_kh
     v_base = i_b64 * s_vb + i_h * s_vh
     o_c = tl.arange(0, 64)
@@ -259,8 +258,7 @@ def _gdn_scan_kernel(
     q S, f on v' before k^T v', dl on S), q and k as stored straight into
     the products, as the state pass takes them; else normalised and decayed
     here."""
-    # (Inductor types a float argument fp64: converted once here, or q's tiles are scaled in fp64)
-    scale = (scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
+    scale = scalar_fp32(scale, False)  # (Inductor passes it fp64: q's tiles would be scaled in fp64)
     i_p = tl.program_id(0)
     i_v, i_bh = i_p % NV, i_p // NV
     i_b, i_h = i_bh // HV, i_bh % HV
@@ -421,8 +419,7 @@ def _gdn_output_kernel(
     i_bh = i_p // (NV * NT)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_b64, i_bh64 = i_b.to(tl.int64), i_bh.to(tl.int64)
-    # (Inductor types a float argument fp64: converted once here, or q's tiles are scaled in fp64)
-    scale = (scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
+    scale = scalar_fp32(scale, False)  # (Inductor passes it fp64: q's tiles would be scaled in fp64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, 64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import round_to
+from fusepass.kernels._common import round_to, scalar_fp32
 
 
 @triton.jit
@@ -25,8 +25,7 @@ def _gdn_recurrent_kernel(
     i_v, i_bh = i_p % NV, i_p // NV
     i_b, i_h = i_bh // HV, i_bh % HV
     i_b64, i_bh64 = i_b.to(tl.int64), i_bh.to(tl.int64)
-    # (Inductor types a float argument fp64: converted once here, or q's tiles are scaled in fp64)
-    scale = (scale + tl.zeros([], tl.float32)).to(tl.float32)  # (a Python float in the interpreter)
+    scale = scalar_fp32(scale, False)  # (Inductor passes it fp64: q's tiles would be scaled in fp64)
     p_g = g + i_b64 * s_gb + i_h * s_gh
     if RISING_ONLY:
         # 1024 gates per load: few dependent round trips at long T.
