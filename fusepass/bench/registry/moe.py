@@ -282,6 +282,23 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
                 cands[f"decode-down-BN{bn2}"] = ("decode", decode.DecodeConfig(
                     BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 8192 // (KP * bn2)), defer=False,
                     defer2=False))
+            if not m["transposed"] and T == 1:
+                # Whole rows a step (linear_siblings' GEMV reads a row's K in one
+                # 16-byte-vector load per thread and keeps 2-4 programs an SM of
+                # such loads in flight): gate_up 2 / 4 rows of 2048, down the k
+                # experts' 1 / 2 rows of up to 1024, alone and together.
+                ups = {"BN2-BK2048": (2, 2048, 4), "BN4-BK2048": (4, 2048, 4), "BN4-BK2048-W8": (4, 2048, 8)}
+                downs = {"BN1-BK1024": (1, 1024, 4), "BN2-BK1024-W8": (2, 1024, 8), "BN2-BK512": (2, 512, 4)}
+                for un, (bn, bk, wu) in ups.items():
+                    cands[f"decode-up-{un}"] = ("decode", dataclasses.replace(
+                        base, BN=bn, BK=min(bk, 1 << (m["H"] - 1).bit_length()), warps=wu, defer=False))
+                for dn, (bn2, bk2, wd) in downs.items():
+                    cands[f"decode-down-{dn}"] = ("decode", dataclasses.replace(
+                        base, BN2=bn2, BK2=min(bk2, 1 << (m["I"] - 1).bit_length()), warps2=wd, defer2=False))
+                    for un, (bn, bk, wu) in ups.items():
+                        cands[f"decode-up-{un}-down-{dn}"] = ("decode", dataclasses.replace(
+                            base, BN=bn, BK=min(bk, 1 << (m["H"] - 1).bit_length()), warps=wu, defer=False,
+                            BN2=bn2, BK2=min(bk2, 1 << (m["I"] - 1).bit_length()), warps2=wd, defer2=False))
             # K split over programs: wide column tiles (whole 128-byte lines of a
             # transposed weight's rows) with as many programs as narrow ones.
             for bn2, split in ((32, 4), (64, 4), (64, 8), (16, 2)) if m["transposed"] else ((16, 2), (16, 4)):
