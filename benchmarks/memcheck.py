@@ -439,7 +439,8 @@ def _experts_decode(**cfg):
             I = w1.shape[2 if trans else 1] // 2
             base = decode.decode_heuristic(x.shape[0], ids.shape[1], x.shape[1], I, trans, sm_count(x.device),
                                            group if fmt == "int4" else 0,
-                                           dot=decode.dot_down_fits(x.dtype, args[4].dtype, fmt, trans))
+                                           dot=decode.dot_down_fits(x.dtype, args[4].dtype, fmt, trans),
+                                           plain16=fmt == "none" and w1.element_size() == 2)
             return ex.experts_fwd(*args, plan="decode", cfg=dataclasses.replace(base, **cfg))
         return ops.moe_experts(*args)
     return run

@@ -93,7 +93,7 @@ def main() -> None:
                 base_r = rt.router_heuristic(T, m["E"], m["H"])
                 base_d = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], sm_count(x.device),
                                                  blk.group if quant is not None else 0,
-                                                 dot=quant is None and m["transposed"])
+                                                 dot=quant is None and m["transposed"], plain16=quant is None)
                 base_out = None
                 for v in a.variants.split(","):
                     rp, rr, dp = VARIANTS[v]

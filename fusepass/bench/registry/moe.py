@@ -264,7 +264,8 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
     cands: dict[str, tuple] = {}
     if T * m["k"] <= 512:
         base = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], 132, 0,
-                                       dot=decode.dot_down_fits(x.dtype, w2.dtype, "none", m["transposed"]))
+                                       dot=decode.dot_down_fits(x.dtype, w2.dtype, "none", m["transposed"]),
+                                       plain16=w1.element_size() == 2)
         cands["decode"] = ("decode", base)
         if m["transposed"] and base.dot2:  # the FMA loops' tiles, as the candidates below vary them
             base = decode.decode_heuristic(T, m["k"], m["H"], m["I"], m["transposed"], 132, 0)

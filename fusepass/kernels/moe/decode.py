@@ -353,7 +353,7 @@ DOT_TILE = 64  # the down kernel's tensor-core tile, [BK2, BN2]
 
 
 def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int, group: int,
-                     dot: bool = False) -> DecodeConfig:
+                     dot: bool = False, plain16: bool = False) -> DecodeConfig:
     """Tiles for T tokens.  Products are summed elementwise and reduced across K
     once at the end (defer): on an H100 (fusepass.bench.registry.moe, commit 0890f1a,
     Qwen3-30B-A3B block at T = 1) that ran 36.4 µs in bf16 and 23.6 in int4,
@@ -375,7 +375,16 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
     block at T = 1 (fusepass.bench.registry.moe, commit 9ffacd2): experts
     69.8 µs against 116.7 with the FMA loops (8 columns a down program, 16
     bytes of each row), 75.1 with gate_up deferred (the floor of their bytes
-    ~72 at the copy rate, read + write counted)."""
+    ~72 at the copy rate, read + write counted).
+
+    ``plain16`` (16-bit plain [E, N, K] weights) at one token: gate_up reads 4
+    gate and 4 up rows whole (K up to 2048 a step, one 16-byte load per
+    thread and row, 112 registers: four programs an SM with their 32 KB in
+    flight), as linear_siblings' GEMV does.  H200, Qwen3-30B-A3B experts at
+    T = 1 (fusepass.bench.registry.moe, 0edb38a and b938d84, two runs): 27.4
+    and 27.5 µs against 29.8 for 16 x 256 tiles summed at the end; the down
+    tiles tried beside it (1-4 rows, 256-1024 deep, summed each step or at
+    the end) all lost to the 4 x 128 below."""
     pdl = not transposed
     BM = 1 if T == 1 else 2 if T <= 8 else 4
     if dot and transposed:
@@ -406,6 +415,9 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
         warps2 = max(1, min(4, KP * BK2 // (2 * vb) // 32))
         return DecodeConfig(BM=BM, BN=4, BK=BK, warps=warps, BN2=min(BN2, 2), BK2=BK2, warps2=warps2, defer=False,
                             defer2=False, pdl=pdl)
+    if plain16 and T == 1 and not transposed:
+        return DecodeConfig(BM=1, BN=4, BK=min(2048, cdiv_pow2(H)), warps=4, BN2=BN2, BK2=BK2, warps2=4,
+                            defer=False, defer2=True, pdl=pdl)
     return DecodeConfig(BM=BM, BN=BN, BK=BK, warps=4, BN2=BN2, BK2=BK2, warps2=4, defer=True, defer2=True, pdl=pdl)
 
 

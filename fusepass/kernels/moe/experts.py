@@ -316,7 +316,8 @@ def _launches(x, topk_ids, topk_weights, w_gate_up, w_down, bias_gate_up, bias_d
             halves, transposed, fmt, group, alpha, limit)
     if plan == "decode":
         cfg = cfg or decode.decode_heuristic(T, k, H, I, transposed, sm_count(x.device), group,
-                                             dot=decode.dot_down_fits(x.dtype, w_down.dtype, fmt, transposed))
+                                             dot=decode.dot_down_fits(x.dtype, w_down.dtype, fmt, transposed),
+                                             plain16=fmt == "none" and w_gate_up.element_size() == 2)
         return decode.launch_decode(*args, cfg, out, go)
     if plan == "sorted":
         return prefill.launch_sorted(*args, cfg or prefill.sorted_heuristic(T, k, E, group), out, go)
