@@ -7,13 +7,19 @@ launch bit for bit, then timed as CUDA-graph replays: the router and the
 experts together (the block's op pair) and the experts alone; floor = the
 active experts' and the router's bytes at the copy rate of the run.
 
-    python benchmarks/moe_decode_launches.py [--ts 1,4] [--models ...] [--int4] [--profile]
+    python benchmarks/moe_decode_launches.py [--ts 1,4] [--models ...] [--int4] [--profile] [--rounds 5]
+
+With ``--rounds N`` every variant is timed N times, the variants taking turns
+(a drift of the machine then reaches all of them alike), and the table gives
+the median with the range: single timings of one variant moved by 1-2 µs
+between runs of the same tree (H200).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 
 import torch
 import triton.testing
@@ -69,6 +75,12 @@ def kernel_times(fn, reps: int = 50) -> dict[str, float]:
     return out
 
 
+def _spread(ts: list[float]) -> str:
+    """The median, and the range where there are several timings."""
+    med = statistics.median(ts)
+    return f"{med:.1f}" if len(ts) == 1 else f"{med:.1f} ({min(ts):.1f}-{max(ts):.1f})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-30b-a3b,gpt-oss-20b")
@@ -77,6 +89,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rep", type=float, default=30.0)
     p.add_argument("--profile", action="store_true", help="per-kernel times of the none and all variants")
+    p.add_argument("--rounds", type=int, default=1, help="timings per variant, the variants taking turns")
     a = p.parse_args()
     bw = M.copy_bandwidth("cuda", False)
     rows, prof_rows = [], []
@@ -95,6 +108,7 @@ def main() -> None:
                                                  blk.group if quant is not None else 0,
                                                  dot=quant is None and m["transposed"], plain16=quant is None)
                 base_out = None
+                cases = []
                 for v in a.variants.split(","):
                     rp, rr, dp = VARIANTS[v]
                     rcfg = dataclasses.replace(base_r, pdl=rp, release=rr)
@@ -103,20 +117,25 @@ def main() -> None:
                     torch.cuda.synchronize()
                     if base_out is None:
                         base_out = out.clone()
-                    same = torch.equal(out, base_out)
-                    err = M.rel(out, ref)
-                    t_all = triton.testing.do_bench_cudagraph(lambda: chain(blk, x, quant, rcfg, dcfg),
-                                                              rep=a.rep) * 1e3
-                    t_ex = triton.testing.do_bench_cudagraph(lambda: experts(blk, x, ids, w, quant, dcfg),
-                                                             rep=a.rep) * 1e3
-                    rows.append([name, quant_name, T, v, f"{t_all:.1f}", f"{t_ex:.1f}", f"{floor:.1f}",
-                                 f"{t_all / floor:.2f}", f"{err:.1e}", "yes" if same else "NO"])
+                    cases.append((v, rcfg, dcfg, torch.equal(out, base_out), M.rel(out, ref)))
+                t_all = {v: [] for v, *_ in cases}
+                t_ex = {v: [] for v, *_ in cases}
+                for _ in range(a.rounds):
+                    for v, rcfg, dcfg, _same, _err in cases:
+                        t_all[v].append(triton.testing.do_bench_cudagraph(
+                            lambda: chain(blk, x, quant, rcfg, dcfg), rep=a.rep) * 1e3)
+                        t_ex[v].append(triton.testing.do_bench_cudagraph(
+                            lambda: experts(blk, x, ids, w, quant, dcfg), rep=a.rep) * 1e3)
+                for v, rcfg, dcfg, same, err in cases:
+                    med = statistics.median(t_all[v])
+                    rows.append([name, quant_name, T, v, _spread(t_all[v]), _spread(t_ex[v]), f"{floor:.1f}",
+                                 f"{med / floor:.2f}", f"{err:.1e}", "yes" if same else "NO"])
                     print(rows[-1], flush=True)
                     if a.profile and v in ("none", "all"):
                         kt = kernel_times(lambda: chain(blk, x, quant, rcfg, dcfg))
                         for k_name, us in kt.items():
                             prof_rows.append([name, quant_name, T, v, k_name, f"{us:.2f}"])
-        del blk
+        blk = None  # its weights freed before the next model
         torch.cuda.empty_cache()
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
           f"copy {bw:.0f} GB/s")
