@@ -507,6 +507,11 @@ def _moe_experts_cases(quick: bool, build):
             for pdl in (False, True):
                 yield (f"moe_experts[decode pdl={pdl}] {name} T{T}", _experts_decode(pdl=pdl),
                        (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
+            # The next K tile loaded ahead (its last look-ahead past K, masked off).
+            yield (f"moe_experts[decode ahead] {name} T{T}",
+                   _experts_decode(ahead=True, ahead2=True, BK=16 if name.startswith("odd") else 512, defer=False,
+                                   BK2=16 if name.startswith("odd") else 64, defer2=True, dot2=False),
+                   (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
             # The down kernel's K split (the partial sums' workspace, the counters, the
             # last program's finish); the odd shapes' BK2 16 makes I 97 / 19 split too.
             KP = 1 << (k - 1).bit_length()

@@ -284,27 +284,22 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
                     BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 8192 // (KP * bn2)), defer=False,
                     defer2=False))
             if not m["transposed"] and T == 1:
-                # Whole rows a step (linear_siblings' GEMV reads a row's K in one
-                # 16-byte-vector load per thread and keeps 2-4 programs an SM of
-                # such loads in flight): gate_up 2 / 4 rows of 2048, down the k
-                # experts' 1 / 2 rows of up to 1024, alone and together.
-                # (run 27, H200, 0edb38a: gate_up 4 x 2048 27.4 µs against the heuristic's 29.8; every
-                # down tile summed across K each step lost, 33-73 µs: these sum at the end)
-                ups = {"BN4-BK2048": (4, 2048, 4, False), "BN8-BK2048-W8": (8, 2048, 8, False),
-                       "BN4-BK1024-D": (4, 1024, 4, True)}
-                downs = {"BN2-BK256-D": (2, 256, 4, True), "BN1-BK512-D": (1, 512, 4, True),
-                         "BN2-BK512-D-W8": (2, 512, 8, True), "BN4-BK256-D-W8": (4, 256, 8, True),
-                         "BN1-BK1024-D-W8": (1, 1024, 8, True), "BN1-BK256-D": (1, 256, 4, True)}
-                for un, (bn, bk, wu, du) in ups.items():
-                    cands[f"decode-up-{un}"] = ("decode", dataclasses.replace(
-                        base, BN=bn, BK=min(bk, 1 << (m["H"] - 1).bit_length()), warps=wu, defer=du))
-                for dn, (bn2, bk2, wd, dd) in downs.items():
-                    cands[f"decode-down-{dn}"] = ("decode", dataclasses.replace(
-                        base, BN2=bn2, BK2=min(bk2, 1 << (m["I"] - 1).bit_length()), warps2=wd, defer2=dd))
-                    for un, (bn, bk, wu, du) in list(ups.items())[:1]:
-                        cands[f"decode-up-{un}-down-{dn}"] = ("decode", dataclasses.replace(
-                            base, BN=bn, BK=min(bk, 1 << (m["H"] - 1).bit_length()), warps=wu, defer=du,
-                            BN2=bn2, BK2=min(bk2, 1 << (m["I"] - 1).bit_length()), warps2=wd, defer2=dd))
+                # Runs 27-28 (H200, 0edb38a / b938d84): gate_up 4 rows whole (K 2048 a step) 27.4 µs
+                # against 29.8 for 16 x 256 (now the heuristic's); 24 down tiles (1-4 rows, 256-1024
+                # deep, summed each step or at the end, 4-8 warps) all lost to 4 x 128.  Here: the next
+                # K tile loaded before this one's products (ahead / ahead2), two tiles in flight.
+                dn = {"BN4-BK128": (4, 128, 4), "BN4-BK64": (4, 64, 4), "BN4-BK256-W8": (4, 256, 8),
+                      "BN2-BK128": (2, 128, 4), "BN8-BK64": (8, 64, 4)}
+                for name, (bn2, bk2, wd) in dn.items():
+                    cands[f"decode-down-{name}-ahead"] = ("decode", dataclasses.replace(
+                        base, BN2=bn2, BK2=min(bk2, 1 << (m["I"] - 1).bit_length()), warps2=wd, defer2=True,
+                        ahead2=True))
+                for bn, bk in ((4, 1024), (4, 512), (2, 1024)):
+                    bk = min(bk, 1 << (m["H"] - 1).bit_length())
+                    cands[f"decode-up-BN{bn}-BK{bk}-ahead"] = ("decode", dataclasses.replace(
+                        base, BN=bn, BK=bk, defer=False, ahead=True))
+                    cands[f"decode-up-BN{bn}-BK{bk}-ahead-down-ahead"] = ("decode", dataclasses.replace(
+                        base, BN=bn, BK=bk, defer=False, ahead=True, ahead2=True))
             # K split over programs: wide column tiles (whole 128-byte lines of a
             # transposed weight's rows) with as many programs as narrow ones.
             for bn2, split in ((32, 4), (64, 4), (64, 8), (16, 2)) if m["transposed"] else ((16, 2), (16, 4)):
@@ -623,25 +618,25 @@ def narrow_loads(res: dict) -> int:
 
 
 def decode_up(fmt="none", halves=True, act="silu", BM=1, BN=16, BK=256, BS=8, defer=True, bias=False, trans=False,
-              group=128, warps=4, pdl=False):
+              group=128, warps=4, pdl=False, ahead=False):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
     types = dict(x=BF16, x2=I32, ids=I64, w=w, bias=BF16, scale=BF16, zero=BF16, h=BF16)
     consts = dict(ACT=act, HALVES=halves, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4",
                   HAS_BIAS=bias, ALPHA=1.702, LIMIT=7.0, BS=BS, BM=BM, BN=BN, BK=BK, DEFER=defer, TRANS=trans,
-                  PDL=pdl)
+                  PDL=pdl, AHEAD=ahead)
     vb = decode.int4_chunk(fmt, trans, group, BK)
     consts.update(VB=vb, ASM=vb >= 4)
     return compile_sm90(decode._moe_decode_up_kernel, types, consts, warps, unit="stride_wn" if trans else "stride_wk")
 
 
 def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4, pdl=False,
-                split=False, dot=False, stages=3):
+                split=False, dot=False, stages=3, ahead=False):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
     types = dict(h=BF16, h2=I32, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16, part=F32,
                  ctr=I32)
     consts = dict(ROUND_W=True, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4", HAS_BIAS=bias,
                   KP=max(16, KP) if dot else KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans, PDL=pdl, SPLIT=split,
-                  DOT=dot, KE=KP if dot else 1)
+                  DOT=dot, KE=KP if dot else 1, AHEAD=ahead)
     vb = decode.int4_chunk(fmt, trans, group, BK)
     consts.update(VB=vb, ASM=vb >= 4)
     return compile_sm90(decode._moe_decode_down_kernel, types, consts, warps, stages,

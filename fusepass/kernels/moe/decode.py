@@ -80,6 +80,7 @@ def _moe_decode_up_kernel(
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr,
     TRANS: tl.constexpr, VB: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
+    AHEAD: tl.constexpr = False,
 ):
     # VB > 0: int4 read in chunks of VB bytes (_tiles.int4_chunks), x one row
     # at a time as pairs (x2: x viewed as int32 / int64 words, row stride stride_x2m).
@@ -168,6 +169,27 @@ def _moe_decode_up_kernel(
                             acc_g += tl.where(at, _chunk_sums(b_ge, b_go, b_gs, b_xe, b_xo)[None, :, :], 0.0)
                             if HALVES:
                                 acc_u += tl.where(at, _chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
+            elif AHEAD:  # the next K tile's loads before this one's products (the down kernel's AHEAD)
+                o_k = tl.arange(0, BK)
+                b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)
+                b_wg = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, 0, K,
+                              stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                if HALVES:
+                    b_wu = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, 0, K,
+                                  stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                for k0 in range(0, K, BK):
+                    o_kn = k0 + BK + tl.arange(0, BK)
+                    b_xn = tl.load(p_x + o_kn[None, :], mask=m_m[:, None] & (o_kn < K)[None, :], other=0)
+                    b_wgn = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0 + BK,
+                                   K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                    b_xf = b_x.to(tl.float32)
+                    acc_g += _fma(b_wg, b_xf, DEFER, TRANS)
+                    if HALVES:
+                        b_wun = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn,
+                                       k0 + BK, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                        acc_u += _fma(b_wu, b_xf, DEFER, TRANS)
+                        b_wu = b_wun
+                    b_x, b_wg = b_xn, b_wgn
             else:
                 for k0 in range(0, K, BK):
                     o_k = k0 + tl.arange(0, BK)
@@ -216,7 +238,7 @@ def _moe_decode_down_kernel(
     ROUND_W: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr, TRANS: tl.constexpr,
     VB: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = False,
-    DOT: tl.constexpr = False, KE: tl.constexpr = 1, EMU: tl.constexpr = False,
+    DOT: tl.constexpr = False, KE: tl.constexpr = 1, EMU: tl.constexpr = False, AHEAD: tl.constexpr = False,
 ):
     # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
     # each program keeps k times the bytes of one expert's tile in flight.
@@ -297,6 +319,21 @@ def _moe_decode_down_kernel(
                 b_qe, b_qo, b_s = int4_chunks(p_we + n * stride_wn, v_j, p_se + n * stride_sn, p_ze + n * stride_sn,
                                               k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
                 acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+    elif AHEAD:
+        # The next K tile's loads issued before this tile's products (carried
+        # in registers): two tiles' bytes in flight a program instead of one
+        # round trip a tile.  Past k_hi the loads are masked off.
+        o_k = k_lo + tl.arange(0, BK)
+        b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < k_hi)[None, :], other=0)
+        b_w = w_tile(p_w, m_r, p_s, p_z, k_lo, k_hi, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+        for k0 in range(k_lo, k_hi, BK):
+            o_kn = k0 + BK + tl.arange(0, BK)
+            b_hn = tl.load(p_h[:, None] + o_kn[None, :], mask=v_j[:, None] & (o_kn < k_hi)[None, :], other=0)
+            b_wn = w_tile(p_w, m_r, p_s, p_z, k0 + BK, k_hi, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+            b_hf = b_h.to(tl.float32)
+            b_p = b_w.to(tl.float32) * (b_hf[:, :, None] if TRANS else b_hf[:, None, :])
+            acc += b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=KAX), KAX)
+            b_h, b_w = b_hn, b_wn
     else:
         for k0 in range(k_lo, k_hi, BK):
             o_k = k0 + tl.arange(0, BK)
@@ -347,6 +384,10 @@ class DecodeConfig:
     split2: int = 1  # down: K (the intermediate dim) over this many programs a tile (value-by-value tiles only)
     dot2: bool = False  # down on the tensor cores (16-bit [E, K, N] weights only; else the FMA loop)
     stages2: int | None = None  # the down launch's pipeline stages (tl.dot's loads; Triton's default if None)
+    # gate_up / down: the next K tile loaded before this one's products (plain, int8
+    # and fp8 value-by-value tiles: int4's scale loads are not masked past K)
+    ahead: bool = False
+    ahead2: bool = False
 
 
 DOT_TILE = 64  # the down kernel's tensor-core tile, [BK2, BN2]
@@ -458,7 +499,8 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0),
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DEFER=cfg.defer,
-        TRANS=transposed, VB=vb1, ASM=asm and vb1 >= 4, PDL=pdl), ("h",), cfg.warps, pdl=pdl))["h"]
+        TRANS=transposed, VB=vb1, ASM=asm and vb1 >= 4, PDL=pdl, AHEAD=cfg.ahead and not vb1 and fmt != "int4"),
+        ("h",), cfg.warps, pdl=pdl))["h"]
     sn2, sk2 = _strides(w2, transposed)
     h2 = pairs(h) if vb2 else h  # (of the launch's output: the traced form's h is a new tensor)
     dot = cfg.dot2 and dot_down_fits(x.dtype, w2.dtype, fmt, transposed, cfg.BN2, cfg.BK2)
@@ -486,7 +528,8 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         stride_be=b2.stride(0) if b2 is not None else 0, stride_om=out.stride(0),
         ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
         KP=KP, BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, VB=vb2, ASM=asm and vb2 >= 4,
-        PDL=pdl, SPLIT=n_split > 1, DOT=dot, KE=k if dot else 1, EMU=dot and interpreting()), ("out",), cfg.warps2,
+        PDL=pdl, SPLIT=n_split > 1, DOT=dot, KE=k if dot else 1, EMU=dot and interpreting(),
+        AHEAD=cfg.ahead2 and not dot and not vb2 and fmt != "int4"), ("out",), cfg.warps2,
         num_stages=cfg.stages2 if dot else None, pdl=pdl))["out"]
 
 
