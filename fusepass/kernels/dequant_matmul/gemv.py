@@ -342,9 +342,55 @@ def _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K: t
 
 
 @triton.jit
+def _folded_loads(x2, w, scale, zero, N, k0, k_hi, i_n, stride_wn, stride_sn, o_c, o_b, G: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, VB: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr):
+    """One K tile's loads for _int4_gemv_folded: x's pairs [NCH, VB] and per row
+    (its bytes [NCH, VB], its chunks' scales [NCH], zero points [NCH] or the
+    scales again where there are none), as a tuple of BN."""
+    kp0 = tl.multiple_of(k0 // 2, BK // 2)
+    m_c = 2 * kp0 + o_c * (2 * VB) < k_hi
+    o_g = (2 * kp0 + o_c * (2 * VB)) // G
+    if EVEN_K:
+        b_x = tl.load(x2 + kp0 + o_b)
+    else:
+        b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
+    rows = ()
+    for r in tl.static_range(BN):
+        n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
+        b_q, b_s = _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
+        if HAS_ZERO:
+            b_z = tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
+        else:
+            b_z = b_s
+        rows = rows + ((b_q, b_s, b_z),)
+    return b_x, rows
+
+
+@triton.jit
+def _folded_sums(acc2, b_x, rows, o_r, DT: tl.constexpr, HAS_ZERO: tl.constexpr, ASM: tl.constexpr,
+                 BN: tl.constexpr):
+    """acc2 [BN, NCH] plus one tile's chunk sums s ((128 + q) . x - (128 + z) sum x)."""
+    b_xe, b_xo = _pair_to_f32(b_x, DT)
+    b_xs = tl.sum(b_xe, axis=1) + tl.sum(b_xo, axis=1)  # [NCH]
+    for r in tl.static_range(BN):
+        b_q, b_s, b_z = rows[r]
+        if HAS_ZERO:
+            b_c = 128.0 + b_z
+        else:
+            b_c = 136.0
+        b_e, b_o = _nibbles_128(b_q, ASM)
+        b_a = tl.sum(b_e * b_xe, axis=1) + tl.sum(b_o * b_xo, axis=1)
+        b_d = (b_a - b_c * b_xs) * b_s
+        # (the where folds away: each register's row is a constant)
+        acc2 += tl.where(o_r[:, None] == r, b_d[None, :], 0.0)
+    return acc2
+
+
+@triton.jit
 def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn, DT: tl.constexpr,
                       G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, AHEAD: tl.constexpr = False):
     """[1, BN] int4 sums of one row of x over K in [k_lo, k_hi), the zero point
     taken off each chunk's sum: s (sum (128 + q) x - (128 + z) sum x).  Per value
     one PRMT (_nibbles_128) and one FMA in a chain, where _nibble_gemv adds an
@@ -356,35 +402,49 @@ def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_
     costs ~2**-24 * 136 * sum |x| of a chunk, far under the output's rounding.
     16-bit x only (launch._fold): an fp32 x's products are rounded, and that
     cancellation made them 52 units of roundoff of sum |x w| off.
-    Not finite where x is not (inf - inf): the caller re-does such a slice."""
+    Not finite where x is not (inf - inf): the caller re-does such a slice.
+
+    AHEAD (Config.fold 2): the next tile's loads issued before this tile's
+    sums, carried in registers (two tiles in flight a program; the MoE down
+    kernel's look-ahead was 6% faster, H200); the look-ahead past k_hi is
+    masked off."""
     VB: tl.constexpr = 16 if G >= 32 else G // 2
     NCH: tl.constexpr = BK // (2 * VB)
     o_c = tl.arange(0, NCH)
     o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
     o_r = tl.arange(0, BN)
     acc2 = tl.zeros([BN, NCH], dtype=tl.float32)  # chunks last: spread over the threads
-    for k0 in range(k_lo, k_hi, BK):
-        kp0 = tl.multiple_of(k0 // 2, BK // 2)
-        m_c = 2 * kp0 + o_c * (2 * VB) < k_hi
-        o_g = (2 * kp0 + o_c * (2 * VB)) // G
-        if EVEN_K:
-            b_x = tl.load(x2 + kp0 + o_b)
-        else:
-            b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
-        b_xe, b_xo = _pair_to_f32(b_x, DT)
-        b_xs = tl.sum(b_xe, axis=1) + tl.sum(b_xo, axis=1)  # [NCH]
-        for r in tl.static_range(BN):
-            n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
-            b_q, b_s = _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
-            if HAS_ZERO:
-                b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
+    if AHEAD:
+        b_x, rows = _folded_loads(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn, o_c, o_b, G,
+                                  HAS_ZERO, EVEN_K, VB, BN, BK)
+        for k0 in range(k_lo, k_hi, BK):
+            b_xn, rows_n = _folded_loads(x2, w, scale, zero, N, k0 + BK, k_hi, i_n, stride_wn, stride_sn, o_c, o_b,
+                                         G, HAS_ZERO, False, VB, BN, BK)
+            acc2 = _folded_sums(acc2, b_x, rows, o_r, DT, HAS_ZERO, ASM, BN)
+            b_x, rows = b_xn, rows_n
+    else:
+        for k0 in range(k_lo, k_hi, BK):
+            kp0 = tl.multiple_of(k0 // 2, BK // 2)
+            m_c = 2 * kp0 + o_c * (2 * VB) < k_hi
+            o_g = (2 * kp0 + o_c * (2 * VB)) // G
+            if EVEN_K:
+                b_x = tl.load(x2 + kp0 + o_b)
             else:
-                b_c = 136.0
-            b_e, b_o = _nibbles_128(b_q, ASM)
-            b_a = tl.sum(b_e * b_xe, axis=1) + tl.sum(b_o * b_xo, axis=1)
-            b_d = (b_a - b_c * b_xs) * b_s
-            # (the where folds away: each register's row is a constant)
-            acc2 += tl.where(o_r[:, None] == r, b_d[None, :], 0.0)
+                b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
+            b_xe, b_xo = _pair_to_f32(b_x, DT)
+            b_xs = tl.sum(b_xe, axis=1) + tl.sum(b_xo, axis=1)  # [NCH]
+            for r in tl.static_range(BN):
+                n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
+                b_q, b_s = _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
+                if HAS_ZERO:
+                    b_c = 128.0 + tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
+                else:
+                    b_c = 136.0
+                b_e, b_o = _nibbles_128(b_q, ASM)
+                b_a = tl.sum(b_e * b_xe, axis=1) + tl.sum(b_o * b_xo, axis=1)
+                b_d = (b_a - b_c * b_xs) * b_s
+                # (the where folds away: each register's row is a constant)
+                acc2 += tl.where(o_r[:, None] == r, b_d[None, :], 0.0)
     return tl.sum(acc2, axis=1)[None, :]
 
 
@@ -469,7 +529,7 @@ def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, 
     if FMT == "int4" or LOOP:
         if FMT == "int4" and FOLD and BM == 1:
             acc = _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn,
-                                    x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK)
+                                    x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK, FOLD == 2)
             # The folded sums are not the dequantised matmul's where x (or a sum
             # of it) is not finite: inf - inf = NaN where the product gives +-inf.
             # Such a slice is summed again value by value (any non-finite sum

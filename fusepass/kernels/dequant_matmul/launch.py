@@ -27,9 +27,9 @@ from fusepass.kernels.dequant_matmul.tiles import _splitk_reduce_kernel
 _REDUCE_BLOCK = 1024
 
 
-def _fold(cfg: Config, x: Tensor) -> bool:
+def _fold(cfg: Config, x: Tensor) -> int:
     """Whether the int4 GEMV takes the zero point off each chunk's sum
-    (gemv._int4_gemv_folded): for 16-bit x only.  The folded sum
+    (gemv._int4_gemv_folded; 2: and loads a tile ahead): for 16-bit x only.  The folded sum
     s (sum (128 + q) x - (128 + z) sum x) is exact in its products only where x
     has at most 16 significant bits; an fp32 x's products (128 + q) x are
     rounded at ~136 |x| each, and the cancellation against (128 + z) sum x
@@ -39,7 +39,7 @@ def _fold(cfg: Config, x: Tensor) -> bool:
     where eager's fp32 matmul is 3.1e-6 off; per value (_nibble_gemv) the
     kernel is within eager's rounding (a long differential run, seed
     1949640409)."""
-    return bool(cfg.fold) and x.dtype != torch.float32
+    return cfg.fold if x.dtype != torch.float32 else 0
 
 
 def _workspace(split: int, M: int, N: int, like: Tensor) -> Tensor:
