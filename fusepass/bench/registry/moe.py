@@ -300,6 +300,10 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
                         base, BN=bn, BK=bk, defer=False, ahead=True))
                     cands[f"decode-up-BN{bn}-BK{bk}-ahead-down-ahead"] = ("decode", dataclasses.replace(
                         base, BN=bn, BK=bk, defer=False, ahead=True, ahead2=True))
+            if not m["transposed"] and 1 < T <= 8:  # the look-ahead on the heuristic's few-token tiles
+                cands["decode-ahead"] = ("decode", dataclasses.replace(base, ahead=True))
+                cands["decode-ahead2"] = ("decode", dataclasses.replace(base, ahead2=True))
+                cands["decode-ahead-ahead2"] = ("decode", dataclasses.replace(base, ahead=True, ahead2=True))
             # K split over programs: wide column tiles (whole 128-byte lines of a
             # transposed weight's rows) with as many programs as narrow ones.
             for bn2, split in ((32, 4), (64, 4), (64, 8), (16, 2)) if m["transposed"] else ((16, 2), (16, 4)):
