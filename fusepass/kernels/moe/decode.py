@@ -22,7 +22,10 @@ Two launches, no routing step before them:
 Both kernels multiply with fp32 FMAs on register tiles (a GEMV: one to a few
 rows per weight tile), the products accumulated elementwise and reduced
 across K once at the end, or (``defer=False``) every tile, which takes fewer
-registers for deeper tiles.  Weight tiles are laid out with the dim that is
+registers for deeper tiles.  Triton does not pipeline a loop without
+``tl.dot``: with ``ahead`` / ``ahead2`` a program issues the next K tile's
+loads before this tile's products (two tiles in flight, carried in
+registers) instead of waiting a round trip a tile.  Weight tiles are laid out with the dim that is
 contiguous in memory fastest ([BN, BK] for [E, N, K] weights, [BK, BN] for
 gpt-oss's [E, K, N]), so every weight load is a 16-byte vector
 (``python -m fusepass.bench.registry.moe --ptx`` checks the PTX for sm90).
