@@ -252,6 +252,29 @@ def test_e2e_bitsandbytes_quantization():
     assert (got - expected).abs().max() < 0.25 * expected.abs().max()  # 4-bit weights: close, not equal
 
 
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_e2e_floor_counts_k_of_e_experts(quant):
+    """The weight-read floor of a sparse MoE model counts k of each layer's E experts (a batch-1 step's
+    reads), plain or quantized in place; everything else once."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from fusepass.bench.e2e.models import build, quantize, weight_bytes
+
+    model = build("tiny-qwen3-moe", 2, torch.float32, "cpu")
+    if quant:
+        quantize(model, quant, 32)
+    E, k = model.config.num_experts, model.config.num_experts_per_tok
+    experts = [t for n, m in model.named_modules() if n.endswith(".experts")
+               for t in list(m.parameters()) + list(m.buffers())]
+    assert len(experts) >= 4 and all(t.shape[0] == E for t in experts)
+    every = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    embed = model.get_input_embeddings().weight
+    others = sum(t.numel() * t.element_size() for i, t in every.items() if t is not embed)
+    stacks = sum(t.numel() * t.element_size() for t in experts)
+    assert weight_bytes(model) == round(others - stacks + stacks * k / E)
+
+
 def test_startup_rows_compare_warm_with_cold(monkeypatch, tmp_path):
     """The startup phase's verdicts, from children's results (the real children
     run in tests/test_backend.py's warm-start test and on the GPU)."""

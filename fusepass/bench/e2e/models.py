@@ -193,21 +193,43 @@ def _bitsandbytes_4bit(model: torch.nn.Module, quant_type: str) -> torch.nn.Modu
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """What one decode step reads: every parameter and buffer once, the input embedding excluded
-    (B rows of it are read) unless the output layer shares it."""
+    """What one decode step reads at the least: every parameter and buffer once, the input embedding
+    excluded (B rows of it are read) unless the output layer shares it, and of a sparse MoE layer's
+    expert stacks only k of the E experts (every token routed to the same k: the batch-1 step's bytes;
+    counting all E put a 48-layer Qwen3-30B-A3B step at 6x its "floor")."""
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    sparse = _expert_share(model)
     # bitsandbytes keeps a 4-bit weight's absmax (and nested absmax) on the weight's quant_state
     states = [getattr(t, "quant_state", None) for t in tensors.values()]
     for st in filter(None, states):
         for part in (st, getattr(st, "state2", None)):
             if part is not None and isinstance(getattr(part, "absmax", None), torch.Tensor):
                 tensors[id(part.absmax)] = part.absmax
-    total = sum(_nbytes(t) for t in tensors.values())
+    total = sum(_nbytes(t) * sparse.get(id(t), 1.0) for t in tensors.values())
     embed = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     if out is None or out.weight is not embed:
         total -= _nbytes(embed)
-    return total
+    return round(total)
+
+
+def _expert_share(model: torch.nn.Module) -> dict[int, float]:
+    """id -> k / E for the tensors of the model's ``experts`` modules whose first dim is the expert
+    count E (transformers' stacked experts, plain or quantized in place); k = num_experts_per_tok."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    E = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    k = getattr(config, "num_experts_per_tok", None)
+    if not (isinstance(E, int) and isinstance(k, int) and 0 < k < E):
+        return {}
+    share = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t.dim() >= 1 and t.shape[0] == E:
+                share[id(t)] = k / E
+    return share
 
 
 def _nbytes(t: torch.Tensor) -> int:
