@@ -283,23 +283,21 @@ def sweep(block: Block, x: torch.Tensor, ids, w, time_us, smoke: bool) -> dict[s
                 cands[f"decode-down-BN{bn2}"] = ("decode", decode.DecodeConfig(
                     BM=base.BM, BN=base.BN, BK=base.BK, BN2=bn2, BK2=max(16, 8192 // (KP * bn2)), defer=False,
                     defer2=False))
-            if not m["transposed"] and T == 1:
+            if not m["transposed"] and T == 1 and base.ahead2:
                 # Runs 27-28 (H200, 0edb38a / b938d84): gate_up 4 rows whole (K 2048 a step) 27.4 µs
-                # against 29.8 for 16 x 256 (now the heuristic's); 24 down tiles (1-4 rows, 256-1024
-                # deep, summed each step or at the end, 4-8 warps) all lost to 4 x 128.  Here: the next
-                # K tile loaded before this one's products (ahead / ahead2), two tiles in flight.
-                dn = {"BN4-BK128": (4, 128, 4), "BN4-BK64": (4, 64, 4), "BN4-BK256-W8": (4, 256, 8),
-                      "BN2-BK128": (2, 128, 4), "BN8-BK64": (8, 64, 4)}
+                # against 29.8 for 16 x 256; 24 down tiles (1-4 rows, 256-1024 deep, summed each step or at
+                # the end, 4-8 warps) lost to 4 x 128.  Run 32 (c8ddf0a): that down tile loading its next
+                # K tile ahead 26.0 against 27.6 without (now the heuristic's, ``base``).
+                cands["decode-down-noahead"] = ("decode", dataclasses.replace(base, ahead2=False))
+                dn = {"BN4-BK64": (4, 64, 4), "BN4-BK256-W8": (4, 256, 8), "BN2-BK128": (2, 128, 4),
+                      "BN8-BK64": (8, 64, 4)}
                 for name, (bn2, bk2, wd) in dn.items():
                     cands[f"decode-down-{name}-ahead"] = ("decode", dataclasses.replace(
-                        base, BN2=bn2, BK2=min(bk2, 1 << (m["I"] - 1).bit_length()), warps2=wd, defer2=True,
-                        ahead2=True))
+                        base, BN2=bn2, BK2=min(bk2, 1 << (m["I"] - 1).bit_length()), warps2=wd))
                 for bn, bk in ((4, 1024), (4, 512), (2, 1024)):
                     bk = min(bk, 1 << (m["H"] - 1).bit_length())
                     cands[f"decode-up-BN{bn}-BK{bk}-ahead"] = ("decode", dataclasses.replace(
                         base, BN=bn, BK=bk, defer=False, ahead=True))
-                    cands[f"decode-up-BN{bn}-BK{bk}-ahead-down-ahead"] = ("decode", dataclasses.replace(
-                        base, BN=bn, BK=bk, defer=False, ahead=True, ahead2=True))
             if not m["transposed"] and 1 < T <= 8:  # the look-ahead on the heuristic's few-token tiles
                 cands["decode-ahead"] = ("decode", dataclasses.replace(base, ahead=True))
                 cands["decode-ahead2"] = ("decode", dataclasses.replace(base, ahead2=True))
