@@ -351,17 +351,21 @@ def test_experts_kernels_match_reference(poisoned, plan, case):
 @pytest.mark.parametrize("case", ["T1-E8-k2-fp16-silu", "T3-E4-k3-fp32-gelu-interleaved-bias-H48-I40",
                                   "T3-E8-k2-bf16-gpt_oss-transposed-bias-fp32w", "T3-E8-k2-fp16-int8",
                                   "T3-E8-k2-bf16-fp8-interleaved", "T5-E5-k1-fp32-odd-H37-I19",
-                                  "T3-E6-k3-bf16-int4-g16-asym"])
+                                  "T3-E6-k3-bf16-int4-g16-asym", "T1-E8-k2-bf16-int4-g32-asym-H128",
+                                  "T5-E4-k2-fp32-int4-g16-asym-interleaved"])
 def test_decode_loads_a_tile_ahead(poisoned, case):
     """gate_up and down with the next K tile loaded before this one's products
     (``ahead`` / ``ahead2``): tiles narrower than H and I so the loop runs several
-    steps and its last look-ahead falls past K (masked off); int4 tiles ignore the
-    option (their scale loads are not masked past K)."""
+    steps and its last look-ahead falls past K (masked off).  int4: down's chunk
+    loop (two chunks deep a tile: bytes, scales, zero points and h's pairs
+    ahead); gate_up's int4 loops ignore the option."""
     T, E, H, I, k, dt, act, layout, trans, bias, fmt, group, asym, twdt = EXPERT_CASES[case]
     inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
                              twdt=DT.get(twdt))
     base = decode.decode_heuristic(T, k, H, I, trans, 132, group)
-    cfg = dataclasses.replace(base, BK=16, BK2=8, defer=True, defer2=case.startswith("T1"), dot2=False, ahead=True,
+    BK2 = 2 * decode.chunk_bytes(group) if fmt == "int4" else 8
+    assert I > BK2
+    cfg = dataclasses.replace(base, BK=16, BK2=BK2, defer=True, defer2=case.startswith("T1"), dot2=False, ahead=True,
                               ahead2=True)
     out, ref = _run_experts("decode", inputs, act, layout, trans, fmt, group, cfg)
     _assert_experts_close(out, ref)

@@ -394,6 +394,10 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
             cands[f"up-BN{bn}-BK{bk}-w{warps}"] = replace(base, BN=bn, BK=bk, warps=warps)
         for bn2, bk2, warps2 in ((4, 256, 2), (1, 256, 2), (2, 128, 1), (4, 128, 1), (2, 512, 4)):
             cands[f"down-BN{bn2}-BK{bk2}-w{warps2}"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2)
+        # down's chunk loop loading its next tile ahead (96 registers at the heuristic's 2 x 128, one warp)
+        for bn2, bk2, warps2 in ((2, 128, 1), (1, 128, 1), (2, 64, 1), (4, 128, 2)):
+            cands[f"down-BN{bn2}-BK{bk2}-w{warps2}-ahead"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2,
+                                                                     ahead2=True)
     ref = block.reference(x, ids, w, quant)
     times = {}
     for name, cfg in cands.items():

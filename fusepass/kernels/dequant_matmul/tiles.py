@@ -80,12 +80,22 @@ def _int4_minus_zero(b_q, p_z, m_z, HAS_ZERO: tl.constexpr, ZERO_F32: tl.constex
     one FADD, exact for 0 and every zero point >= 2**-9 (bf16), 2**-6 (fp16).  An fp32
     zero point need not be a multiple of 2**-16: q, then q - z rounded once,
     as the reference does."""
+    if HAS_ZERO:
+        b_z = tl.load(p_z, mask=m_z, other=0)
+    else:
+        b_z = 0.0
+    return _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
+
+
+@triton.jit
+def _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO: tl.constexpr, ZERO_F32: tl.constexpr, ASM: tl.constexpr):
+    """_int4_minus_zero with the zero points [...] already loaded (as stored; unused without them)."""
     b_e, b_o = _nibbles_128(b_q, ASM)
     if ZERO_F32:
-        b_z = tl.expand_dims(tl.load(p_z, mask=m_z, other=0), -1)
+        b_z = tl.expand_dims(b_z, -1)
         return (b_e - 128.0) - b_z, (b_o - 128.0) - b_z
     if HAS_ZERO:
-        b_c = tl.expand_dims(128.0 + tl.load(p_z, mask=m_z, other=0).to(tl.float32), -1)
+        b_c = tl.expand_dims(128.0 + b_z.to(tl.float32), -1)
     else:
         b_c = 136.0
     return b_e - b_c, b_o - b_c

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fusepass.kernels._common import Launch, interpreting, round_to
 from fusepass.kernels.dequant_matmul.tiles import _dot  # noqa: F401 - the kernels' dot (its own name: see test_imports)
-from fusepass.kernels.dequant_matmul.tiles import _int4_minus_zero, _int8_to_f32, _nibbles_to_f32, _pair_to_f32
+from fusepass.kernels.dequant_matmul.tiles import _int4_minus_loaded_zero, _int8_to_f32, _nibbles_to_f32, _pair_to_f32
 
 
 # Under the interpreter a conversion to bf16 truncates (see _common.round_to);
@@ -118,8 +118,20 @@ def int4_chunks(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZE
     group: (q - z of the even columns, q - z of the odd ones) [..., NCH, VB] and
     the chunks' scales [..., NCH] (``p_rows`` etc. as in ``w_tile``, any shape).
     Each row's VB bytes of a chunk are one vector load, its codes q - z by the
-    GEMV's conversion (_int4_minus_zero: one PRMT and one FADD a code on the
+    GEMV's conversion (_int4_minus_loaded_zero: one PRMT and one FADD a code on the
     GPU); the scale goes on a chunk's sum (``_chunk_sums``), not on each value."""
+    b_q, b_s, b_z = int4_chunk_loads(p_rows, m_rows, p_srows, p_zrows, k0, K, G, HAS_ZERO, VB, NCH)
+    # (the low nibble the even column)
+    b_e, b_o = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
+    return b_e, b_o, b_s
+
+
+@triton.jit
+def int4_chunk_loads(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+                     VB: tl.constexpr, NCH: tl.constexpr):
+    """int4_chunks' loads: the bytes [..., NCH, VB], the scales [..., NCH] as fp32,
+    the zero points [..., NCH] as stored (the scales again without them).  Every
+    load is masked by its chunk's place against K, so a tile past K reads nothing."""
     o_c = tl.arange(0, NCH)
     o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB]: the tile's bytes
     kp0 = tl.multiple_of(k0 // 2, VB)
@@ -131,9 +143,11 @@ def int4_chunks(p_rows, m_rows, p_srows, p_zrows, k0, K, G: tl.constexpr, HAS_ZE
     o_g = (k0 + o_c * (2 * VB)) // G
     m_s = tl.expand_dims(m_rows, -1) & m_c
     b_s = tl.load(tl.expand_dims(p_srows, -1) + o_g, mask=m_s, other=0).to(tl.float32)
-    # (the low nibble the even column)
-    b_e, b_o = _int4_minus_zero(b_q, tl.expand_dims(p_zrows, -1) + o_g, m_s, HAS_ZERO, ZERO_F32, ASM)
-    return b_e, b_o, b_s
+    if HAS_ZERO:
+        b_z = tl.load(tl.expand_dims(p_zrows, -1) + o_g, mask=m_s, other=0)
+    else:
+        b_z = b_s
+    return b_q, b_s, b_z
 
 
 @triton.jit
@@ -143,10 +157,15 @@ def x_pairs(p_x2, m_x, k0, K, DT: tl.constexpr, VB: tl.constexpr, NCH: tl.conste
     pairs (int32 words of two 16-bit values, int64 of two fp32; any shape,
     masked by ``m_x``): one word per code byte, so the pairs are a tensor of the
     codes' shape and Triton gives both one layout (no shuffles)."""
+    return _pair_to_f32(x_pair_words(p_x2, m_x, k0, K, VB, NCH), DT)
+
+
+@triton.jit
+def x_pair_words(p_x2, m_x, k0, K, VB: tl.constexpr, NCH: tl.constexpr):
+    """x_pairs' load: the words [..., NCH, VB], masked past K."""
     o_b = tl.arange(0, NCH)[:, None] * VB + tl.arange(0, VB)[None, :]
     m = tl.expand_dims(tl.expand_dims(m_x, -1), -1) & (k0 + tl.arange(0, NCH) * (2 * VB) < K)[:, None]
-    b_x = tl.load(tl.expand_dims(tl.expand_dims(p_x2, -1), -1) + k0 // 2 + o_b, mask=m, other=0)
-    return _pair_to_f32(b_x, DT)
+    return tl.load(tl.expand_dims(tl.expand_dims(p_x2, -1), -1) + k0 // 2 + o_b, mask=m, other=0)
 
 
 @triton.jit

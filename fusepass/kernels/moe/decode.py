@@ -45,18 +45,20 @@ from torch import Tensor
 
 from fusepass.kernels._common import Launch, cdiv, interpreting, pdl_release, pdl_supported, pdl_wait
 from fusepass.kernels.dequant_matmul.counters import _split_counters
-from fusepass.kernels.dequant_matmul.tiles import _chunk_sums
+from fusepass.kernels.dequant_matmul.tiles import _chunk_sums, _int4_minus_loaded_zero, _pair_to_f32
 from fusepass.kernels.moe import _tiles
 from fusepass.kernels.moe._tiles import (
     _round_if,
     _to,
     cdiv_pow2,
     gated_act,
+    int4_chunk_loads,
     int4_chunks,
     proj_epilogue,
     row_scale,
     split_pairs,
     w_tile,
+    x_pair_words,
     x_pairs,
 )
 
@@ -224,6 +226,20 @@ def _moe_decode_up_kernel(
 
 
 @triton.jit
+def _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k0, K, N, i_n, stride_wn, stride_sn, G: tl.constexpr,
+                     HAS_ZERO: tl.constexpr, VB: tl.constexpr, NCH: tl.constexpr, BN: tl.constexpr):
+    """One K tile of the int4 down loop, loaded: h's pair words and, per output
+    row, the k experts' chunks (bytes, scales, zero points) as a tuple of BN."""
+    b_hw = x_pair_words(p_h2, v_j, k0, K, VB, NCH)
+    rows = ()
+    for r in tl.static_range(BN):
+        n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
+        rows = rows + (int4_chunk_loads(p_we + n * stride_wn, v_j, p_se + n * stride_sn, p_ze + n * stride_sn, k0,
+                                        K, G, HAS_ZERO, VB, NCH),)
+    return b_hw, rows
+
+
+@triton.jit
 def _down_finish(s, b_tw, p_s, p_b, m_r, m_n, p_o, DT: tl.constexpr, ROUND_W: tl.constexpr, FMT: tl.constexpr,
                  HAS_BIAS: tl.constexpr):
     """The k experts' sums [KP, BN] -> each rounded as the expert's output, times
@@ -315,13 +331,28 @@ def _moe_decode_down_kernel(
         p_we = w + e64 * stride_we
         p_se = scale + e64 * stride_se
         p_ze = zero + e64 * stride_se
-        for k0 in range(0, K, BK):
-            b_he, b_ho = x_pairs(h2 + o_s.to(tl.int64) * stride_h2m, v_j, k0, K, h.dtype.element_ty, VB, NCH)
-            for r in tl.static_range(BN):
-                n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
-                b_qe, b_qo, b_s = int4_chunks(p_we + n * stride_wn, v_j, p_se + n * stride_sn, p_ze + n * stride_sn,
-                                              k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
-                acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+        p_h2 = h2 + o_s.to(tl.int64) * stride_h2m
+        if AHEAD:  # the next tile's bytes loaded before this tile's sums (rows carried as a tuple)
+            k_0 = tl.full([], 0, tl.int32)  # (a tensor: tl.multiple_of takes no constexpr)
+            b_hw, rows = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k_0, K, N, i_n, stride_wn, stride_sn, G,
+                                          HAS_ZERO, VB, NCH, BN)
+            for k0 in range(0, K, BK):
+                b_hwn, rows_n = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k0 + BK, K, N, i_n, stride_wn,
+                                                 stride_sn, G, HAS_ZERO, VB, NCH, BN)
+                b_he, b_ho = _pair_to_f32(b_hw, h.dtype.element_ty)
+                for r in tl.static_range(BN):
+                    b_q, b_s, b_z = rows[r]
+                    b_qe, b_qo = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
+                    acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+                b_hw, rows = b_hwn, rows_n
+        else:
+            for k0 in range(0, K, BK):
+                b_he, b_ho = x_pairs(p_h2, v_j, k0, K, h.dtype.element_ty, VB, NCH)
+                for r in tl.static_range(BN):
+                    n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
+                    b_qe, b_qo, b_s = int4_chunks(p_we + n * stride_wn, v_j, p_se + n * stride_sn,
+                                                  p_ze + n * stride_sn, k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                    acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
     elif AHEAD:
         # The next K tile's loads issued before this tile's products (carried
         # in registers): two tiles' bytes in flight a program instead of one
@@ -537,7 +568,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
         KP=KP, BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, VB=vb2, ASM=asm and vb2 >= 4,
         PDL=pdl, SPLIT=n_split > 1, DOT=dot, KE=k if dot else 1, EMU=dot and interpreting(),
-        AHEAD=cfg.ahead2 and not dot and not vb2 and fmt != "int4"), ("out",), cfg.warps2,
+        AHEAD=cfg.ahead2 and not dot and (vb2 > 0 or fmt != "int4")), ("out",), cfg.warps2,
         num_stages=cfg.stages2 if dot else None, pdl=pdl))["out"]
 
 
