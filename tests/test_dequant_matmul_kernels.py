@@ -191,8 +191,9 @@ def test_int4_gemv_folded_matches_per_value(group, zdtype, did):
     x, w, s, _, b = _inputs(1, 24, K, "int4", group, False, dtype)
     gen = torch.Generator().manual_seed(5)
     z = None if zdtype is None else (torch.rand(24, K // group, generator=gen) * 15).to(zdtype)
-    cfgs = [dm.Config("gemv", BN=4, BK=128, split=2, fold=fold) for fold in (1, 2, 0)]
-    cfgs.append(dm.Config("gemv", BN=2, BK=max(32, group), split=1, fold=2))
+    cfgs = [dm.Config("gemv", BN=4, BK=128, split=2, fold=fold) for fold in (1, 0)]
+    if dtype != torch.float32:  # (fp32 x is summed per value whatever the fold)
+        cfgs += [dm.Config("gemv", BN=4, BK=128, split=2, fold=2), dm.Config("gemv", BN=2, BK=max(32, group), fold=2)]
     for cfg in cfgs:
         _assert_close(_run(x, w, s, z, b, "int4", group, cfg), x, w, s, z, b, "int4", group)
 
