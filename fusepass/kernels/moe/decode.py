@@ -77,6 +77,26 @@ def _fma(b_w, b_x, DEFER: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit
+def _up_loads(p_x, m_m, p_w, p_s, p_z, o_g, o_u, m_g, k0, K, stride_wn, stride_sn, stride_wk, FMT: tl.constexpr,
+              G: tl.constexpr, HAS_ZERO: tl.constexpr, BK: tl.constexpr, TRANS: tl.constexpr, HALVES: tl.constexpr):
+    """One K tile of gate_up's value-by-value loop, loaded for the look-ahead
+    (AHEAD): x's rows [BM, BK] as stored, the gate rows' weight tile and the up
+    rows' (the gate's again where gate and up are interleaved in one tile).
+    The plain loop loads the same one tile at a time: the two tiles live at
+    once took 112 -> 128 registers at its one-token tile (sm_90)."""
+    o_k = k0 + tl.arange(0, BK)
+    b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)
+    b_wg = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0, K, stride_wk, FMT,
+                  G, HAS_ZERO, BK, TRANS)
+    if HALVES:
+        b_wu = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, k0, K, stride_wk, FMT,
+                      G, HAS_ZERO, BK, TRANS)
+    else:
+        b_wu = b_wg
+    return b_x, b_wg, b_wu
+
+
+@triton.jit
 def _moe_decode_up_kernel(
     x, x2, ids, w, bias, scale, zero, h,
     S, E, K, I, TOPK,
@@ -175,26 +195,17 @@ def _moe_decode_up_kernel(
                             if HALVES:
                                 acc_u += tl.where(at, _chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
             elif AHEAD:  # the next K tile's loads before this one's products (the down kernel's AHEAD)
-                o_k = tl.arange(0, BK)
-                b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)
-                b_wg = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, 0, K,
-                              stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-                if HALVES:
-                    b_wu = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn, 0, K,
-                                  stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+                cur = _up_loads(p_x, m_m, p_w, p_s, p_z, o_g, o_u, m_g, tl.full([], 0, tl.int32), K, stride_wn,
+                                stride_sn, stride_wk, FMT, G, HAS_ZERO, BK, TRANS, HALVES)
                 for k0 in range(0, K, BK):
-                    o_kn = k0 + BK + tl.arange(0, BK)
-                    b_xn = tl.load(p_x + o_kn[None, :], mask=m_m[:, None] & (o_kn < K)[None, :], other=0)
-                    b_wgn = w_tile(p_w + o_g * stride_wn, m_g, p_s + o_g * stride_sn, p_z + o_g * stride_sn, k0 + BK,
-                                   K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-                    b_xf = b_x.to(tl.float32)
-                    acc_g += _fma(b_wg, b_xf, DEFER, TRANS)
+                    nxt = _up_loads(p_x, m_m, p_w, p_s, p_z, o_g, o_u, m_g, k0 + BK, K, stride_wn, stride_sn,
+                                    stride_wk, FMT, G, HAS_ZERO, BK, TRANS, HALVES)
+                    b_x, b_wg, b_wu = cur
+                    b_x = b_x.to(tl.float32)
+                    acc_g += _fma(b_wg, b_x, DEFER, TRANS)
                     if HALVES:
-                        b_wun = w_tile(p_w + o_u * stride_wn, m_g, p_s + o_u * stride_sn, p_z + o_u * stride_sn,
-                                       k0 + BK, K, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-                        acc_u += _fma(b_wu, b_xf, DEFER, TRANS)
-                        b_wu = b_wun
-                    b_x, b_wg = b_xn, b_wgn
+                        acc_u += _fma(b_wu, b_x, DEFER, TRANS)
+                    cur = nxt
             else:
                 for k0 in range(0, K, BK):
                     o_k = k0 + tl.arange(0, BK)
@@ -223,6 +234,17 @@ def _moe_decode_up_kernel(
             o_n = i_n * BN + tl.arange(0, BN)
             tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], _to(b_h, DT),
                      mask=m_m[:, None] & (o_n < I)[None, :])
+
+
+@triton.jit
+def _down_loads(p_h, v_j, p_w, m_r, p_s, p_z, k0, k_hi, stride_wk, FMT: tl.constexpr, G: tl.constexpr,
+                HAS_ZERO: tl.constexpr, BK: tl.constexpr, TRANS: tl.constexpr):
+    """One K tile of the down kernel's value-by-value loop, loaded for the
+    look-ahead: h's rows of the token's experts [KP, BK] as stored and their
+    weight tile [KP, BN, BK] ([KP, BK, BN] with TRANS)."""
+    o_k = k0 + tl.arange(0, BK)
+    b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < k_hi)[None, :], other=0)
+    return b_h, w_tile(p_w, m_r, p_s, p_z, k0, k_hi, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
 
 
 @triton.jit
@@ -357,17 +379,15 @@ def _moe_decode_down_kernel(
         # The next K tile's loads issued before this tile's products (carried
         # in registers): two tiles' bytes in flight a program instead of one
         # round trip a tile.  Past k_hi the loads are masked off.
-        o_k = k_lo + tl.arange(0, BK)
-        b_h = tl.load(p_h[:, None] + o_k[None, :], mask=v_j[:, None] & (o_k < k_hi)[None, :], other=0)
-        b_w = w_tile(p_w, m_r, p_s, p_z, k_lo, k_hi, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+        cur = _down_loads(p_h, v_j, p_w, m_r, p_s, p_z, k_lo + tl.full([], 0, tl.int32), k_hi, stride_wk, FMT, G,
+                          HAS_ZERO, BK, TRANS)
         for k0 in range(k_lo, k_hi, BK):
-            o_kn = k0 + BK + tl.arange(0, BK)
-            b_hn = tl.load(p_h[:, None] + o_kn[None, :], mask=v_j[:, None] & (o_kn < k_hi)[None, :], other=0)
-            b_wn = w_tile(p_w, m_r, p_s, p_z, k0 + BK, k_hi, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
-            b_hf = b_h.to(tl.float32)
-            b_p = b_w.to(tl.float32) * (b_hf[:, :, None] if TRANS else b_hf[:, None, :])
+            nxt = _down_loads(p_h, v_j, p_w, m_r, p_s, p_z, k0 + BK, k_hi, stride_wk, FMT, G, HAS_ZERO, BK, TRANS)
+            b_h, b_w = cur
+            b_h = b_h.to(tl.float32)
+            b_p = b_w.to(tl.float32) * (b_h[:, :, None] if TRANS else b_h[:, None, :])
             acc += b_p if DEFER else tl.expand_dims(tl.sum(b_p, axis=KAX), KAX)
-            b_h, b_w = b_hn, b_wn
+            cur = nxt
     else:
         for k0 in range(k_lo, k_hi, BK):
             o_k = k0 + tl.arange(0, BK)
