@@ -546,7 +546,7 @@ def _moe_experts_cases(quick: bool, build):
         for pdl in (False, True):
             yield (f"moe_experts[decode pdl={pdl}] qwen3-30b-a3b {label} T1", _experts_decode(pdl=pdl),
                    (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
-        yield (f"moe_experts[decode ahead] qwen3-30b-a3b {label} T1", _experts_decode(ahead2=True),
+        yield (f"moe_experts[decode ahead] qwen3-30b-a3b {label} T1", _experts_decode(ahead=True, ahead2=True),
                (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
         for plan in ("decode", "sorted") if not quick else ("sorted",):  # grouped_mm: plain weights only
             yield (f"moe_experts[{plan}] qwen3-30b-a3b {label} T8", _experts_plan(plan),

@@ -327,6 +327,8 @@ EXPERT_CASES = {
     "T5-E5-k1-fp32-odd-H37-I19": (5, 5, 37, 19, 1, "fp32", "silu", "interleaved", False, True, "none", 0, False,
                                   None),
     # one token, 16-bit: gate_up's whole-row tile (BK the row, masked past an odd H), interleaved with biases
+    "T1-E6-k2-fp16-int4-g16-interleaved-bias": (1, 6, 64, 48, 2, "fp16", "silu", "interleaved", False, True, "int4",
+                                                16, False, None),
     "T1-E6-k3-bf16-odd-H37-I19-interleaved-bias": (1, 6, 37, 19, 3, "bf16", "gelu", "interleaved", False, True,
                                                    "none", 0, False, None),
     "T5-E5-k1-fp16-odd-H37-I19-transposed": (5, 5, 37, 19, 1, "fp16", "gpt_oss", "halves", True, True, "none", 0,
@@ -352,20 +354,22 @@ def test_experts_kernels_match_reference(poisoned, plan, case):
                                   "T3-E8-k2-bf16-gpt_oss-transposed-bias-fp32w", "T3-E8-k2-fp16-int8",
                                   "T3-E8-k2-bf16-fp8-interleaved", "T5-E5-k1-fp32-odd-H37-I19",
                                   "T3-E6-k3-bf16-int4-g16-asym", "T1-E8-k2-bf16-int4-g32-asym-H128",
-                                  "T5-E4-k2-fp32-int4-g16-asym-interleaved"])
+                                  "T1-E6-k2-fp16-int4-g16-interleaved-bias", "T5-E4-k2-fp32-int4-g16-asym-interleaved"])
 def test_decode_loads_a_tile_ahead(poisoned, case):
     """gate_up and down with the next K tile loaded before this one's products
     (``ahead`` / ``ahead2``): tiles narrower than H and I so the loop runs several
     steps and its last look-ahead falls past K (masked off).  int4: down's chunk
     loop (two chunks deep a tile: bytes, scales, zero points and h's pairs
-    ahead); gate_up's int4 loops ignore the option."""
+    ahead), gate_up's at one row of x (BM 1; its BM > 1 loop ignores the
+    option)."""
     T, E, H, I, k, dt, act, layout, trans, bias, fmt, group, asym, twdt = EXPERT_CASES[case]
     inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
                              twdt=DT.get(twdt))
     base = decode.decode_heuristic(T, k, H, I, trans, 132, group)
     BK2 = 2 * decode.chunk_bytes(group) if fmt == "int4" else 8
     assert I > BK2
-    cfg = dataclasses.replace(base, BK=16, BK2=BK2, defer=True, defer2=case.startswith("T1"), dot2=False, ahead=True,
+    assert H > BK2
+    cfg = dataclasses.replace(base, BK=BK2 if fmt == "int4" else 16, BK2=BK2, defer=True, defer2=case.startswith("T1"), dot2=False, ahead=True,
                               ahead2=True)
     out, ref = _run_experts("decode", inputs, act, layout, trans, fmt, group, cfg)
     _assert_experts_close(out, ref)
@@ -496,11 +500,14 @@ def test_decode_tiles_of_plain_and_int4_experts():
     rows = decode.decode_heuristic(1, 8, 2048, 768, False, 132, 0, plain16=True)
     assert (rows.BN, rows.BK, rows.defer, rows.warps) == (4, 2048, False, 4) and (rows.BN2, rows.BK2) == (
         plain.BN2, plain.BK2)
-    assert rows.ahead2 and not plain.ahead2 and not int4.ahead2  # down's look-ahead (H200: 26.0 against 27.6 µs)
+    assert rows.ahead2 and not plain.ahead2  # down's look-ahead (H200: 26.0 against 27.6 µs)
+    # int4 down at one token: 4 rows on two warps, the next tile ahead (H200: 13.9 against 16.1 µs)
+    assert int4.ahead2 and (int4.BN2, int4.warps2) == (4, 2) and not int4.ahead
+    assert not decode.decode_heuristic(2, 8, 2048, 768, False, 132, 128).ahead2
     assert decode.decode_heuristic(2, 8, 2048, 768, False, 132, 0, plain16=True) == decode.decode_heuristic(
         2, 8, 2048, 768, False, 132, 0)
     assert decode.int4_chunk("int4", False, 128, int4.BK) == 16 and int4.BK // 32 >= 32 * int4.warps
-    assert (int4.BK2, int4.warps2) == (128, 1)  # down: measured faster than 256 codes on two warps (H200)
+    assert int4.BK2 == 128  # down: measured faster than 256 codes on two warps (H200)
     assert decode.int4_chunk("none", False, 0, 256) == 0 and decode.int4_chunk("int4", False, 7, 256) == 0
 
 
