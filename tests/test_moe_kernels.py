@@ -326,9 +326,10 @@ EXPERT_CASES = {
     "T17-E8-k3-bf16-silu": (17, 8, 64, 32, 3, "bf16", "silu", "halves", False, False, "none", 0, False, None),
     "T5-E5-k1-fp32-odd-H37-I19": (5, 5, 37, 19, 1, "fp32", "silu", "interleaved", False, True, "none", 0, False,
                                   None),
-    # one token, 16-bit: gate_up's whole-row tile (BK the row, masked past an odd H), interleaved with biases
+    # one token, int4 rows interleaved, with biases, no zero point
     "T1-E6-k2-fp16-int4-g16-interleaved-bias": (1, 6, 64, 48, 2, "fp16", "silu", "interleaved", False, True, "int4",
                                                 16, False, None),
+    # one token, 16-bit: gate_up's whole-row tile (BK the row, masked past an odd H), interleaved with biases
     "T1-E6-k3-bf16-odd-H37-I19-interleaved-bias": (1, 6, 37, 19, 3, "bf16", "gelu", "interleaved", False, True,
                                                    "none", 0, False, None),
     "T5-E5-k1-fp16-odd-H37-I19-transposed": (5, 5, 37, 19, 1, "fp16", "gpt_oss", "halves", True, True, "none", 0,
@@ -360,16 +361,14 @@ def test_decode_loads_a_tile_ahead(poisoned, case):
     (``ahead`` / ``ahead2``): tiles narrower than H and I so the loop runs several
     steps and its last look-ahead falls past K (masked off).  int4: down's chunk
     loop (two chunks deep a tile: bytes, scales, zero points and h's pairs
-    ahead), gate_up's at one row of x (BM 1; its BM > 1 loop ignores the
-    option)."""
+    ahead); gate_up's int4 loops ignore the option."""
     T, E, H, I, k, dt, act, layout, trans, bias, fmt, group, asym, twdt = EXPERT_CASES[case]
     inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
                              twdt=DT.get(twdt))
     base = decode.decode_heuristic(T, k, H, I, trans, 132, group)
     BK2 = 2 * decode.chunk_bytes(group) if fmt == "int4" else 8
     assert I > BK2
-    assert H > BK2
-    cfg = dataclasses.replace(base, BK=BK2 if fmt == "int4" else 16, BK2=BK2, defer=True, defer2=case.startswith("T1"), dot2=False, ahead=True,
+    cfg = dataclasses.replace(base, BK=16, BK2=BK2, defer=True, defer2=case.startswith("T1"), dot2=False, ahead=True,
                               ahead2=True)
     out, ref = _run_experts("decode", inputs, act, layout, trans, fmt, group, cfg)
     _assert_experts_close(out, ref)

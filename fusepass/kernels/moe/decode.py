@@ -173,48 +173,27 @@ def _moe_decode_up_kernel(
                 b_row = b_slot // TOPK
                 NROWS = I if HALVES else 2 * I
                 p_x1 = x2 + (tl.sum(b_row, axis=0) + o_1).to(tl.int64) * stride_x2m  # (BM 1: the one row)
-                if AHEAD and BM == 1:  # the next K tile's bytes loaded before this tile's sums
-                    k_0 = tl.full([], 0, tl.int32)  # (a tensor: tl.multiple_of takes no constexpr)
-                    b_xw, rows = _int4_up_loads(p_x1, o_1 < cnt - m0, p_w, p_s, p_z, i_n, k_0, K, I, NROWS,
-                                                stride_wn, stride_sn, G, HAS_ZERO, VB, NCH, BN, RG, HALVES)
-                    for k0 in range(0, K, BK):
-                        b_xwn, rows_n = _int4_up_loads(p_x1, o_1 < cnt - m0, p_w, p_s, p_z, i_n, k0 + BK, K, I,
-                                                       NROWS, stride_wn, stride_sn, G, HAS_ZERO, VB, NCH, BN, RG,
-                                                       HALVES)
-                        b_xe, b_xo = _pair_to_f32(b_xw, DT)
-                        for r in tl.static_range(RG):
-                            at = o_r == r
-                            b_q, b_s, b_z = rows[r][0], rows[r][1], rows[r][2]
-                            b_qe, b_qo = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
-                            acc_g += tl.where(at, _chunk_sums(b_qe, b_qo, b_s, b_xe, b_xo)[None, :, :], 0.0)
+                for k0 in range(0, K, BK):
+                    if BM == 1:
+                        b_xe, b_xo = x_pairs(p_x1, o_1 < cnt - m0, k0, K, DT, VB, NCH)
+                    for r in tl.static_range(RG):
+                        # rows past the projection read its last row (never stored)
+                        n = tl.minimum((i_n * BN if HALVES else 2 * i_n * BN) + r, NROWS - 1) + o_1
+                        b_ge, b_go, b_gs = int4_chunks(p_w + n * stride_wn, o_1 == 0, p_s + n * stride_sn,
+                                                       p_z + n * stride_sn, k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                        if HALVES:
+                            b_ue, b_uo, b_us = int4_chunks(p_w + (n + I) * stride_wn, o_1 == 0,
+                                                           p_s + (n + I) * stride_sn, p_z + (n + I) * stride_sn, k0,
+                                                           K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                        for m in tl.static_range(BM):
+                            if BM > 1:  # x's row m (rows past the expert's count are never stored)
+                                r_m = tl.sum(tl.where(o_m == m, b_row, 0), axis=0) + o_1
+                                b_xe, b_xo = x_pairs(x2 + r_m.to(tl.int64) * stride_x2m, o_1 < cnt - m0 - m, k0, K,
+                                                     DT, VB, NCH)
+                            at = (o_m[:, None, None] == m) & (o_r == r)
+                            acc_g += tl.where(at, _chunk_sums(b_ge, b_go, b_gs, b_xe, b_xo)[None, :, :], 0.0)
                             if HALVES:
-                                b_q, b_s, b_z = rows[r][3], rows[r][4], rows[r][5]
-                                b_qe, b_qo = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
-                                acc_u += tl.where(at, _chunk_sums(b_qe, b_qo, b_s, b_xe, b_xo)[None, :, :], 0.0)
-                        b_xw, rows = b_xwn, rows_n
-                else:
-                    for k0 in range(0, K, BK):
-                        if BM == 1:
-                            b_xe, b_xo = x_pairs(p_x1, o_1 < cnt - m0, k0, K, DT, VB, NCH)
-                        for r in tl.static_range(RG):
-                            # rows past the projection read its last row (never stored)
-                            n = tl.minimum((i_n * BN if HALVES else 2 * i_n * BN) + r, NROWS - 1) + o_1
-                            b_ge, b_go, b_gs = int4_chunks(p_w + n * stride_wn, o_1 == 0, p_s + n * stride_sn,
-                                                           p_z + n * stride_sn, k0, K, G, HAS_ZERO, ZERO_F32, VB,
-                                                           NCH, ASM)
-                            if HALVES:
-                                b_ue, b_uo, b_us = int4_chunks(p_w + (n + I) * stride_wn, o_1 == 0,
-                                                               p_s + (n + I) * stride_sn, p_z + (n + I) * stride_sn, k0,
-                                                               K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
-                            for m in tl.static_range(BM):
-                                if BM > 1:  # x's row m (rows past the expert's count are never stored)
-                                    r_m = tl.sum(tl.where(o_m == m, b_row, 0), axis=0) + o_1
-                                    b_xe, b_xo = x_pairs(x2 + r_m.to(tl.int64) * stride_x2m, o_1 < cnt - m0 - m, k0, K,
-                                                         DT, VB, NCH)
-                                at = (o_m[:, None, None] == m) & (o_r == r)
-                                acc_g += tl.where(at, _chunk_sums(b_ge, b_go, b_gs, b_xe, b_xo)[None, :, :], 0.0)
-                                if HALVES:
-                                    acc_u += tl.where(at, _chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
+                                acc_u += tl.where(at, _chunk_sums(b_ue, b_uo, b_us, b_xe, b_xo)[None, :, :], 0.0)
             elif AHEAD:  # the next K tile's loads before this one's products (the down kernel's AHEAD)
                 cur = _up_loads(p_x, m_m, p_w, p_s, p_z, o_g, o_u, m_g, tl.full([], 0, tl.int32), K, stride_wn,
                                 stride_sn, stride_wk, FMT, G, HAS_ZERO, BK, TRANS, HALVES)
@@ -255,30 +234,6 @@ def _moe_decode_up_kernel(
             o_n = i_n * BN + tl.arange(0, BN)
             tl.store(h + b_slot.to(tl.int64)[:, None] * stride_hm + o_n[None, :], _to(b_h, DT),
                      mask=m_m[:, None] & (o_n < I)[None, :])
-
-
-@triton.jit
-def _int4_up_loads(p_x1, m_x, p_w, p_s, p_z, i_n, k0, K, I, NROWS, stride_wn, stride_sn, G: tl.constexpr,
-                   HAS_ZERO: tl.constexpr, VB: tl.constexpr, NCH: tl.constexpr, BN: tl.constexpr, RG: tl.constexpr,
-                   HALVES: tl.constexpr):
-    """One K tile of the int4 gate_up loop at one row of x, loaded: x's pair words
-    and, per gate row, its chunks (bytes, scales, zero points), the up row's
-    after them with HALVES, as a tuple of RG."""
-    o_1 = tl.zeros([1], dtype=tl.int32)
-    b_xw = x_pair_words(p_x1, m_x, k0, K, VB, NCH)
-    rows = ()
-    for r in tl.static_range(RG):
-        # rows past the projection read its last row (never stored)
-        n = tl.minimum((i_n * BN if HALVES else 2 * i_n * BN) + r, NROWS - 1) + o_1
-        g = int4_chunk_loads(p_w + n * stride_wn, o_1 == 0, p_s + n * stride_sn, p_z + n * stride_sn, k0, K, G,
-                             HAS_ZERO, VB, NCH)
-        if HALVES:
-            u = int4_chunk_loads(p_w + (n + I) * stride_wn, o_1 == 0, p_s + (n + I) * stride_sn,
-                                 p_z + (n + I) * stride_sn, k0, K, G, HAS_ZERO, VB, NCH)
-            rows = rows + ((g[0], g[1], g[2], u[0], u[1], u[2]),)
-        else:
-            rows = rows + (g,)
-    return b_xw, rows
 
 
 @triton.jit
@@ -483,9 +438,10 @@ class DecodeConfig:
     split2: int = 1  # down: K (the intermediate dim) over this many programs a tile (value-by-value tiles only)
     dot2: bool = False  # down on the tensor cores (16-bit [E, K, N] weights only; else the FMA loop)
     stages2: int | None = None  # the down launch's pipeline stages (tl.dot's loads; Triton's default if None)
-    # gate_up / down: the next K tile loaded before this one's products (the
-    # value-by-value tiles of plain, int8 and fp8 weights, whose int4 form's scale
-    # loads are not masked past K; int4's chunk loops, gate_up's at BM 1 only)
+    # gate_up / down: the next K tile loaded before this one's products (plain,
+    # int8 and fp8 value-by-value tiles, whose int4 form's scale loads are not
+    # masked past K; int4's down chunk loop; gate_up's int4 loop has none: 22.8
+    # against 14.1 µs for the experts, H200, 1fa26ad)
     ahead: bool = False
     ahead2: bool = False
 
@@ -556,9 +512,11 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
         # 128 codes on one warp against 256 on two, two sweeps (1714dd5,
         # 9e60a16): 15.4 and 16.1 µs against 16.5 and 16.7.
         # At one token down loads its next K tile before this tile's sums, 4
-        # rows on two warps (127 registers, sm_90): H200, Qwen3-30B-A3B
-        # (fusepass.bench.registry.moe sweep, 6185afa), 13.9 µs for the experts against 16.1 for 2 rows on one
-        # warp (19.0 with its look-ahead, 16.8 for 4 x 256 on two warps).
+        # rows on two warps (127 registers, sm_90): H200, Qwen3-30B-A3B,
+        # fusepass.bench.registry.moe sweeps, 13.9 and 14.1 µs for the experts
+        # (6185afa, 1fa26ad) against 16.1 and 16.3 for 2 rows on one warp
+        # (19.0 and 19.1 with its look-ahead; 4 x 128 on two warps without it
+        # 19.7, 4 x 256 16.8 and 17.1).
         BK = min(cdiv_pow2(H), 1024)
         BK2 = min(cdiv_pow2(I), 128)
         warps = max(1, min(4, BK // (2 * vb) // 32))
@@ -611,8 +569,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0),
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DEFER=cfg.defer,
-        TRANS=transposed, VB=vb1, ASM=asm and vb1 >= 4, PDL=pdl,
-        AHEAD=cfg.ahead and (cfg.BM == 1 if vb1 else fmt != "int4")),
+        TRANS=transposed, VB=vb1, ASM=asm and vb1 >= 4, PDL=pdl, AHEAD=cfg.ahead and not vb1 and fmt != "int4"),
         ("h",), cfg.warps, pdl=pdl))["h"]
     sn2, sk2 = _strides(w2, transposed)
     h2 = pairs(h) if vb2 else h  # (of the launch's output: the traced form's h is a new tensor)
