@@ -355,13 +355,6 @@ def _moe_decode_down_kernel(
         p_ze = zero + e64 * stride_se
         p_h2 = h2 + o_s.to(tl.int64) * stride_h2m
         if AHEAD:  # the next tile's bytes loaded before this tile's sums (rows carried as a tuple)
-            # Each row's chunk sums stay in their own [KP, NCH] accumulator, in
-            # the sums' layout, and go into acc once after the loop: added into
-            # acc's [KP, BN, NCH] every step, two warps' sums took a trip through
-            # shared memory with two barriers a row and step (sm_90 SASS).
-            sums = ()
-            for r in tl.static_range(BN):
-                sums = sums + (tl.zeros([KP, NCH], dtype=tl.float32),)
             k_0 = tl.full([], 0, tl.int32)  # (a tensor: tl.multiple_of takes no constexpr)
             b_hw, rows = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k_0, K, N, i_n, stride_wn, stride_sn, G,
                                           HAS_ZERO, VB, NCH, BN)
@@ -369,15 +362,11 @@ def _moe_decode_down_kernel(
                 b_hwn, rows_n = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k0 + BK, K, N, i_n, stride_wn,
                                                  stride_sn, G, HAS_ZERO, VB, NCH, BN)
                 b_he, b_ho = _pair_to_f32(b_hw, h.dtype.element_ty)
-                sums_n = ()
                 for r in tl.static_range(BN):
                     b_q, b_s, b_z = rows[r]
                     b_qe, b_qo = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
-                    sums_n = sums_n + (sums[r] + _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho),)
-                sums = sums_n
+                    acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
                 b_hw, rows = b_hwn, rows_n
-            for r in tl.static_range(BN):
-                acc += tl.where(o_r == r, sums[r][:, None, :], 0.0)
         else:
             for k0 in range(0, K, BK):
                 b_he, b_ho = x_pairs(p_h2, v_j, k0, K, h.dtype.element_ty, VB, NCH)
