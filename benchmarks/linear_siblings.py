@@ -46,12 +46,10 @@ SHAPES = {  # name: (K, [N_i])
 PLAIN = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _configs(M: int, ahead: bool = False):
+def _configs(M: int):
     for BN, BK, warps in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8)):
         if M * BN * BK <= 16384 and BN * BK >= 32 * warps * 8:  # <= 128 fp32 a thread; 16 bytes a thread a row
             yield BN, BK, warps
-            if ahead and M * BN * BK <= 8192:  # the next tile carried too: half the accumulator
-                yield BN, BK, warps, True
 
 
 def main(argv=None) -> None:
@@ -59,8 +57,6 @@ def main(argv=None) -> None:
     p.add_argument("--ms", default="1,4")
     p.add_argument("--shapes", default="all")
     p.add_argument("--configs", action="store_true", help="time every launch config too")
-    p.add_argument("--ahead", action="store_true", help="with --configs: each config that fits also loading its "
-                   "next K tile ahead")
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--formats", default="bf16")
     args = p.parse_args(argv)
@@ -105,13 +101,13 @@ def main(argv=None) -> None:
             got[f"op (plan BN{BN} BK{BK} W{warps})"] = timed(
                 "op", lambda i: torch.ops.fusepass.linear_siblings(x, ring[i], [None] * len(Ns)))
             if args.configs and M <= MAX_ROWS:
-                for cfg in _configs(M, args.ahead):
+                for cfg in _configs(M):
                     def launch(i, cfg=cfg):
                         outs = [torch.full((M, n), float("nan"), device=dev, dtype=dtype) for n in Ns]
                         siblings_launch(x, ring[i], [None] * len(Ns), outs, cfg).run()
                         return outs
                     try:
-                        label = f"BN{cfg[0]} BK{cfg[1]} W{cfg[2]}" + (" ahead" if cfg[3:] else "")
+                        label = f"BN{cfg[0]} BK{cfg[1]} W{cfg[2]}"
                         got[label] = timed(str(cfg), launch)
                     except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported
                         print(f"  {name} M{M} {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")

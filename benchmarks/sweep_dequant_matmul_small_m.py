@@ -59,14 +59,12 @@ MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 
 def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False, wide: bool = False,
-            xperm: bool = False, fold_ab: bool = False, ahead_ab: bool = False) -> list[dm.Config]:
+            xperm: bool = False, fold_ab: bool = False) -> list[dm.Config]:
     if M <= 8:
         cands = tuner.candidates(dm.Problem.of(M, N, K, fmt, GROUP, torch.bfloat16, "cpu" if smoke else "cuda"))
         cands = [c for c in cands if c.kind == "gemv"][:2] if smoke else cands
         if fold_ab and M == 1 and fmt == "int4":  # each GEMV also with the zero point taken off per value
             cands = cands + [dataclasses.replace(c, fold=0) for c in cands if c.kind == "gemv"]
-        if ahead_ab and M == 1 and fmt == "int4":  # each folded GEMV also loading its next K tile ahead
-            cands = cands + [dataclasses.replace(c, fold=2) for c in cands if c.kind == "gemv" and c.fold == 1]
         return cands
     bm = min(128 if M > 64 else 64, max(16, triton.next_power_of_2(M)))
     if smoke:
@@ -109,8 +107,6 @@ def main(argv=None) -> int:
     p.add_argument("--wide", action="store_true", help="at M > 8, every split of 64- and 128-row tiles, int4 scales loaded 0-2 tiles ahead")
     p.add_argument("--fold-ab", action="store_true", help="int4 at M = 1: each GEMV config also with fold=0 "
                    "(the zero point subtracted per value instead of off each chunk's sum)")
-    p.add_argument("--ahead-ab", action="store_true", help="int4 at M = 1: each folded GEMV config also with "
-                   "fold=2 (the next K tile's loads issued before this tile's sums)")
     p.add_argument("--both-sums", action="store_true", help="also time each split-K config with its slices summed "
                    "by a second kernel (provider <kind>-2k) instead of by each tile's last program")
     args = p.parse_args(argv)
@@ -184,7 +180,7 @@ def main(argv=None) -> int:
                             best[mode][provider] = (us, label)
 
                 heur = dm_plans.heuristic(dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, device))
-                cands = configs(fmt, M, N, K, smoke, args.quick, args.wide, args.xperm, args.fold_ab, args.ahead_ab)
+                cands = configs(fmt, M, N, K, smoke, args.quick, args.wide, args.xperm, args.fold_ab)
                 if heur.kind != "cublas" and heur not in cands:
                     cands = [heur, *cands]
                 if not smoke:

@@ -22,13 +22,11 @@ def _reference(x, ws, bs):
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M,K,cfg", [(1, 37, (1, 16, 4)), (2, 64, (2, 32, 4)), (3, 100, (4, 64, 4)),
-                                     (4, 48, (8, 16, 1)), (1, 300, None), (1, 37, (2, 16, 4, True)),
-                                     (3, 100, (4, 32, 4, True)), (2, 64, (2, 64, 4, True))])
+                                     (4, 48, (8, 16, 1)), (1, 300, None)])
 def test_kernel_matches_fp64_on_every_row(dtype, M, K, cfg):
     """Odd N (1, 5, 33), K not a whole tile, a weight of strided rows, x of strided
-    rows, biases on some weights, each rows-a-program tile, and the next K tile
-    loaded ahead (its last look-ahead past K): every output element written (the
-    buffers are NaN first) and within the dtype's tolerance of fp64."""
+    rows, biases on some weights, each rows-a-program tile: every output element
+    written (the buffers are NaN first) and within the dtype's tolerance of fp64."""
     torch.manual_seed(M * K)
     x = torch.randn(M, K + 5, dtype=dtype)[:, :K]
     ws = [torch.randn(33, K, dtype=dtype), torch.randn(5, K + 3, dtype=dtype)[:, :K], torch.randn(1, K, dtype=dtype)]

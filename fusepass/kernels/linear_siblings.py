@@ -73,25 +73,18 @@ def _tile(p_w, p_x, k0, K, o_k, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _rows(x, w, b, o, N, blk, M, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, AHEAD: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
     o_n = blk * BN + tl.arange(0, BN)
     o_m = tl.arange(0, BM)
     o_k = tl.arange(0, BK)
     p_w = w + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_wn + o_k[None, :]  # [BN, BK]
     p_x = x + tl.minimum(o_m, M - 1).to(tl.int64)[:, None] * stride_xm + o_k[None, :]  # [BM, BK]
     acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
-    if AHEAD:
-        # The next K tile's loads before this tile's products (two tiles in
-        # flight a program; masked past K): the MoE down kernel's look-ahead.
-        b_w, b_x = _tile(p_w, p_x, tl.full([], 0, tl.int32), K, o_k, False)
-        for k0 in range(0, K, BK):
-            b_wn, b_xn = _tile(p_w, p_x, k0 + BK, K, o_k, False)
-            acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
-            b_w, b_x = b_wn, b_xn
-    else:
-        for k0 in range(0, K, BK):
-            b_w, b_x = _tile(p_w, p_x, k0, K, o_k, EVEN_K)
-            acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
+    # (The next K tile's loads issued before this tile's products, as the MoE
+    # down kernel's look-ahead, beat no tile of the plan's: H200, 6185afa.)
+    for k0 in range(0, K, BK):
+        b_w, b_x = _tile(p_w, p_x, k0, K, o_k, EVEN_K)
+        acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [BM, BN]
     if HAS_BIAS:
         y += tl.load(b + o_n, mask=o_n < N, other=0).to(tl.float32)[None, :]
@@ -104,25 +97,25 @@ def _linear_siblings_kernel(x, w0, w1, w2, w3, b0, b1, b2, b3, o0, o1, o2, o3, N
                             M, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_w3,
                             HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
                             NW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            EVEN_K: tl.constexpr, AHEAD: tl.constexpr = False):
+                            EVEN_K: tl.constexpr):
     # E0 <= E1 <= E2: where the blocks of weights 0, 1, 2 end.  A slot past NW
     # is compiled out, so its pointers (x, never read or written) do not count
     # as the launch's writes.
     pid = tl.program_id(0)
     if pid < E0:
-        _rows(x, w0, b0, o0, N0, pid, M, K, stride_xm, stride_w0, HB0, BM, BN, BK, EVEN_K, AHEAD)
+        _rows(x, w0, b0, o0, N0, pid, M, K, stride_xm, stride_w0, HB0, BM, BN, BK, EVEN_K)
     else:
         if NW > 1:
             if pid < E1:
-                _rows(x, w1, b1, o1, N1, pid - E0, M, K, stride_xm, stride_w1, HB1, BM, BN, BK, EVEN_K, AHEAD)
+                _rows(x, w1, b1, o1, N1, pid - E0, M, K, stride_xm, stride_w1, HB1, BM, BN, BK, EVEN_K)
             else:
                 if NW > 2:
                     if pid < E2:
-                        _rows(x, w2, b2, o2, N2, pid - E1, M, K, stride_xm, stride_w2, HB2, BM, BN, BK, EVEN_K, AHEAD)
+                        _rows(x, w2, b2, o2, N2, pid - E1, M, K, stride_xm, stride_w2, HB2, BM, BN, BK, EVEN_K)
                     else:
                         if NW > 3:
                             _rows(x, w3, b3, o3, N3, pid - E2, M, K, stride_xm, stride_w3, HB3, BM, BN, BK,
-                                  EVEN_K, AHEAD)
+                                  EVEN_K)
 
 
 # ------------------------------------------------------------------ launches ----
@@ -147,11 +140,10 @@ def plan(M: int, Ns: list[int], K: int, device: torch.device) -> tuple[int, int,
 def siblings_launch(x2: Tensor, weights: list[Tensor], biases: list[Tensor | None], outs: list[Tensor],
                     cfg: tuple[int, ...] | None = None) -> Launch:
     """out_i [M, N_i] = x2 [M, K] @ weights[i]^T (+ biases[i]); x2 and each weight with unit column stride.
-    ``cfg``: (BN, BK, warps) or (BN, BK, warps, ahead), ahead the next K tile loaded before this one's
-    products (not in the plan until timed)."""
+    ``cfg``: (BN, BK, warps), the plan's by default."""
     M, K = x2.shape
     Ns = [w.shape[0] for w in weights]
-    BN, BK, warps, *rest = cfg or plan(M, Ns, K, x2.device)
+    BN, BK, warps = cfg or plan(M, Ns, K, x2.device)
     ends, e = [], 0
     for n in Ns:
         e += cdiv(n, BN)
@@ -163,7 +155,7 @@ def siblings_launch(x2: Tensor, weights: list[Tensor], biases: list[Tensor | Non
     ns = Ns + [1] * pad
     es = (ends + [e] * MAX_WEIGHTS)[:3]
     args = dict(x=x2, M=M, K=K, stride_xm=x2.stride(0), NW=len(weights), BM=_pow2(M), BN=BN, BK=BK,
-                EVEN_K=K % BK == 0, E0=es[0], E1=es[1], E2=es[2], AHEAD=bool(rest and rest[0]))
+                EVEN_K=K % BK == 0, E0=es[0], E1=es[1], E2=es[2])
     for i in range(MAX_WEIGHTS):
         args.update({f"w{i}": ws[i], f"b{i}": bs[i], f"o{i}": os_[i], f"N{i}": ns[i],
                      f"stride_w{i}": ws[i].stride(0), f"HB{i}": i < len(biases) and biases[i] is not None})

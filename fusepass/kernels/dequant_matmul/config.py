@@ -28,8 +28,7 @@ class Config:
     perm: int = 0  # int4 mm: one dot over a permuted K order instead of two over split x
     ahead: int = 0  # int4 mmt: tiles between a scale's load and its use (0-2; see the kernel)
     xperm: int = 0  # int4 / int8 mmt: x copied into the weight fragments' K order first, then read as stored
-    # int4 gemv at M = 1: the zero point off each chunk's sum (gemv._int4_gemv_folded), 0: per value,
-    # 2: folded and the next K tile loaded before this one's sums
+    # int4 gemv at M = 1: the zero point off each chunk's sum (gemv._int4_gemv_folded), 0: per value
     fold: int = 1
 
     def label(self) -> str:
@@ -39,7 +38,7 @@ class Config:
         perm = "-perm" if self.perm else ""
         ahead = f"-a{self.ahead}" if self.kind == "mmt" and self.ahead else ""
         xperm = "-xp" if self.kind == "mmt" and self.xperm else ""
-        fold = ("-nofold" if not self.fold else "-ahead" if self.fold == 2 else "") if self.kind == "gemv" else ""
+        fold = "-nofold" if self.kind == "gemv" and not self.fold else ""
         return (f"{self.kind}-{bm}BN{self.BN}-BK{self.BK}-S{self.split}-W{self.warps}-st{self.stages}"
                 f"{perm}{ahead}{xperm}{fold}")
 
@@ -128,7 +127,7 @@ def valid(cfg: Config, p: Problem) -> bool:
     M, fmt, G, dtype = p.M, p.fmt, p.group, p.dtype
     if cfg.kind == "cublas":
         return True
-    if cfg.ahead not in (0, 1, 2) or cfg.xperm not in (0, 1) or cfg.fold not in (0, 1, 2):
+    if cfg.ahead not in (0, 1, 2) or cfg.xperm not in (0, 1) or cfg.fold not in (0, 1):
         return False
     if cfg.kind == "gemv":
         if M > GEMV_MAX_M:

@@ -390,7 +390,7 @@ def _folded_sums(acc2, b_x, rows, o_r, DT: tl.constexpr, HAS_ZERO: tl.constexpr,
 @triton.jit
 def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn, DT: tl.constexpr,
                       G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, AHEAD: tl.constexpr = False):
+                      BN: tl.constexpr, BK: tl.constexpr):
     """[1, BN] int4 sums of one row of x over K in [k_lo, k_hi), the zero point
     taken off each chunk's sum: s (sum (128 + q) x - (128 + z) sum x).  Per value
     one PRMT (_nibbles_128) and one FMA in a chain, where _nibble_gemv adds an
@@ -403,32 +403,20 @@ def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_
     16-bit x only (launch._fold): an fp32 x's products are rounded, and that
     cancellation made them 52 units of roundoff of sum |x w| off.
     Not finite where x is not (inf - inf): the caller re-does such a slice.
-
-    AHEAD (Config.fold 2): the next tile's loads issued before this tile's
-    sums, carried in registers (two tiles in flight a program; the MoE down
-    kernel's look-ahead was 6% faster, H200); the look-ahead past k_hi is
-    masked off.  Both loops share _folded_loads / _folded_sums (sm_90 SASS of
-    the plain loop the same as when its loads and sums were written inline:
-    3.29-3.69 instructions a code, 28-32 LDG, Triton 3.6)."""
+    The next tile's loads issued before this tile's sums (two tiles in
+    flight a program, as the MoE down kernel's look-ahead) ran 20.1-87.8 µs
+    against 14.3-14.6 for the best plain configs (H200, 6185afa, 4096 x 14336
+    and 14336 x 4096)."""
     VB: tl.constexpr = 16 if G >= 32 else G // 2
     NCH: tl.constexpr = BK // (2 * VB)
     o_c = tl.arange(0, NCH)
     o_b = o_c[:, None] * VB + tl.arange(0, VB)[None, :]  # [NCH, VB] bytes of a row's tile = pairs of x
     o_r = tl.arange(0, BN)
     acc2 = tl.zeros([BN, NCH], dtype=tl.float32)  # chunks last: spread over the threads
-    if AHEAD:
-        b_x, rows = _folded_loads(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn, o_c, o_b, G,
+    for k0 in range(k_lo, k_hi, BK):
+        b_x, rows = _folded_loads(x2, w, scale, zero, N, k0, k_hi, i_n, stride_wn, stride_sn, o_c, o_b, G,
                                   HAS_ZERO, EVEN_K, VB, BN, BK)
-        for k0 in range(k_lo, k_hi, BK):
-            b_xn, rows_n = _folded_loads(x2, w, scale, zero, N, k0 + BK, k_hi, i_n, stride_wn, stride_sn, o_c, o_b,
-                                         G, HAS_ZERO, False, VB, BN, BK)
-            acc2 = _folded_sums(acc2, b_x, rows, o_r, DT, HAS_ZERO, ASM, BN)
-            b_x, rows = b_xn, rows_n
-    else:
-        for k0 in range(k_lo, k_hi, BK):
-            b_x, rows = _folded_loads(x2, w, scale, zero, N, k0, k_hi, i_n, stride_wn, stride_sn, o_c, o_b, G,
-                                      HAS_ZERO, EVEN_K, VB, BN, BK)
-            acc2 = _folded_sums(acc2, b_x, rows, o_r, DT, HAS_ZERO, ASM, BN)
+        acc2 = _folded_sums(acc2, b_x, rows, o_r, DT, HAS_ZERO, ASM, BN)
     return tl.sum(acc2, axis=1)[None, :]
 
 
@@ -513,7 +501,7 @@ def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, 
     if FMT == "int4" or LOOP:
         if FMT == "int4" and FOLD and BM == 1:
             acc = _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn,
-                                    x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK, FOLD == 2)
+                                    x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK)
             # The folded sums are not the dequantised matmul's where x (or a sum
             # of it) is not finite: inf - inf = NaN where the product gives +-inf.
             # Such a slice is summed again value by value (any non-finite sum

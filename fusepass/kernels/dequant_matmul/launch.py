@@ -29,7 +29,7 @@ _REDUCE_BLOCK = 1024
 
 def _fold(cfg: Config, x: Tensor) -> int:
     """Whether the int4 GEMV takes the zero point off each chunk's sum
-    (gemv._int4_gemv_folded; 2: and loads a tile ahead): for 16-bit x only.  The folded sum
+    (gemv._int4_gemv_folded): for 16-bit x only.  The folded sum
     s (sum (128 + q) x - (128 + z) sum x) is exact in its products only where x
     has at most 16 significant bits; an fp32 x's products (128 + q) x are
     rounded at ~136 |x| each, and the cancellation against (128 + z) sum x
