@@ -252,6 +252,31 @@ def test_e2e_bitsandbytes_quantization():
     assert (got - expected).abs().max() < 0.25 * expected.abs().max()  # 4-bit weights: close, not equal
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "gptq-act-order"])
+def test_e2e_gptq_layout_through_the_loader(fmt):
+    """--quantize gptq / gptq-act-order: every linear but lm_head written in GPTQ's layout and loaded back
+    by fusepass.load_quantized into fusepass's int4 layers (act-order: x's features permuted in each
+    forward), the model still answering close to its float self; what --quantize int4 builds, but for
+    the permutation."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from fusepass.bench.e2e.models import build, quantize
+    from fusepass.checkpoints import PackedInt4Linear
+
+    model = build("tiny-llama", 2, torch.float32, "cpu")
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        expected = model(ids).logits
+    quantize(model, fmt, 32)
+    q = [m for m in model.modules() if isinstance(m, PackedInt4Linear)]
+    assert len(q) == 14 and type(model.lm_head) is torch.nn.Linear and {m.group_size for m in q} == {32}
+    assert all((m.perm is not None) == (fmt == "gptq-act-order") for m in q)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert (got - expected).abs().max() < 0.25 * expected.abs().max()  # 4-bit weights: close, not equal
+
+
 @pytest.mark.parametrize("quant", [None, "int4"])
 def test_e2e_floor_counts_k_of_e_experts(quant):
     """The weight-read floor of a sparse MoE model counts k of each layer's E experts (a batch-1 step's

@@ -18,72 +18,22 @@ import torch
 import fusepass
 from fusepass.checkpoints import AWQ_ORDER, PackedInt4Linear
 from fusepass.testing import assert_close, compile_and_run
+from fusepass.testing.library_layouts import gptq_tensors, grouped_int4, int32_words
 
 N, K = 40, 256
-
-
-def _int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 words in [0, 2**32) as the int32 a checkpoint stores (two's complement)."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _words(codes: torch.Tensor) -> torch.Tensor:
-    """codes [R, 8 * C] (0..15) -> int32 [R, C], code j of each eight at bits 4j."""
-    r, c = codes.shape
-    parts = codes.to(torch.int64).reshape(r, c // 8, 8) << (4 * torch.arange(8))
-    return _int32(parts.sum(-1))
-
-
-def _grouped_params(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool):
-    """scale, zero [groups, N] of w [N, K] over the columns of each group; q [K, N] codes."""
-    n = w.shape[0]
-    scale, zero = torch.empty(groups, n), torch.empty(groups, n)
-    for g in range(groups):
-        cols = w[:, g_idx == g]
-        if sym:
-            scale[g] = cols.abs().amax(1) / 7.5
-            zero[g] = 8
-        else:
-            lo, hi = cols.amin(1), cols.amax(1)
-            scale[g] = (hi - lo) / 15
-            zero[g] = torch.round(-lo / scale[g]).clamp(0, 15)
-    scale = scale.half()
-    q = torch.round(w.t() / scale.float()[g_idx] + zero[g_idx]).clamp(0, 15).to(torch.int64)
-    return scale, zero.to(torch.int64), q
-
-
-def gptq_tensors(w, group, act_order=False, sym=False, v1=True, seed=0):
-    """GPTQ's layout of w [N, K]: (state dict tensors, fp32 weight they stand for)."""
-    n, k = w.shape
-    gen = torch.Generator().manual_seed(seed)
-    g_idx = torch.arange(k) // group
-    if act_order:  # desc_act: columns quantized in a data-dependent order, groups follow that order
-        order = torch.randperm(k, generator=gen)
-        g_idx = torch.empty(k, dtype=torch.int64)
-        g_idx[order] = torch.arange(k) // group
-    groups = k // group
-    scale, zero, q = _grouped_params(w, g_idx, groups, sym)
-    if not sym:
-        zero[0, :3] = 0  # GPTQ v1 cannot store 0 (it wraps to 15, read back as 16): the format's own semantics
-    stored = (zero - 1) & 0xF if v1 else zero
-    qweight = _words(q.t()).t().contiguous()  # eight codes along K per word: [K / 8, N]
-    qzeros = _words(stored)  # eight along N: [groups, N / 8]
-    z = (stored + 1) if v1 else stored
-    ref = (q - z[g_idx]).float() * scale.float()[g_idx]  # [K, N]
-    return {"qweight": qweight, "qzeros": qzeros, "scales": scale, "g_idx": g_idx.to(torch.int32)}, ref.t()
 
 
 def _awq_words(codes):
     """codes [R, 8 * C] -> int32 [R, C] in AWQ's order: nibble i holds column 8c + ORDER[i]."""
     r, c = codes.shape
     reordered = codes.reshape(r, c // 8, 8)[:, :, list(AWQ_ORDER)].reshape(r, c)
-    return _words(reordered)
+    return int32_words(reordered)
 
 
 def awq_tensors(w, group):
     n, k = w.shape
     g_idx = torch.arange(k) // group
-    scale, zero, q = _grouped_params(w, g_idx, k // group, sym=False)
+    scale, zero, q = grouped_int4(w, g_idx, k // group, sym=False)
     ref = (q - zero[g_idx]).float() * scale.float()[g_idx]
     return {"qweight": _awq_words(q), "qzeros": _awq_words(zero), "scales": scale}, ref.t()
 

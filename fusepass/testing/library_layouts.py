@@ -34,3 +34,57 @@ def library_inputs(fmt: str, M: int, N: int, K: int, dtype: torch.dtype, seed: i
     if act_order:
         g_idx[torch.randperm(K, generator=gen)] = g_idx.clone()
     return x, w, s, z, g_idx, group
+
+
+def int32_words(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [R, 8 * C] (0..15) -> the int32 words [R, C] a checkpoint stores, code j of
+    each eight at bits 4j (two's complement)."""
+    r, c = codes.shape
+    parts = codes.to(torch.int64).reshape(r, c // 8, 8) << (4 * torch.arange(8, device=codes.device))
+    words = parts.sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def grouped_int4(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool):
+    """Round-to-nearest 4-bit codes of w [N, K] over the columns of each group (g_idx [K], every group
+    ``K / groups`` columns): scales fp16 [groups, N], zero points int64 [groups, N] (8 when
+    ``sym``), codes int64 [K, N]."""
+    n, k = w.shape
+    cols = w.float()[:, torch.argsort(g_idx, stable=True)].reshape(n, groups, k // groups)
+    if sym:
+        scale = cols.abs().amax(-1).t() / 7.5
+        zero = torch.full_like(scale, 8)
+    else:
+        lo, hi = cols.amin(-1).t(), cols.amax(-1).t()
+        scale = (hi - lo) / 15
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    scale = scale.half()
+    q = torch.round(w.float().t() / scale.float()[g_idx] + zero[g_idx]).clamp(0, 15).to(torch.int64)
+    return scale, zero.to(torch.int64), q
+
+
+def gptq_tensors(w: torch.Tensor, group: int, act_order: bool = False, sym: bool = False, v1: bool = True,
+                 seed: int = 0, wrap: bool = True):
+    """GPTQ's stored layout of w [N, K] (N a multiple of 8), from the format's description:
+    (state dict tensors, the fp32 weight [N, K] they stand for).  qweight int32 [K / 8, N],
+    eight codes along K a word; qzeros int32 [K / G, N / 8], eight along N (v1, the older
+    format: stored minus one, so a zero point of 0 wraps to 15 and reads back as 16); fp16
+    scales [K / G, N]; g_idx [K] (act_order, GPTQ's desc_act: each column's group follows a
+    random order of K).  ``wrap``: three rows of the first group get a zero point of 0, which v1
+    stores as 15 (read back as 16): the format's own semantics, for the loader's tests; their
+    codes stay those of the true zero point, so those rows stand far from w."""
+    n, k = w.shape
+    dev = w.device
+    g_idx = torch.arange(k, device=dev) // group
+    if act_order:
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(seed)).to(dev)
+        g_idx = torch.empty(k, dtype=torch.int64, device=dev)
+        g_idx[order] = torch.arange(k, device=dev) // group
+    scale, zero, q = grouped_int4(w, g_idx, k // group, sym)
+    if wrap and not sym:
+        zero[0, :3] = 0
+    stored = (zero - 1) & 0xF if v1 else zero
+    z = (stored + 1) if v1 else stored
+    ref = (q - z[g_idx]).float() * scale.float()[g_idx]  # [K, N]
+    return {"qweight": int32_words(q.t()).t().contiguous(), "qzeros": int32_words(stored), "scales": scale,
+            "g_idx": g_idx.to(torch.int32)}, ref.t()

@@ -127,10 +127,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the tiny model on the CPU, a few shapes (CI)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--quantize", choices=["int8", "int4", "torchao-int8", "bnb-nf4", "bnb-fp4"], default=None,
+    p.add_argument("--quantize", choices=["int8", "int4", "torchao-int8", "bnb-nf4", "bnb-fp4", "gptq",
+                                          "gptq-act-order"], default=None,
                    help="weight-only quantization: int8/int4 through fusepass.quantize, torchao-int8 through "
                         "torchao's Int8WeightOnlyConfig, bnb-nf4/bnb-fp4 as bitsandbytes' Linear4bit (blocks "
-                        "of 64, no double quantization); lm_head stays bf16 in all")
+                        "of 64, no double quantization), gptq/gptq-act-order: each linear written in GPTQ's "
+                        "layout (--group-size) and loaded through fusepass.load_quantized; lm_head stays bf16 "
+                        "in all")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128, help="int4 group size (default 128)")
     p.add_argument("--prefill", default=None, help="prompt lengths for the prefill phase (default 512,2048,8192)")
     p.add_argument("--batch", default=None, help="batch sizes for decode and replay (default 1,32)")

@@ -154,6 +154,8 @@ def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.
         return model
     if fmt.startswith("bnb-"):
         return _bitsandbytes_4bit(model, fmt[4:])
+    if fmt in ("gptq", "gptq-act-order"):
+        return _gptq_loaded(model, group_size, act_order=fmt == "gptq-act-order")
     if fmt == "torchao-int8":  # torchao's int8 weight-only tensor subclass, lm_head kept in bf16 as below
         try:
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -167,6 +169,25 @@ def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.
     if not hasattr(fusepass, "quantize"):
         raise SystemExit("fusepass bench e2e: --quantize needs fusepass.quantize, which this version lacks")
     print(fusepass.quantize(model, fmt=fmt, group_size=group_size), file=sys.stderr)  # in place; a summary
+    return model
+
+
+def _gptq_loaded(model: torch.nn.Module, group: int, act_order: bool) -> torch.nn.Module:
+    """Every linear but lm_head written in GPTQ's layout (v1, asymmetric: the model's own weights
+    rounded to 4 bits; ``act_order``: each column's group following a random order of K) and read
+    back through ``fusepass.load_quantized``, as a GPTQ checkpoint is loaded."""
+    import fusepass
+    from fusepass.testing.library_layouts import gptq_tensors
+
+    state = {}
+    for name, lin in model.named_modules():
+        if type(lin) is not torch.nn.Linear or name.endswith("lm_head"):
+            continue
+        tensors, _ = gptq_tensors(lin.weight.detach(), group, act_order=act_order, wrap=False)
+        state.update({f"{name}.{key}": value for key, value in tensors.items()})
+        if lin.bias is not None:
+            state[f"{name}.bias"] = lin.bias.detach()
+    print(fusepass.load_quantized(model, state, "gptq"), file=sys.stderr)  # in place; a summary
     return model
 
 
