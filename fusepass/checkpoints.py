@@ -333,6 +333,7 @@ def load_quantized(model: nn.Module, state_dict: Mapping[str, Tensor], format: s
         raise ValueError(f"fusepass loads 4-bit checkpoints (its int4 kernel), not {bits}-bit")
     summary = LoadSummary(format)
     used: set[str] = set()
+    perms: list[Tensor] = []  # act-order permutations, each held once
     required, optional = _KEYS[format], _OPTIONAL[format]
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
@@ -357,6 +358,16 @@ def load_quantized(model: nn.Module, state_dict: Mapping[str, Tensor], format: s
         if isinstance(new, str):
             summary.skipped.append((name, new))
             continue
+        if new.perm is not None:
+            # Layers of one input permuted alike (GPTQ's act-order follows the input's
+            # statistics: q / k / v, gate / up) share one tensor, so the compiled graph
+            # permutes x once and the products of that one x can go out as one launch.
+            same = next((p for p in perms if p.shape == new.perm.shape and p.device == new.perm.device
+                         and torch.equal(p, new.perm)), None)
+            if same is None:
+                perms.append(new.perm)
+            else:
+                new.perm = same
         used.update(prefix + key for key in tensors)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)

@@ -160,10 +160,17 @@ def test_llama_from_gptq_checkpoint_runs_fused():
     assert not summary.missing, summary.missing
     model.model.rotary_emb.inv_freq = source.model.rotary_emb.inv_freq  # a non-persistent buffer
     ids = torch.randint(0, 96, (1, 7))
+    # One input's layers permuted alike share one permutation tensor (q / k / v, gate / up
+    # here: the writer's one seed gives every layer of one K the same order).
+    perms = {id(m.perm) for m in model.modules() if isinstance(m, PackedInt4Linear)}
+    assert len(perms) == 2
     with torch.no_grad():
         expected = model(ids).logits
-        out, report = compile_and_run(lambda i: model(i).logits, [ids], rules=["dequant_matmul_int4"])
+        out, report = compile_and_run(lambda i: model(i).logits, [ids], rules=["dequant_matmul_int4",
+                                                                                "linear_siblings"])
     assert report.count("dequant_matmul_int4") == 14, str(report)
+    # q / k / v and gate / up of each layer, x permuted once for each: one call each
+    assert report.count("linear_siblings") == 4, str(report)
     assert_close(out, expected, "llama loaded from GPTQ tensors")
 
 

@@ -172,6 +172,35 @@ def test_rule_groups_quantized_projections_of_one_x(fmt):
         assert_close(got, want, f"{fmt} siblings (Triton)", dtype=torch.bfloat16)
 
 
+class _Permuted(torch.nn.Module):
+    """q / k / v reading x's features in a permuted order (GPTQ's act-order layers
+    as fusepass.load_quantized makes them), each gathering x itself."""
+
+    def __init__(self, perms):
+        super().__init__()
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(64, n, bias=False) for n in (32, 16, 16))
+        for p, perm in zip(self.proj, perms):
+            p.register_buffer("perm", perm)
+
+    def forward(self, x):
+        ys = [p(x.index_select(-1, p.perm)) for p in self.proj]
+        return ys[0] * (ys[1].sum(-1, keepdim=True) + ys[2].sum(-1, keepdim=True)).sigmoid()
+
+
+def test_one_permutation_of_x_taken_alike_is_one_x():
+    """Products of x gathered by one shared index tensor are one x (one call of
+    three); gathered by equal but separate index tensors, or by different ones,
+    they stay apart (no values compared at compile time)."""
+    torch.manual_seed(3)
+    perm, other = torch.randperm(64), torch.randperm(64)
+    x = torch.randn(1, 1, 64)
+    for perms, forms in (([perm] * 3, ["three"]), ([perm, perm.clone(), other], [])):
+        model = _Permuted(perms).eval()
+        got, want, report = _compile(model, x)
+        assert [h.form for h in report.hits if h.rule == "linear_siblings"] == forms
+        assert_close(got, want, "linear_siblings permuted x", dtype=torch.float32)
+
+
 def test_quantized_prefill_rows_stay_apart():
     model = _quantized_attention("int4")
     _, _, report = _compile(model, torch.randn(1, 12, 128, dtype=torch.bfloat16))

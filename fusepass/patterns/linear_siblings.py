@@ -108,9 +108,16 @@ def _made_before(members, node_of, operands_of, pos):
 
 
 def _key(x: torch.fx.Node):
-    # The same view of one tensor taken twice (two F.linear calls on a 3-D x) is one x.
+    # The same view of one tensor taken twice (two F.linear calls on a 3-D x) is one
+    # x; so is one gather of x's features taken twice with one index tensor
+    # (GPTQ's act-order layers of one input, fusepass.load_quantized sharing their
+    # permutation).
     if _is(x, aten.view.default) or _is(x, aten.reshape.default) or _is(x, aten._unsafe_view.default):
-        return ("view", x.args[0], str(tuple(x.args[1])))
+        return ("view", _key(x.args[0]), str(tuple(x.args[1])))
+    if _is(x, aten.index_select.default) and len(x.args) == 3 and not x.kwargs:
+        return ("index_select", _key(x.args[0]), x.args[1], x.args[2])
+    if _is(x, aten.index.Tensor) and len(x.args) == 2 and not x.kwargs:  # (index_select, decomposed)
+        return ("index", _key(x.args[0]), tuple(x.args[1]))
     return x
 
 
