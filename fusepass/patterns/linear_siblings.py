@@ -56,6 +56,12 @@ def search_three(x, w0, w1, w2, b0, b1, b2):
             torch.nn.functional.linear(x, w2, b2))
 
 
+def search_gathered(x, perm, w0, w1):
+    # x's features gathered before each product by one index tensor (GPTQ's act-order
+    # layers of one input, as fusepass.load_quantized makes them)
+    return x.index_select(-1, perm) @ w0.t(), x.index_select(-1, perm) @ w1.t()
+
+
 def replace_two(x, w0, w1):
     return tuple(linear_siblings_call(x, [w0, w1], [None, None]))
 
@@ -64,11 +70,20 @@ def replace_three(x, w0, w1, w2, b0, b1, b2):
     return tuple(linear_siblings_call(x, [w0, w1, w2], [b0, b1, b2]))
 
 
+def replace_gathered(x, perm, w0, w1):
+    return tuple(linear_siblings_call(x.index_select(-1, perm), [w0, w1], [None, None]))
+
+
 def example_inputs(dtype):
     K = 24
     return [torch.randn(1, K, dtype=dtype), torch.randn(16, K, dtype=dtype), torch.randn(4, K, dtype=dtype),
             torch.randn(4, K, dtype=dtype), torch.randn(16, dtype=dtype), torch.randn(4, dtype=dtype),
             torch.randn(4, dtype=dtype)]
+
+
+def gathered_inputs(dtype):
+    x, w0, w1 = example_inputs(dtype)[:3]
+    return [x, torch.randperm(x.shape[-1]), w0, w1]
 
 
 def sized_inputs(dtype, shape):
@@ -84,7 +99,7 @@ def sized_inputs(dtype, shape):
     K = shape[-1]
     return dict(x=torch.randn(*lead, K, dtype=dtype), w0=torch.randn(w0.shape[0], K, dtype=dtype),
                 w1=torch.randn(w1.shape[0], K, dtype=dtype), w2=torch.randn(w2.shape[0], K, dtype=dtype),
-                b0=b0, b1=b1, b2=b2)
+                b0=b0, b1=b1, b2=b2, perm=torch.randperm(K))
 
 
 # -- the rule's find ------------------------------------------------------------------------
@@ -251,7 +266,8 @@ def _chained(x, w0, w1):  # the second weight made from the first product: one l
 
 RULE = Rule(
     name="linear_siblings",
-    forms=[Form("two", search_two, replace_two), Form("three", search_three, replace_three)],
+    forms=[Form("two", search_two, replace_two), Form("three", search_three, replace_three),
+           Form("gathered", search_gathered, replace_gathered, example_inputs=gathered_inputs)],
     example_inputs=example_inputs,
     find=find,
     priority=-10,  # last: every rule that fuses a matmul (dequantising linears, routers) takes it first
