@@ -548,6 +548,10 @@ def _moe_experts_cases(quick: bool, build):
                    (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
         yield (f"moe_experts[decode ahead] qwen3-30b-a3b {label} T1", _experts_decode(ahead=True, ahead2=True),
                (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
+        # down's K split in whole tiles (int4: chunk tiles; 768 over 3 x 256 and 2 x 384)
+        for split in (2, 3):
+            yield (f"moe_experts[decode split2={split}] qwen3-30b-a3b {label} T1", _experts_decode(split2=split),
+                   (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
         for plan in ("decode", "sorted") if not quick else ("sorted",):  # grouped_mm: plain weights only
             yield (f"moe_experts[{plan}] qwen3-30b-a3b {label} T8", _experts_plan(plan),
                    (x[:8], ids[:8], tw[:8], *weights, *tail), 2e-2)

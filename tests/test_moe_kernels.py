@@ -374,6 +374,26 @@ def test_decode_loads_a_tile_ahead(poisoned, case):
     _assert_experts_close(out, ref)
 
 
+@pytest.mark.parametrize("case,BK2,split,ahead", [("T1-E8-k2-bf16-int4-g32-asym-H128", 32, 2, True),
+                                                  ("T1-E6-k2-fp16-int4-g16-interleaved-bias", 16, 3, False),
+                                                  ("T1-E6-k2-fp16-int4-g16-interleaved-bias", 16, 2, True)])
+def test_decode_int4_down_split_over_k(poisoned, monkeypatch, case, BK2, split, ahead):
+    """int4 down's chunk loop with K split over programs in whole chunk tiles (I
+    64 in two slices of 32; I 48 in three of 16, and in 32 + 16), with and without
+    the look-ahead (its last look-ahead past the slice's end masked off)."""
+    T, E, H, I, k, dt, act, layout, trans, bias, fmt, group, asym, twdt = EXPERT_CASES[case]
+    inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
+                             twdt=DT.get(twdt))
+    base = decode.decode_heuristic(T, k, H, I, trans, 132, group)
+    held = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(decode, "_split_counters", lambda device, tiles: held[:tiles])
+    cfg = dataclasses.replace(base, BK2=BK2, split2=split, ahead2=ahead)
+    assert decode.int4_chunk(fmt, trans, group, BK2) and I > BK2
+    out, ref = _run_experts("decode", inputs, act, layout, trans, fmt, group, cfg)
+    _assert_experts_close(out, ref)
+    assert not held.any()  # each tile's last program left its counter at zero
+
+
 @pytest.mark.parametrize("case", ["T3-E8-k2-bf16-gpt_oss-transposed-bias-fp32w", "T3-E8-k2-fp16-int8",
                                   "T3-E8-k2-bf16-fp8-interleaved", "T5-E5-k1-fp16-odd-H37-I19-transposed"])
 @pytest.mark.parametrize("split", [2, 3])

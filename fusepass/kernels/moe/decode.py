@@ -288,8 +288,8 @@ def _moe_decode_down_kernel(
     # An L2 prefetch of the program's weight rows there (or of the down rows by
     # the gate_up programs) ran slower: Qwen3-30B-A3B block at T = 1, H200,
     # 38.0 and 38.5 against 37.0 µs, at T = 4 174 against 163.
-    # SPLIT: program (i_t, i_n, i_s) sums K in [i_s K_SPLIT, +K_SPLIT) (value by
-    # value only), its [KP, BN] fp32 sums go to part [n_split, T, KP, N], and the
+    # SPLIT: program (i_t, i_n, i_s) sums K in [i_s K_SPLIT, +K_SPLIT) (whole
+    # tiles of BK, so int4 chunks stay whole), its [KP, BN] fp32 sums go to part [n_split, T, KP, N], and the
     # tile's last program to arrive (its count at ctr) adds the slices in slice
     # order and finishes (dequant_matmul's split-K pattern, tiles._finish): more
     # programs where one token's N / BN tiles are few (gpt-oss's [E, K, N] down
@@ -355,11 +355,11 @@ def _moe_decode_down_kernel(
         p_ze = zero + e64 * stride_se
         p_h2 = h2 + o_s.to(tl.int64) * stride_h2m
         if AHEAD:  # the next tile's bytes loaded before this tile's sums (rows carried as a tuple)
-            k_0 = tl.full([], 0, tl.int32)  # (a tensor: tl.multiple_of takes no constexpr)
-            b_hw, rows = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k_0, K, N, i_n, stride_wn, stride_sn, G,
+            k_0 = k_lo + tl.full([], 0, tl.int32)  # (a tensor: tl.multiple_of takes no constexpr)
+            b_hw, rows = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k_0, k_hi, N, i_n, stride_wn, stride_sn, G,
                                           HAS_ZERO, VB, NCH, BN)
-            for k0 in range(0, K, BK):
-                b_hwn, rows_n = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k0 + BK, K, N, i_n, stride_wn,
+            for k0 in range(k_lo, k_hi, BK):
+                b_hwn, rows_n = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k0 + BK, k_hi, N, i_n, stride_wn,
                                                  stride_sn, G, HAS_ZERO, VB, NCH, BN)
                 b_he, b_ho = _pair_to_f32(b_hw, h.dtype.element_ty)
                 for r in tl.static_range(BN):
@@ -368,12 +368,13 @@ def _moe_decode_down_kernel(
                     acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
                 b_hw, rows = b_hwn, rows_n
         else:
-            for k0 in range(0, K, BK):
-                b_he, b_ho = x_pairs(p_h2, v_j, k0, K, h.dtype.element_ty, VB, NCH)
+            for k0 in range(k_lo, k_hi, BK):
+                b_he, b_ho = x_pairs(p_h2, v_j, k0, k_hi, h.dtype.element_ty, VB, NCH)
                 for r in tl.static_range(BN):
                     n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
                     b_qe, b_qo, b_s = int4_chunks(p_we + n * stride_wn, v_j, p_se + n * stride_sn,
-                                                  p_ze + n * stride_sn, k0, K, G, HAS_ZERO, ZERO_F32, VB, NCH, ASM)
+                                                  p_ze + n * stride_sn, k0, k_hi, G, HAS_ZERO, ZERO_F32, VB, NCH,
+                                                  ASM)
                     acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
     elif AHEAD:
         # The next K tile's loads issued before this tile's products (carried
@@ -435,7 +436,7 @@ class DecodeConfig:
     defer: bool = True  # gate_up: reduce across K at the end (else every tile)
     defer2: bool = True
     pdl: bool = False  # both launches with programmatic dependent launch (``_common.pdl_wait``)
-    split2: int = 1  # down: K (the intermediate dim) over this many programs a tile (value-by-value tiles only)
+    split2: int = 1  # down: K (the intermediate dim) over this many programs a tile
     dot2: bool = False  # down on the tensor cores (16-bit [E, K, N] weights only; else the FMA loop)
     stages2: int | None = None  # the down launch's pipeline stages (tl.dot's loads; Triton's default if None)
     # gate_up / down: the next K tile loaded before this one's products (plain,
@@ -576,7 +577,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     dot = cfg.dot2 and dot_down_fits(x.dtype, w2.dtype, fmt, transposed, cfg.BN2, cfg.BK2)
     KP = max(16, cdiv_pow2(k)) if dot else cdiv_pow2(k)
     n_split, k_split, part, ctr = 1, I, dummy, dummy
-    if cfg.split2 > 1 and not vb2 and I > 0:
+    if cfg.split2 > 1 and I > 0:
         k_split = cdiv(cdiv(I, cfg.split2), cfg.BK2) * cfg.BK2
         n_split = cdiv(I, k_split)
     if n_split > 1:
