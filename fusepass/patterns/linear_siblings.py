@@ -8,7 +8,9 @@ At one to four rows of x each is a matrix-vector product whose time is its
 weight's bytes plus a launch's ramp, and the small ones (the k / v of a
 grouped-query model) are all ramp.  Found in the post-grad graph as
 ``mm(x, B)`` / ``addmm(bias, x, B)`` nodes with the same x (any B whose
-transpose is the weight; a 1-D bias), after every other rule has taken the
+transpose is the weight; a 1-D bias; one x: one node, the same view of one
+tensor, or one gather of its features by one index tensor, as GPTQ act-order
+layers of one input gather it), after every other rule has taken the
 matmuls it fuses (a dequantising linear, an MoE router); replaced by one op
 that reads every weight once in one launch (four weights at most a call).
 The quantized linears those rules found become ``fusepass::dequant_matmul``

@@ -289,9 +289,10 @@ def _moe_decode_down_kernel(
     # the gate_up programs) ran slower: Qwen3-30B-A3B block at T = 1, H200,
     # 38.0 and 38.5 against 37.0 µs, at T = 4 174 against 163.
     # SPLIT: program (i_t, i_n, i_s) sums K in [i_s K_SPLIT, +K_SPLIT) (whole
-    # tiles of BK, so int4 chunks stay whole), its [KP, BN] fp32 sums go to part [n_split, T, KP, N], and the
-    # tile's last program to arrive (its count at ctr) adds the slices in slice
-    # order and finishes (dequant_matmul's split-K pattern, tiles._finish): more
+    # tiles of BK, so int4 chunks stay whole), its [KP, BN] fp32 sums go to
+    # part [n_split, T, KP, N], and the tile's last program to arrive (its
+    # count at ctr) adds the slices in slice order and finishes
+    # (dequant_matmul's split-K pattern, tiles._finish): more
     # programs where one token's N / BN tiles are few (gpt-oss's [E, K, N] down
     # weight: 360 programs of 8 columns, 16 bytes of a row each, without it).
     # DOT: 16-bit [E, K, N] weights through tl.dot, whose loads Triton pipelines
