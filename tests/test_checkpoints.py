@@ -60,7 +60,7 @@ def _check(model, ref_w, bias, dtype=torch.float32):
     (False, False, True, 256)], ids=["asym-g64", "act-order-g64", "sym-g128", "act-order-v2-g32", "g256"])
 def test_gptq(act_order, sym, v1, group):
     w = torch.randn(N, K)
-    tensors, ref = gptq_tensors(w, group, act_order, sym, v1)
+    tensors, ref = gptq_tensors(w, group, act_order, sym, v1, wrap=True)
     model, summary, bias = _load_one(tensors, "gptq" if v1 else "gptq_v2")
     layer = model[0]
     assert summary.converted == ["0"] and not summary.unused and not summary.missing, str(summary)
@@ -73,7 +73,7 @@ def test_gptq(act_order, sym, v1, group):
 def test_gptq_per_channel_is_regrouped_and_fp16():
     k = 384  # group -1 (per channel): one scale per row over K = 384 = 3 kernel groups of 128
     w = torch.randn(N, k) / k ** 0.5  # outputs O(1): fp16's own rounding of them stays in the table
-    tensors, ref = gptq_tensors(w, k)
+    tensors, ref = gptq_tensors(w, k, wrap=True)
     model, summary, bias = _load_one(tensors, "gptq", dtype=torch.float16, k=k)
     assert summary.regrouped == [("0", 384, 128)] and model[0].scale.shape == (N, 3)
     assert model[0].scale.dtype == torch.float16
@@ -120,16 +120,16 @@ def test_compressed_tensors(strategy, symmetric, group):
 
 def test_refusals_leave_the_layer():
     w = torch.randn(N, 64)
-    tensors, _ = gptq_tensors(w, 16)
+    tensors, _ = gptq_tensors(w, 16, wrap=True)
     model, summary, _ = _load_one(tensors, "gptq", k=64)
     assert isinstance(model[0], torch.nn.Linear) and not isinstance(model[0], PackedInt4Linear)
     assert "group size 16" in dict(summary.skipped)["0"]
     assert "0.qweight" in summary.unused
-    tensors, _ = gptq_tensors(torch.randn(N, K), 64)
+    tensors, _ = gptq_tensors(torch.randn(N, K), 64, wrap=True)
     tensors["g_idx"] = torch.cat([torch.zeros(70), torch.ones(K - 70)]).to(torch.int32)  # groups of 70 and 186
     model, summary, _ = _load_one(tensors, "gptq")
     assert "no sorting of K makes whole groups" in dict(summary.skipped)["0"]
-    tensors, _ = gptq_tensors(torch.randn(N, K), 64)
+    tensors, _ = gptq_tensors(torch.randn(N, K), 64, wrap=True)
     model, summary, _ = _load_one(tensors, "gptq", n=48)
     assert "the model's linear [48, 256]" in dict(summary.skipped)["0"]
     with pytest.raises(ValueError, match="4-bit"):
@@ -148,7 +148,7 @@ def test_llama_from_gptq_checkpoint_runs_fused():
     for name, tensor in source.state_dict().items():
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and "proj" in module:
-            tensors, _ = gptq_tensors(tensor.float(), 32, act_order=True)
+            tensors, _ = gptq_tensors(tensor.float(), 32, act_order=True, wrap=True)
             sd.update({f"{module}.{key}": value for key, value in tensors.items()})
         else:
             sd[name] = tensor

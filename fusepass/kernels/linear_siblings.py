@@ -63,15 +63,6 @@ def takes_one(M: int, nbytes: int) -> bool:
 
 
 @triton.jit
-def _tile(p_w, p_x, k0, K, o_k, EVEN_K: tl.constexpr):
-    """The weight rows' [BN, BK] and x's [BM, BK] tiles from column k0 (masked past K unless EVEN_K)."""
-    if EVEN_K:
-        return tl.load(p_w + k0), tl.load(p_x + k0)
-    m_k = k0 + o_k < K
-    return tl.load(p_w + k0, mask=m_k[None, :], other=0), tl.load(p_x + k0, mask=m_k[None, :], other=0)
-
-
-@triton.jit
 def _rows(x, w, b, o, N, blk, M, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
     o_n = blk * BN + tl.arange(0, BN)
@@ -83,7 +74,13 @@ def _rows(x, w, b, o, N, blk, M, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr
     # (The next K tile's loads issued before this tile's products, as the MoE
     # down kernel's look-ahead, beat no tile of the plan's: H200, 6185afa.)
     for k0 in range(0, K, BK):
-        b_w, b_x = _tile(p_w, p_x, k0, K, o_k, EVEN_K)
+        if EVEN_K:
+            b_w = tl.load(p_w + k0)
+            b_x = tl.load(p_x + k0)
+        else:
+            m_k = k0 + o_k < K
+            b_w = tl.load(p_w + k0, mask=m_k[None, :], other=0)
+            b_x = tl.load(p_x + k0, mask=m_k[None, :], other=0)
         acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [BM, BN]
     if HAS_BIAS:

@@ -64,15 +64,15 @@ def grouped_int4(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool):
 
 
 def gptq_tensors(w: torch.Tensor, group: int, act_order: bool = False, sym: bool = False, v1: bool = True,
-                 seed: int = 0, wrap: bool = True):
+                 seed: int = 0, wrap: bool = False):
     """GPTQ's stored layout of w [N, K] (N a multiple of 8), from the format's description:
     (state dict tensors, the fp32 weight [N, K] they stand for).  qweight int32 [K / 8, N],
     eight codes along K a word; qzeros int32 [K / G, N / 8], eight along N (v1, the older
     format: stored minus one, so a zero point of 0 wraps to 15 and reads back as 16); fp16
     scales [K / G, N]; g_idx [K] (act_order, GPTQ's desc_act: each column's group follows a
-    random order of K).  ``wrap``: three rows of the first group get a zero point of 0, which v1
-    stores as 15 (read back as 16): the format's own semantics, for the loader's tests; their
-    codes stay those of the true zero point, so those rows stand far from w."""
+    random order of K).  ``wrap`` (the loader's tests): three rows of the first group get a zero
+    point of 0, which v1 stores as 15 (read back as 16): the format's own semantics; their codes
+    stay those of the true zero point, so those rows stand far from w."""
     n, k = w.shape
     dev = w.device
     g_idx = torch.arange(k, device=dev) // group

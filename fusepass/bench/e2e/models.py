@@ -183,7 +183,7 @@ def _gptq_loaded(model: torch.nn.Module, group: int, act_order: bool) -> torch.n
     for name, lin in model.named_modules():
         if type(lin) is not torch.nn.Linear or name.endswith("lm_head"):
             continue
-        tensors, _ = gptq_tensors(lin.weight.detach(), group, act_order=act_order, wrap=False)
+        tensors, _ = gptq_tensors(lin.weight.detach(), group, act_order=act_order)
         state.update({f"{name}.{key}": value for key, value in tensors.items()})
         if lin.bias is not None:
             state[f"{name}.bias"] = lin.bias.detach()
