@@ -1048,7 +1048,7 @@ def test_a_launch_names_exactly_the_kernels_arguments():
 
     g = torch.randn(4, 8)
     args = dict(gate=g, up=g, out=torch.empty_like(g), N=8, NB=1, stride_g=8, stride_u=8, stride_o=8, ACT="silu",
-                BN=8, EMU_G=False, EMU_O=False)
+                BN=8, EMU_G=False, EMU_O=False, PDL=False)
     Launch(_gated_act_fwd_kernel, (4,), args, ("out",))
     with pytest.raises(TypeError, match=r"missing \['BN'\]"):
         Launch(_gated_act_fwd_kernel, (4,), {k: v for k, v in args.items() if k != "BN"}, ("out",))
@@ -1082,7 +1082,7 @@ def test_inductors_kernel_analysis_runs_once_per_distinct_fusepass_call(monkeypa
 
     g = torch.randn(4, 8, dtype=torch.bfloat16)
     args = dict(gate=g, up=g, out=torch.empty_like(g), N=8, NB=1, stride_g=8, stride_u=8, stride_o=8, ACT="silu",
-                BN=8, EMU_G=False, EMU_O=False)
+                BN=8, EMU_G=False, EMU_O=False, PDL=False)
     first = memo(_gated_act_fwd_kernel, args, {})
     again = memo(_gated_act_fwd_kernel, {**args, "gate": torch.randn(4, 8, dtype=torch.bfloat16)}, {})
     assert len(runs) == 1 and again == first and again is not first  # a copy: callers may change it

@@ -230,6 +230,13 @@ def pdl_supported(t: torch.Tensor) -> bool:
     return _HAS_GDC and t.is_cuda and not interpreting() and _hopper_or_later(t.device)
 
 
+def pdl_on(t: torch.Tensor) -> bool:
+    """Whether a launch of the decode path's kernels (GEMVs, norms, activation,
+    attention) on ``t``'s device carries PDL: where supported, unless
+    ``FUSEPASS_PDL=0`` (read at each launch, so one process can time both)."""
+    return pdl_supported(t) and os.environ.get("FUSEPASS_PDL", "1") != "0"
+
+
 @functools.cache
 def _hopper_or_later(device: torch.device) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device)[0] >= 9

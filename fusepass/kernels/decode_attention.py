@@ -43,8 +43,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
-from fusepass.kernels._common import Launch, call, cdiv, emulate_rounding, inline_enabled, on_device, \
-    register_inline, rne_bf16, round_to, run_all, run_kernel, scalar_fp32, sm_count, trace_all
+from fusepass.kernels._common import Launch, call, cdiv, emulate_rounding, inline_enabled, on_device, pdl_on, \
+    pdl_release, pdl_wait, register_inline, rne_bf16, round_to, run_all, run_kernel, scalar_fp32, sm_count, trace_all
 
 MAX_ROWS = 64  # query rows of one key/value head (G x T) in one tile; more are a prefill (SDPA's)
 MAX_DIM = 256
@@ -69,7 +69,11 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                              s_bb, s_bh, s_bt, s_bl, qk_scale,
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                              IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr,
-                             BD: tl.constexpr, BDV: tl.constexpr):
+                             BD: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr = False):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pid = tl.program_id(0)  # b * HKV + key/value head
     sp = tl.program_id(1)  # split of L
     b = pid // HKV
@@ -147,7 +151,11 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
 
 @triton.jit
 def _decode_attention_merge_kernel(ws, wml, o, H, HKV, T, DV, G, NSPLIT, EMU: tl.constexpr, BR: tl.constexpr,
-                                   BDV: tl.constexpr, BW: tl.constexpr):
+                                   BDV: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = False):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     # The splits of one (batch, key/value head) and BDV columns: rows scaled to the largest max, summed,
     # divided once.  (ws rows are BW wide; BDV <= BW columns a program.)
     pid = tl.program_id(0)
@@ -219,14 +227,14 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         s_vb=v.stride(0), s_vh=v.stride(1), s_vl=v.stride(2), s_vd=v.stride(3),
         s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
-        IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)), BDV=BDV),
-        ("ws", "wml") if split > 1 else ("o",), warps, 2)
+        IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)), BDV=BDV,
+        PDL=pdl_on(q)), ("ws", "wml") if split > 1 else ("o",), warps, 2, pdl=pdl_on(q))
     if split == 1:
         return [main], out
     BDM = min(BDV, 64)
     merge = Launch(_decode_attention_merge_kernel, (B * HKV, BDV // BDM), dict(
         ws=ws, wml=wml, o=out, H=H, HKV=HKV, T=T, DV=DV, G=G, NSPLIT=split, EMU=emulate_rounding(q.dtype), BR=BR,
-        BDV=BDM, BW=BDV), ("o",), 4)
+        BDV=BDM, BW=BDV, PDL=pdl_on(q)), ("o",), 4, pdl=pdl_on(q))
     return [main, merge], out
 
 

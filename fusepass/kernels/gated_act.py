@@ -39,6 +39,9 @@ from fusepass.kernels._common import (
     emulate_rounding,
     inline_enabled,
     on_device,
+    pdl_on,
+    pdl_release,
+    pdl_wait,
     register_inline,
     row_view,
     round_to,
@@ -63,7 +66,12 @@ def _gated_act_fwd_kernel(
     BN: tl.constexpr,
     EMU_G: tl.constexpr,
     EMU_O: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     # One flat grid of M * NB programs, column blocks fastest: consecutive
     # programs walk along a row, and M is not bound by the 65535 limit of the
     # grid's second axis (prefill batches reach M = 131072 tokens).
@@ -156,8 +164,8 @@ def gated_act_launch(gate: Tensor, up: Tensor, out: Tensor, activation: str, blo
     NB = cdiv(N, block)
     args = dict(gate=g2, up=u2, out=o2, N=N, NB=NB, stride_g=g2.stride(0), stride_u=u2.stride(0),
                 stride_o=o2.stride(0), ACT=_ACTIVATIONS[activation], BN=block,
-                EMU_G=emulate_rounding(gate.dtype), EMU_O=emulate_rounding(out.dtype))
-    return Launch(_gated_act_fwd_kernel, (M * NB,), args, ("out",), num_warps or _num_warps(block))
+                EMU_G=emulate_rounding(gate.dtype), EMU_O=emulate_rounding(out.dtype), PDL=pdl_on(gate))
+    return Launch(_gated_act_fwd_kernel, (M * NB,), args, ("out",), num_warps or _num_warps(block), pdl=args["PDL"])
 
 
 def gated_act_fwd(

@@ -29,8 +29,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
-from fusepass.kernels._common import Launch, call, cdiv, flat_rows, inline_enabled, on_device, register_inline, \
-    run_kernel, sm_count
+from fusepass.kernels._common import Launch, call, cdiv, flat_rows, inline_enabled, on_device, pdl_on, pdl_release, \
+    pdl_wait, register_inline, run_kernel, sm_count
 
 MAX_WEIGHTS = 4
 MAX_ROWS = 4  # rows of x the GEMV takes; more are a GEMM (cuBLAS)
@@ -94,7 +94,11 @@ def _linear_siblings_kernel(x, w0, w1, w2, w3, b0, b1, b2, b3, o0, o1, o2, o3, N
                             M, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_w3,
                             HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
                             NW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            EVEN_K: tl.constexpr):
+                            EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     # E0 <= E1 <= E2: where the blocks of weights 0, 1, 2 end.  A slot past NW
     # is compiled out, so its pointers (x, never read or written) do not count
     # as the launch's writes.
@@ -152,11 +156,12 @@ def siblings_launch(x2: Tensor, weights: list[Tensor], biases: list[Tensor | Non
     ns = Ns + [1] * pad
     es = (ends + [e] * MAX_WEIGHTS)[:3]
     args = dict(x=x2, M=M, K=K, stride_xm=x2.stride(0), NW=len(weights), BM=_pow2(M), BN=BN, BK=BK,
-                EVEN_K=K % BK == 0, E0=es[0], E1=es[1], E2=es[2])
+                EVEN_K=K % BK == 0, E0=es[0], E1=es[1], E2=es[2], PDL=pdl_on(x2))
     for i in range(MAX_WEIGHTS):
         args.update({f"w{i}": ws[i], f"b{i}": bs[i], f"o{i}": os_[i], f"N{i}": ns[i],
                      f"stride_w{i}": ws[i].stride(0), f"HB{i}": i < len(biases) and biases[i] is not None})
-    return Launch(_linear_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(weights))), warps)
+    return Launch(_linear_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(weights))), warps,
+                  pdl=args["PDL"])
 
 
 # ------------------------------------------------------------------------ op ----

@@ -51,6 +51,9 @@ from fusepass.kernels._common import (
     is_ptr,
     on_device,
     op_eps,
+    pdl_on,
+    pdl_release,
+    pdl_wait,
     register_inline,
     round_to,
     run_kernel,
@@ -85,7 +88,12 @@ def _rms_norm_fwd_kernel(
     EPS_PTR: tl.constexpr,
     EMU_X: tl.constexpr,
     EMU_Y: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     # Variants ``row`` (BM = 1) and ``tile``: BN >= N, each row is read once
     # and stays in registers between the reduction and the scaling.
     # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
@@ -181,7 +189,12 @@ def _rms_norm_fwd_looped_kernel(
     EPS_PTR: tl.constexpr,
     EMU_X: tl.constexpr,
     EMU_Y: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     # Variant ``looped``: a persistent grid of a few programs per SM, each
     # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks, read twice
     # (the second time from L2: the launcher sizes the grid so that the rows
@@ -414,12 +427,13 @@ def rms_norm_launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h
                 weight_offset=float(weight_offset), HAS_RESIDUAL=res is not None,
                 CAST_BEFORE_WEIGHT=bool(cast_before_weight), BN=cfg.BN, EPS_PTR=is_ptr(eps),
                 # the interpreter's bf16 conversion truncates: rounded to nearest there as on a GPU
-                EMU_X=emulate_rounding(x.dtype), EMU_Y=emulate_rounding(y.dtype))
+                EMU_X=emulate_rounding(x.dtype), EMU_Y=emulate_rounding(y.dtype), PDL=pdl_on(x))
     outputs = ("y", "h") if res is not None else ("y",)
     if cfg.variant == "looped":
-        return Launch(_rms_norm_fwd_looped_kernel, (cfg.num_programs,), args, outputs, cfg.num_warps)
+        return Launch(_rms_norm_fwd_looped_kernel, (cfg.num_programs,), args, outputs, cfg.num_warps,
+                      pdl=args["PDL"])
     return Launch(_rms_norm_fwd_kernel, (cdiv(M, cfg.BM),), {**args, "BM": cfg.BM, "W_FIRST": cfg.w_first}, outputs,
-                  cfg.num_warps)
+                  cfg.num_warps, pdl=args["PDL"])
 
 
 def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overrides) -> None:
