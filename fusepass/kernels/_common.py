@@ -225,27 +225,6 @@ def pdl_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_rows(p_rows, n, LINES: tl.constexpr, STEP: tl.constexpr):
-    """Before a PDL kernel's wait: ask L2 for the first ``LINES`` 128-byte lines
-    (``STEP`` elements each) of the rows at ``p_rows`` [R] (each ``n`` elements
-    long, n >= 1), weights that no kernel writes, so that their first loads
-    after the wait hit L2.  Nothing waits on the requests."""
-    o = tl.minimum(tl.arange(0, LINES) * STEP, n - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p_rows[:, None] + o[None, :]],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-def prefetch_lines(t: torch.Tensor, row_bytes: int, cap: int = 64) -> int:
-    """``LINES`` for :func:`prefetch_rows` in a launch on ``t``'s device: the
-    128-byte lines of a row's slice, a power of two, at most ``cap``; 0 (no
-    prefetch) where the launch carries no PDL or ``FUSEPASS_PDL_PREFETCH=0``."""
-    if not pdl_on(t) or os.environ.get("FUSEPASS_PDL_PREFETCH", "1") == "0":
-        return 0
-    lines = max(1, -(-row_bytes // 128))
-    return min(cap, 1 << (lines - 1).bit_length())
-
-
 def pdl_supported(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device may carry the PDL attribute (sm_90+)."""
     return _HAS_GDC and t.is_cuda and not interpreting() and _hopper_or_later(t.device)

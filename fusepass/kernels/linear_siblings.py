@@ -30,7 +30,7 @@ from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
 from fusepass.kernels._common import Launch, call, cdiv, flat_rows, inline_enabled, on_device, pdl_on, pdl_release, \
-    pdl_wait, prefetch_lines, prefetch_rows, register_inline, run_kernel, sm_count
+    pdl_wait, register_inline, run_kernel, sm_count
 
 MAX_WEIGHTS = 4
 MAX_ROWS = 4  # rows of x the GEMV takes; more are a GEMM (cuBLAS)
@@ -90,36 +90,13 @@ def _rows(x, w, b, o, N, blk, M, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr
 
 
 @triton.jit
-def _prefetch(w, N, blk, K, stride_wn, BN: tl.constexpr, PRE: tl.constexpr):
-    STEP: tl.constexpr = 1024 // w.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-    prefetch_rows(w + tl.minimum(blk * BN + tl.arange(0, BN), N - 1).to(tl.int64) * stride_wn, K, PRE, STEP)
-
-
-@triton.jit
 def _linear_siblings_kernel(x, w0, w1, w2, w3, b0, b1, b2, b3, o0, o1, o2, o3, N0, N1, N2, N3, E0, E1, E2,
                             M, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_w3,
                             HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
                             NW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
-                            PRE: tl.constexpr = 0):
+                            EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing but the weights is read before the wait (PRE: their first lines asked of
-    # L2); the next kernel may start once every program waited
-    if PRE > 0:
-        pid0 = tl.program_id(0)
-        if pid0 < E0:
-            _prefetch(w0, N0, pid0, K, stride_w0, BN, PRE)
-        else:
-            if NW > 1:
-                if pid0 < E1:
-                    _prefetch(w1, N1, pid0 - E0, K, stride_w1, BN, PRE)
-                else:
-                    if NW > 2:
-                        if pid0 < E2:
-                            _prefetch(w2, N2, pid0 - E1, K, stride_w2, BN, PRE)
-                        else:
-                            if NW > 3:
-                                _prefetch(w3, N3, pid0 - E2, K, stride_w3, BN, PRE)
+    # nothing is read before the wait; the next kernel may start once every program waited
     pdl_wait(PDL)
     pdl_release(PDL)
     # E0 <= E1 <= E2: where the blocks of weights 0, 1, 2 end.  A slot past NW
@@ -179,8 +156,7 @@ def siblings_launch(x2: Tensor, weights: list[Tensor], biases: list[Tensor | Non
     ns = Ns + [1] * pad
     es = (ends + [e] * MAX_WEIGHTS)[:3]
     args = dict(x=x2, M=M, K=K, stride_xm=x2.stride(0), NW=len(weights), BM=_pow2(M), BN=BN, BK=BK,
-                EVEN_K=K % BK == 0, E0=es[0], E1=es[1], E2=es[2], PDL=pdl_on(x2),
-                PRE=prefetch_lines(x2, K * weights[0].element_size()))
+                EVEN_K=K % BK == 0, E0=es[0], E1=es[1], E2=es[2], PDL=pdl_on(x2))
     for i in range(MAX_WEIGHTS):
         args.update({f"w{i}": ws[i], f"b{i}": bs[i], f"o{i}": os_[i], f"N{i}": ns[i],
                      f"stride_w{i}": ws[i].stride(0), f"HB{i}": i < len(biases) and biases[i] is not None})

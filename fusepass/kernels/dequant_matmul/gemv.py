@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import pdl_release, pdl_wait, prefetch_rows
+from fusepass.kernels._common import pdl_release, pdl_wait
 from fusepass.kernels.dequant_matmul.tiles import (
     _chunk_sums,
     _codebook_pair,
@@ -584,19 +584,10 @@ def _dequant_gemv_kernel(
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr,
     LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
-    PDL: tl.constexpr = False, PRE: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing but the weight is read before the wait (PRE: its first lines asked of
-    # L2, fusepass's own formats); the next kernel may start once every program waited
-    if PRE > 0:
-        k_lo = tl.program_id(1) * K_SPLIT
-        o_r = tl.minimum(tl.program_id(0) * BN + tl.arange(0, BN), N - 1).to(tl.int64) * stride_wn
-        n_k = tl.minimum(K_SPLIT, K - k_lo)
-        if FMT == "int4":
-            prefetch_rows(w + o_r + k_lo // 2, (n_k + 1) // 2, PRE, 128)
-        else:
-            prefetch_rows(w + o_r + k_lo, n_k, PRE, 128)
+    # nothing is read before the wait; the next kernel may start once every program waited
     pdl_wait(PDL)
     pdl_release(PDL)
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT)
@@ -629,32 +620,16 @@ def _sibling_rows(x, x2, w, s, z, b, o, pid, M, N, K, stride_xm, stride_x2m, str
 
 
 @triton.jit
-def _sibling_prefetch(w, N, blk, K, stride_wn, FMT: tl.constexpr, BN: tl.constexpr, PRE: tl.constexpr):
-    o_r = tl.minimum(blk * BN + tl.arange(0, BN), N - 1).to(tl.int64) * stride_wn
-    prefetch_rows(w + o_r, (K + 1) // 2 if FMT == "int4" else K, PRE, 128)
-
-
-@triton.jit
 def _dequant_gemv_siblings_kernel(
     x, x2, w0, w1, w2, s0, s1, s2, z0, z1, z2, b0, b1, b2, o0, o1, o2, N0, N1, N2, E0, E1,
     M, K, stride_xm, stride_x2m, stride_w0, stride_w1, stride_w2, stride_s0, stride_s1, stride_s2,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HB0: tl.constexpr, HB1: tl.constexpr,
     HB2: tl.constexpr, NW: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
-    PDL: tl.constexpr = False, PRE: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
-    # PDL: as the one-weight kernel's (PRE: the weight's first lines asked of L2 before the wait)
-    if PRE > 0:
-        pid0 = tl.program_id(0)
-        if pid0 < E0:
-            _sibling_prefetch(w0, N0, pid0, K, stride_w0, FMT, BN, PRE)
-        else:
-            if NW > 1:
-                if pid0 < E1:
-                    _sibling_prefetch(w1, N1, pid0 - E0, K, stride_w1, FMT, BN, PRE)
-                else:
-                    if NW > 2:
-                        _sibling_prefetch(w2, N2, pid0 - E1, K, stride_w2, FMT, BN, PRE)
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
     pdl_wait(PDL)
     pdl_release(PDL)
     # Two or three weights of one format that read the same x (q / k / v, gate /

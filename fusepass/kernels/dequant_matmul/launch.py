@@ -16,7 +16,7 @@ from torch import Tensor
 import functools
 
 from fusepass.formats import CODEBOOKS, LIBRARY_FORMATS, codebook, out_features
-from fusepass.kernels._common import Launch, cdiv, interpreting, pdl_on, prefetch_lines
+from fusepass.kernels._common import Launch, cdiv, interpreting, pdl_on
 from fusepass.kernels.dequant_matmul.config import _GROUP_M, Config, _k_split, _pow2, codebook_chunk
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.dequant_matmul.dequant import _dequant_kernel
@@ -192,9 +192,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
         asm = x.is_cuda and not interpreting() and gemv_asm(fmt, G, N, cfg)
         return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if fmt == "hqq4" and loop else N, cfg.BN), split),
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "NG": ng, "BM": _pow2(M), "ASM": asm,
-                       "LOOP": loop, "FOLD": _fold(cfg, x), "PDL": pdl_on(x),
-                       "PRE": prefetch_lines(x, k_split // 2 if fmt == "int4" else k_split) if fmt in _OWN else 0},
-                      outputs, cfg.warps, cfg.stages,
+                       "LOOP": loop, "FOLD": _fold(cfg, x), "PDL": pdl_on(x)}, outputs, cfg.warps, cfg.stages,
                       pdl=pdl_on(x))
     if cfg.kind == "mmt":
         # int4, the code books and HQQ always, int8 in whole tiles: the weight read
@@ -219,7 +217,6 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
 
 
 SIBLING_FORMATS = ("int4", "int8", "fp8")
-_OWN = SIBLING_FORMATS  # rows of K / 2 (int4) or K bytes: the GEMV's prefetch before its PDL wait
 MAX_SIBLINGS = 3
 
 
@@ -240,8 +237,7 @@ def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: li
     args = dict(x=x, x2=xp, M=M, K=K, stride_xm=x.stride(0), stride_x2m=xp.stride(0), FMT=fmt, G=max(G, 1),
                 HAS_ZERO=zeros[0] is not None, NW=len(ws), EVEN_K=even,
                 ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, Ns[0], cfg), BM=_pow2(M), BN=cfg.BN,
-                BK=cfg.BK, FOLD=_fold(cfg, x), E0=ends[0], E1=(ends + [e])[1], PDL=pdl_on(x),
-                PRE=prefetch_lines(x, K // 2 if fmt == "int4" else K))
+                BK=cfg.BK, FOLD=_fold(cfg, x), E0=ends[0], E1=(ends + [e])[1], PDL=pdl_on(x))
     for i in range(MAX_SIBLINGS):
         j = min(i, len(ws) - 1)  # a slot past the weights: weight 0's tensors, never touched
         s = scales[j]
