@@ -1184,3 +1184,50 @@ def test_inductor_can_embed_every_kernel_source():
         exec(compile(module, name, "exec"), ns)
         assert ns["SRC"].strip() == text.strip()
         ast.parse(textwrap.dedent(ns["SRC"]))
+
+
+def test_decode_launches_ask_for_pdl_where_supported_unless_switched_off(monkeypatch):
+    """The decode path's launches (the GEMVs, the norms, the gated activation,
+    attention and its merge) carry programmatic dependent launch where the device
+    has it, and the kernel's PDL constexpr (its wait before any read) follows the
+    launch attribute: a PDL launch without the wait could read what the kernel
+    before it is still writing.  FUSEPASS_PDL=0 takes both off; on the CPU
+    (no sm_90) neither is ever set."""
+    from fusepass.kernels import _common
+    from fusepass.kernels import decode_attention as da
+    from fusepass.kernels import linear_siblings as ls
+    from fusepass.kernels.dequant_matmul import launch as dl
+    from fusepass.kernels.dequant_matmul.config import Config
+    from fusepass.kernels.gated_act import gated_act_launch
+    from fusepass.kernels.rms_norm import rms_norm_launch
+    from fusepass.quantize import quantize_rows
+
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    q8, s8, _ = quantize_rows(w.float(), "int8", 0)
+    q4, s4, z4 = quantize_rows(w.float(), "int4", 32)
+    q, kv = torch.randn(1, 4, 1, 16, dtype=torch.bfloat16), torch.randn(1, 2, 40, 16, dtype=torch.bfloat16)
+
+    def built():
+        out = torch.empty(1, 32, dtype=torch.bfloat16)
+        yield dl.product_launch(x, q8, s8, None, None, out, "int8", 0, Config("gemv", BN=4, BK=64))
+        yield dl.product_launch(x, q4, s4, z4, None, out, "int4", 32, Config("gemv", BN=4, BK=64))
+        yield dl.siblings_launch(x, [q4, q4], [s4, s4], [z4, z4], [None, None], [out, out.clone()], "int4", 32,
+                                 Config("gemv", BN=4, BK=64))
+        yield ls.siblings_launch(x, [w, w], [None, None], [out, out.clone()])
+        yield rms_norm_launch(x, x.clone(), x[0], 1e-6, 0.0, False, torch.empty_like(x), torch.empty_like(x))
+        yield rms_norm_launch(x, None, x[0], 1e-6, 0.0, False, torch.empty_like(x), None)
+        yield gated_act_launch(w, w, torch.empty_like(w), "silu")
+        yield from da.launches(q, kv, kv, None, 0.25, torch.empty(1, 1, 4, 16, dtype=torch.bfloat16), (16, 2, 4))[0]
+
+    names = [launch.kernel.__name__ for launch in built()]
+    assert "_decode_attention_merge_kernel" in names and len(names) == 9
+    for launch in built():  # the CPU: no PDL anywhere
+        assert not launch.pdl and launch.args["PDL"] is False, launch.kernel.__name__
+    monkeypatch.setattr(_common, "pdl_supported", lambda t: True)  # a device that has it
+    for launch in built():
+        assert launch.pdl and launch.args["PDL"] is True, launch.kernel.__name__
+        assert launch._launch_meta().get("launch_pdl") or _common.interpreting()
+    monkeypatch.setenv("FUSEPASS_PDL", "0")
+    for launch in built():
+        assert not launch.pdl and launch.args["PDL"] is False, launch.kernel.__name__
