@@ -702,6 +702,7 @@ def test_decode_launches_take_pdl_where_measured_faster(monkeypatch):
     assert decode.decode_heuristic(4, 8, 2048, 768, False, 132, 128).pdl
     assert not decode.decode_heuristic(1, 4, 2880, 2880, True, 132, 0).pdl
     assert not rt.router_heuristic(1, 128, 2048).release
+    assert rt.router_heuristic(1, 128, 2048).pdl and not rt.router_heuristic(512, 128, 2048).pdl
     assert not _common.pdl_supported(torch.zeros(1))
     kernel = decode._moe_decode_down_kernel
     launch = _common.Launch(kernel, (1,), dict.fromkeys(kernel.arg_names), pdl=True)

@@ -1188,7 +1188,8 @@ def test_inductor_can_embed_every_kernel_source():
 
 def test_decode_launches_ask_for_pdl_where_supported_unless_switched_off(monkeypatch):
     """The decode path's launches (the GEMVs, the norms, the gated activation,
-    attention and its merge) carry programmatic dependent launch where the device
+    attention and its merge, the GDN decode step's convolution, recurrence and
+    gated norm) carry programmatic dependent launch where the device
     has it, and the kernel's PDL constexpr (its wait before any read) follows the
     launch attribute: a PDL launch without the wait could read what the kernel
     before it is still writing.  FUSEPASS_PDL=0 takes both off; on the CPU
@@ -1199,7 +1200,10 @@ def test_decode_launches_ask_for_pdl_where_supported_unless_switched_off(monkeyp
     from fusepass.kernels.dequant_matmul import launch as dl
     from fusepass.kernels.dequant_matmul.config import Config
     from fusepass.kernels.gated_act import gated_act_launch
+    from fusepass.kernels.causal_conv1d import update_launch
+    from fusepass.kernels.gdn.launch import recurrent_launch
     from fusepass.kernels.rms_norm import rms_norm_launch
+    from fusepass.kernels.rms_norm_gated import rms_norm_gated_launch
     from fusepass.quantize import quantize_rows
 
     x = torch.randn(1, 64, dtype=torch.bfloat16)
@@ -1219,9 +1223,16 @@ def test_decode_launches_ask_for_pdl_where_supported_unless_switched_off(monkeyp
         yield rms_norm_launch(x, None, x[0], 1e-6, 0.0, False, torch.empty_like(x), None)
         yield gated_act_launch(w, w, torch.empty_like(w), "silu")
         yield from da.launches(q, kv, kv, None, 0.25, torch.empty(1, 1, 4, 16, dtype=torch.bfloat16), (16, 2, 4))[0]
+        cx, cs, cw = torch.randn(1, 8, 1), torch.randn(1, 8, 3), torch.randn(8, 4)
+        yield update_launch(cx, cs, cw, None, "silu", torch.empty_like(cx), torch.empty_like(cs))
+        g = torch.randn(1, 1, 2)
+        qk = torch.randn(1, 1, 2, 16)
+        yield recurrent_launch(qk, qk, qk, g, g.sigmoid(), None, torch.empty_like(qk), torch.empty(1, 2, 16, 16),
+                               True, 0.25)
+        yield rms_norm_gated_launch(w, w, w[0], 1e-6, True, "silu", torch.empty_like(w))
 
     names = [launch.kernel.__name__ for launch in built()]
-    assert "_decode_attention_merge_kernel" in names and len(names) == 9
+    assert "_decode_attention_merge_kernel" in names and len(names) == 12
     for launch in built():  # the CPU: no PDL anywhere
         assert not launch.pdl and launch.args["PDL"] is False, launch.kernel.__name__
     monkeypatch.setattr(_common, "pdl_supported", lambda t: True)  # a device that has it

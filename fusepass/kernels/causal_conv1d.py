@@ -42,7 +42,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
-from fusepass.kernels._common import Launch, cdiv, inline_enabled, on_device, register_inline, run_kernel
+from fusepass.kernels._common import Launch, cdiv, inline_enabled, on_device, pdl_on, pdl_release, pdl_wait, \
+    register_inline, run_kernel
 
 _ACTIVATIONS = (None, "silu", "swish")
 _MAX_K = 8
@@ -97,7 +98,12 @@ def _causal_conv1d_update_kernel(
     s_xb, s_xc, s_xt, s_sb, s_sc, s_ss, s_wc, s_wk, s_bc,
     K: tl.constexpr, BL: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr, WDT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     # One program per (BC channels, batch row): the window of cat(state, x)
     # each output reads, and the shifted state, written to new_state [B, C, S].
     i_c, i_b = tl.program_id(0), tl.program_id(1)
@@ -178,8 +184,8 @@ def update_launch(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | 
                 s_sc=conv_state.stride(1), s_ss=conv_state.stride(2), s_wc=weight.stride(0), s_wk=weight.stride(1),
                 s_bc=_bias_stride(bias),
                 K=weight.shape[-1], BL=_pow2(L), BS=_pow2(S), BC=BC, HAS_BIAS=bias is not None,
-                SILU=activation is not None, WDT=_TL[weight.dtype])
-    return Launch(_causal_conv1d_update_kernel, (cdiv(C, BC), B), args, ("out", "new_state"), 4)
+                SILU=activation is not None, WDT=_TL[weight.dtype], PDL=pdl_on(x))
+    return Launch(_causal_conv1d_update_kernel, (cdiv(C, BC), B), args, ("out", "new_state"), 4, pdl=args["PDL"])
 
 
 def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, *,

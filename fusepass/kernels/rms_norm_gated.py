@@ -43,6 +43,9 @@ from fusepass.kernels._common import (
     is_ptr,
     on_device,
     op_eps,
+    pdl_on,
+    pdl_release,
+    pdl_wait,
     register_inline,
     round_to,
     rows,
@@ -100,7 +103,12 @@ def _rms_norm_gated_fwd_kernel(
     LOOPED: tl.constexpr,
     EPS_PTR: tl.constexpr,
     EMU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
     eps = scalar_fp32(eps, EPS_PTR)
     i_m = tl.program_id(0)
@@ -228,8 +236,9 @@ def rms_norm_gated_launch(x: Tensor, gate: Tensor, weight: Tensor, eps: float | 
     eps = scalar_arg(eps, x)
     args = dict(x=x2, z=z2, w=w, y=y, stride_x=x2.stride(0), stride_z=z2.stride(0), stride_y=N, M=M, N=N, eps=eps,
                 **_flags(x, weight, cast_before_weight, activation), BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped,
-                EPS_PTR=is_ptr(eps))
-    return Launch(_rms_norm_gated_fwd_kernel, (M if cfg.looped else cdiv(M, cfg.BM),), args, ("y",), cfg.num_warps)
+                EPS_PTR=is_ptr(eps), PDL=pdl_on(x))
+    return Launch(_rms_norm_gated_fwd_kernel, (M if cfg.looped else cdiv(M, cfg.BM),), args, ("y",), cfg.num_warps,
+                  pdl=args["PDL"])
 
 
 def rms_norm_gated_fwd(

@@ -15,7 +15,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import Launch, cdiv, emulate_rounding, on_device, run_all, sm_count
+from fusepass.kernels._common import Launch, cdiv, emulate_rounding, on_device, pdl_on, run_all, sm_count
 from fusepass.kernels.gdn.chunk_kernels import (_gdn_inverse_kernel, _gdn_output_kernel, _gdn_scan_kernel, _gdn_state_kernel,
                                                 _gdn_wu_kernel)
 from fusepass.kernels.gdn.recurrent_kernel import _gdn_recurrent_kernel
@@ -288,8 +288,8 @@ def recurrent_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h
                 T=T, HV=HV, GROUP=HV // HK, NV=NV, scale=scale, **_strides("q", q), **_strides("k", k),
                 **_strides("v", v), **_strides("g", g), **_strides("b", beta),
                 DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
-                EMU=emulate_rounding(q.dtype), EPS=L2NORM_EPS, RISING_ONLY=rising_only)
-    return Launch(_gdn_recurrent_kernel, (NV * B * HV,), args, ("o", "hT"), num_warps or 4)
+                EMU=emulate_rounding(q.dtype), EPS=L2NORM_EPS, RISING_ONLY=rising_only, PDL=pdl_on(q))
+    return Launch(_gdn_recurrent_kernel, (NV * B * HV,), args, ("o", "hT"), num_warps or 4, pdl=args["PDL"])
 
 
 def gdn_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,

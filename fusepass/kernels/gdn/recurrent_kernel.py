@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import round_to, scalar_fp32
+from fusepass.kernels._common import pdl_release, pdl_wait, round_to, scalar_fp32
 
 
 @triton.jit
@@ -16,7 +16,12 @@ def _gdn_recurrent_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, HAS_H0: tl.constexpr, EMU: tl.constexpr, EPS: tl.constexpr,
     RISING_ONLY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
+    # nothing is read before the wait; the next kernel may start once every program waited
+    pdl_wait(PDL)
+    pdl_release(PDL)
     # One program per (b, h, d_v block): the [DK, BV] state slice is read
     # once, lives in registers across the T tokens, and is written once.
     # RISING_ONLY (after the chunked kernels): only a head with some g > 0 is

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusepass.kernels._common import Launch, cdiv, interpreting, pdl_release, pdl_supported, pdl_wait
+from fusepass.kernels._common import Launch, cdiv, interpreting, pdl_on, pdl_release, pdl_wait
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.dequant_matmul.tiles import _chunk_sums, _int4_minus_loaded_zero, _pair_to_f32
 from fusepass.kernels.moe import _tiles
@@ -561,7 +561,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
     if vb1 and (x.stride(0) % 2 or x.storage_offset() % 2):  # (pairs need whole words)
         x = x.contiguous()
     x2 = pairs(x) if vb1 else x
-    pdl = cfg.pdl and pdl_supported(x)
+    pdl = cfg.pdl and pdl_on(x)
     h = go(Launch(_moe_decode_up_kernel, (S, cdiv(I, cfg.BN)), dict(
         x=x, x2=x2, ids=ids, w=w1, bias=b1 if b1 is not None else dummy, scale=s1 if s1 is not None else dummy,
         zero=z1 if z1 is not None else dummy, h=h,

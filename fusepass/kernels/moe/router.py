@@ -63,8 +63,8 @@ from fusepass.kernels._common import (
     inline_enabled,
     interpreting,
     on_device,
+    pdl_on,
     pdl_release,
-    pdl_supported,
     pdl_wait,
     register_inline,
     run_kernel,
@@ -319,8 +319,10 @@ def router_heuristic(T: int, E: int, H: int) -> RouterConfig:
         # One token: the one-pass top-k (H200, commit 9ba7c38: Qwen3-30B-A3B's
         # router 4.7 µs against 6.6, gpt-oss-20b's 4.1 against 4.5); at 8 tokens
         # the rounds (gpt-oss 7.1 against 8.0; Qwen3's 128 experts do not fit).
+        # PDL (a wait at the start, no early release): the norm before it releases
+        # at its start, so the router's programs are resident when it ends.
         return RouterConfig(BT=BT, BE=BE, BK=max(16, min(4096 // (BT * BE), cdiv_pow2(H))), dot=False,
-                            rank=BT == 1)
+                            rank=BT == 1, pdl=True)
     return _whole(BEA, H)
 
 
@@ -371,8 +373,8 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
         HAS_BIAS=bias is not None, HAS_CB=correction_bias is not None, SPLIT=split,
         USE_DOT=cfg.dot and BEA >= 16 and cfg.BT >= 16, F32=f32,
         BT=cfg.BT, BE=cfg.BE if split else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k),
-        RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps), PDL=cfg.pdl and pdl_supported(x),
-        RELEASE=cfg.release and pdl_supported(x))
+        RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps), PDL=cfg.pdl and pdl_on(x),
+        RELEASE=cfg.release and pdl_on(x))
     outputs = ("logits", "tw", "tid") + (("ctr",) if split else ())
     return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps, pdl=args["PDL"])
 
