@@ -225,6 +225,19 @@ def pdl_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """The first statement of a decode-path kernel (the GEMVs, norms, gated
+    activation, attention, GDN's decode step) launched with ``Launch(pdl=...)``:
+    wait for the kernel before it, since every operand but the weights may be
+    its output, then let the next launch's programs start, so they are
+    resident when this kernel ends (H200, replayed decode steps: Llama-3-8B
+    int4 8 layers 888.0 -> 855.2 µs).  An L2 prefetch of the weights before
+    the wait was slower (893.6)."""
+    pdl_wait(PDL)
+    pdl_release(PDL)
+
+
 def pdl_supported(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device may carry the PDL attribute (sm_90+)."""
     return _HAS_GDC and t.is_cuda and not interpreting() and _hopper_or_later(t.device)

@@ -42,8 +42,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES as _KERNEL_DTYPES
-from fusepass.kernels._common import Launch, cdiv, inline_enabled, on_device, pdl_on, pdl_release, pdl_wait, \
-    register_inline, run_kernel
+from fusepass.kernels._common import Launch, cdiv, inline_enabled, on_device, pdl_begin, pdl_on, register_inline, \
+    run_kernel
 
 _ACTIVATIONS = (None, "silu", "swish")
 _MAX_K = 8
@@ -100,10 +100,7 @@ def _causal_conv1d_update_kernel(
     SILU: tl.constexpr, WDT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # One program per (BC channels, batch row): the window of cat(state, x)
     # each output reads, and the shifted state, written to new_state [B, C, S].
     i_c, i_b = tl.program_id(0), tl.program_id(1)

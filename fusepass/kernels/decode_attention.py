@@ -43,8 +43,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
-from fusepass.kernels._common import Launch, call, cdiv, emulate_rounding, inline_enabled, on_device, pdl_on, \
-    pdl_release, pdl_wait, register_inline, rne_bf16, round_to, run_all, run_kernel, scalar_fp32, sm_count, trace_all
+from fusepass.kernels._common import Launch, call, cdiv, emulate_rounding, inline_enabled, on_device, pdl_begin, \
+    pdl_on, register_inline, rne_bf16, round_to, run_all, run_kernel, scalar_fp32, sm_count, trace_all
 
 MAX_ROWS = 64  # query rows of one key/value head (G x T) in one tile; more are a prefill (SDPA's)
 MAX_DIM = 256
@@ -70,10 +70,7 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                              IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr,
                              BD: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr = False):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     pid = tl.program_id(0)  # b * HKV + key/value head
     sp = tl.program_id(1)  # split of L
     b = pid // HKV
@@ -152,10 +149,7 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
 @triton.jit
 def _decode_attention_merge_kernel(ws, wml, o, H, HKV, T, DV, G, NSPLIT, EMU: tl.constexpr, BR: tl.constexpr,
                                    BDV: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = False):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # The splits of one (batch, key/value head) and BDV columns: rows scaled to the largest max, summed,
     # divided once.  (ws rows are BW wide; BDV <= BW columns a program.)
     pid = tl.program_id(0)

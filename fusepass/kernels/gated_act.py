@@ -39,9 +39,8 @@ from fusepass.kernels._common import (
     emulate_rounding,
     inline_enabled,
     on_device,
+    pdl_begin,
     pdl_on,
-    pdl_release,
-    pdl_wait,
     register_inline,
     row_view,
     round_to,
@@ -68,10 +67,7 @@ def _gated_act_fwd_kernel(
     EMU_O: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # One flat grid of M * NB programs, column blocks fastest: consecutive
     # programs walk along a row, and M is not bound by the 65535 limit of the
     # grid's second axis (prefill batches reach M = 131072 tokens).

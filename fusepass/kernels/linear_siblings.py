@@ -29,8 +29,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fusepass.formats import KERNEL_DTYPES
-from fusepass.kernels._common import Launch, call, cdiv, flat_rows, inline_enabled, on_device, pdl_on, pdl_release, \
-    pdl_wait, register_inline, run_kernel, sm_count
+from fusepass.kernels._common import Launch, call, cdiv, flat_rows, inline_enabled, on_device, pdl_begin, pdl_on, \
+    register_inline, run_kernel, sm_count
 
 MAX_WEIGHTS = 4
 MAX_ROWS = 4  # rows of x the GEMV takes; more are a GEMM (cuBLAS)
@@ -95,10 +95,7 @@ def _linear_siblings_kernel(x, w0, w1, w2, w3, b0, b1, b2, b3, o0, o1, o2, o3, N
                             HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
                             NW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                             EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # E0 <= E1 <= E2: where the blocks of weights 0, 1, 2 end.  A slot past NW
     # is compiled out, so its pointers (x, never read or written) do not count
     # as the launch's writes.

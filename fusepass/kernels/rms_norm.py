@@ -51,9 +51,8 @@ from fusepass.kernels._common import (
     is_ptr,
     on_device,
     op_eps,
+    pdl_begin,
     pdl_on,
-    pdl_release,
-    pdl_wait,
     register_inline,
     round_to,
     run_kernel,
@@ -90,10 +89,7 @@ def _rms_norm_fwd_kernel(
     EMU_Y: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # Variants ``row`` (BM = 1) and ``tile``: BN >= N, each row is read once
     # and stays in registers between the reduction and the scaling.
     # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
@@ -191,10 +187,7 @@ def _rms_norm_fwd_looped_kernel(
     EMU_Y: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # Variant ``looped``: a persistent grid of a few programs per SM, each
     # walking rows i_p, i_p + grid, ...; a row is BN-wide chunks, read twice
     # (the second time from L2: the launcher sizes the grid so that the rows

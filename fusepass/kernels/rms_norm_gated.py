@@ -43,9 +43,8 @@ from fusepass.kernels._common import (
     is_ptr,
     on_device,
     op_eps,
+    pdl_begin,
     pdl_on,
-    pdl_release,
-    pdl_wait,
     register_inline,
     round_to,
     rows,
@@ -105,10 +104,7 @@ def _rms_norm_gated_fwd_kernel(
     EMU: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # eps: a number or a pointer to one (a runtime eps: see _common.scalar_arg).
     eps = scalar_fp32(eps, EPS_PTR)
     i_m = tl.program_id(0)

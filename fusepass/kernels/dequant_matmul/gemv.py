@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import pdl_release, pdl_wait
+from fusepass.kernels._common import pdl_begin
 from fusepass.kernels.dequant_matmul.tiles import (
     _chunk_sums,
     _codebook_pair,
@@ -586,10 +586,7 @@ def _dequant_gemv_kernel(
     LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT)
     # (HQQ: BN pairs of rows; GPTQ: BN columns of its [K, N] words).
     # EVEN_K: the slices cover K exactly and BK divides K_SPLIT, so no load along K
@@ -628,10 +625,7 @@ def _dequant_gemv_siblings_kernel(
     BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # Two or three weights of one format that read the same x (q / k / v, gate /
     # up) in one grid: program p owns BN rows of the weight whose block range
     # holds p (E0, E1: where the blocks of weights 0 and 1 end), each through its

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import pdl_release, pdl_wait, round_to, scalar_fp32
+from fusepass.kernels._common import pdl_begin, round_to, scalar_fp32
 
 
 @triton.jit
@@ -18,10 +18,7 @@ def _gdn_recurrent_kernel(
     RISING_ONLY: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # PDL: the launch may start before the previous kernel ends (_common.pdl_wait):
-    # nothing is read before the wait; the next kernel may start once every program waited
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # One program per (b, h, d_v block): the [DK, BV] state slice is read
     # once, lives in registers across the T tokens, and is written once.
     # RISING_ONLY (after the chunked kernels): only a head with some g > 0 is
