@@ -244,9 +244,10 @@ def pdl_supported(t: torch.Tensor) -> bool:
 
 
 def pdl_on(t: torch.Tensor) -> bool:
-    """Whether a launch of the decode path's kernels (GEMVs, norms, activation,
-    attention) on ``t``'s device carries PDL: where supported, unless
-    ``FUSEPASS_PDL=0`` (read at each launch, so one process can time both)."""
+    """Whether a launch of the decode path's kernels (those that start with
+    :func:`pdl_begin`, and the MoE router's and experts') on ``t``'s device
+    carries PDL: where supported, unless ``FUSEPASS_PDL=0`` (read at each
+    launch, so one process can time both)."""
     return pdl_supported(t) and os.environ.get("FUSEPASS_PDL", "1") != "0"
 
 

@@ -214,6 +214,7 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         ws = wml = torch.empty((1,), dtype=torch.float32, device=q.device)
     bb = bias if bias is not None else q
     bs = bias.stride() if bias is not None else (0, 0, 0, 0)
+    pdl = pdl_on(q)
     main = Launch(_decode_attention_kernel, (B * HKV, split), dict(
         q=q, k=k, v=v, bias=bb, o=out, ws=ws, wml=wml, H=H, HKV=HKV, T=T, L=L, D=D, DV=DV, G=G, SPAN=span,
         s_qb=q.stride(0), s_qh=q.stride(1), s_qt=q.stride(2), s_qd=q.stride(3),
@@ -222,13 +223,13 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
         IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)), BDV=BDV,
-        PDL=pdl_on(q)), ("ws", "wml") if split > 1 else ("o",), warps, 2, pdl=pdl_on(q))
+        PDL=pdl), ("ws", "wml") if split > 1 else ("o",), warps, 2, pdl=pdl)
     if split == 1:
         return [main], out
     BDM = min(BDV, 64)
     merge = Launch(_decode_attention_merge_kernel, (B * HKV, BDV // BDM), dict(
         ws=ws, wml=wml, o=out, H=H, HKV=HKV, T=T, DV=DV, G=G, NSPLIT=split, EMU=emulate_rounding(q.dtype), BR=BR,
-        BDV=BDM, BW=BDV, PDL=pdl_on(q)), ("o",), 4, pdl=pdl_on(q))
+        BDV=BDM, BW=BDV, PDL=pdl), ("o",), 4, pdl=pdl)
     return [main, merge], out
 
 

@@ -400,11 +400,8 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
                                  (8, 128, 4)):
             cands[f"down-BN{bn2}-BK{bk2}-w{warps2}-ahead"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2,
                                                                      ahead2=True)
-        # down's K split over 2-3 programs a tile (more programs in flight: the one-token int4 kernels
-        # are bound by latency at low occupancy, ncu; 128 registers at the heuristic's tile, sm_90)
-        for bn2, warps2, split in ((4, 2, 2), (4, 2, 3), (2, 2, 2), (2, 1, 3), (8, 2, 2)):
-            cands[f"down-BN{bn2}-BK128-w{warps2}-ahead-S{split}"] = replace(base, BN2=bn2, BK2=128, warps2=warps2,
-                                                                         ahead2=True, split2=split)
+        # (down's K split over 2-3 programs a tile lost at every tile: 15.8-18.4 µs against 14.0 for
+        # the experts, H200, 40d0686; not swept)
     ref = block.reference(x, ids, w, quant)
     times = {}
     for name, cfg in cands.items():

@@ -190,10 +190,10 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
             args.update(w=w, stride_wn=w.stride(0))
         xp = _pairs(x) if fmt == "int4" or fmt.startswith("gptq4") or fmt in CODEBOOKS else x
         asm = x.is_cuda and not interpreting() and gemv_asm(fmt, G, N, cfg)
+        pdl = pdl_on(x)
         return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if fmt == "hqq4" and loop else N, cfg.BN), split),
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "NG": ng, "BM": _pow2(M), "ASM": asm,
-                       "LOOP": loop, "FOLD": _fold(cfg, x), "PDL": pdl_on(x)}, outputs, cfg.warps, cfg.stages,
-                      pdl=pdl_on(x))
+                       "LOOP": loop, "FOLD": _fold(cfg, x), "PDL": pdl}, outputs, cfg.warps, cfg.stages, pdl=pdl)
     if cfg.kind == "mmt":
         # int4, the code books and HQQ always, int8 in whole tiles: the weight read
         # as int32 words (see the kernel); the code books' words hold codes in

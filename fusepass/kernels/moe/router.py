@@ -360,6 +360,7 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
     E = weight.shape[0]
     BEA = cdiv_pow2(E)
     split = ctr is not None
+    pdl = pdl_on(x)
     if not split and cfg.BE < BEA:
         cfg = _whole(BEA, H)
     n_t, n_e = cdiv(T, cfg.BT), (cdiv(E, cfg.BE) if split else 1)
@@ -373,8 +374,7 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
         HAS_BIAS=bias is not None, HAS_CB=correction_bias is not None, SPLIT=split,
         USE_DOT=cfg.dot and BEA >= 16 and cfg.BT >= 16, F32=f32,
         BT=cfg.BT, BE=cfg.BE if split else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k),
-        RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps), PDL=cfg.pdl and pdl_on(x),
-        RELEASE=cfg.release and pdl_on(x))
+        RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps), PDL=cfg.pdl and pdl, RELEASE=cfg.release and pdl)
     outputs = ("logits", "tw", "tid") + (("ctr",) if split else ())
     return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps, pdl=args["PDL"])
 
