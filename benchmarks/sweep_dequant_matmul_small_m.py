@@ -59,10 +59,14 @@ MAX_COPIES = 48  # of the cold ring (dm.cold_copies: three L2s' worth)
 
 
 def configs(fmt: str, M: int, N: int, K: int, smoke: bool, quick: bool = False, wide: bool = False,
-            xperm: bool = False, fold_ab: bool = False) -> list[dm.Config]:
+            xperm: bool = False, fold_ab: bool = False, splits: tuple[int, ...] = ()) -> list[dm.Config]:
     if M <= 8:
         cands = tuner.candidates(dm.Problem.of(M, N, K, fmt, GROUP, torch.bfloat16, "cpu" if smoke else "cuda"))
         cands = [c for c in cands if c.kind == "gemv"][:2] if smoke else cands
+        if splits:  # each GEMV tile also with K in these many slices (whole tiles a slice)
+            more = [dataclasses.replace(c, split=s) for c in cands if c.kind == "gemv" and c.split == 1
+                    for s in splits if 1 < s <= K // c.BK]
+            cands = cands + [c for c in more if c not in cands]
         if fold_ab and M == 1 and fmt == "int4":  # each GEMV also with the zero point taken off per value
             cands = cands + [dataclasses.replace(c, fold=0) for c in cands if c.kind == "gemv"]
         return cands
@@ -107,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--wide", action="store_true", help="at M > 8, every split of 64- and 128-row tiles, int4 scales loaded 0-2 tiles ahead")
     p.add_argument("--fold-ab", action="store_true", help="int4 at M = 1: each GEMV config also with fold=0 "
                    "(the zero point subtracted per value instead of off each chunk's sum)")
+    p.add_argument("--splits", default="", help="at M <= 8: each GEMV candidate also split over K into these "
+                   "many slices (comma list; splits of whole tiles only)")
     p.add_argument("--both-sums", action="store_true", help="also time each split-K config with its slices summed "
                    "by a second kernel (provider <kind>-2k) instead of by each tile's last program")
     args = p.parse_args(argv)
@@ -180,7 +186,8 @@ def main(argv=None) -> int:
                             best[mode][provider] = (us, label)
 
                 heur = dm_plans.heuristic(dm.Problem.of(M, N, K, fmt, G, torch.bfloat16, device))
-                cands = configs(fmt, M, N, K, smoke, args.quick, args.wide, args.xperm, args.fold_ab)
+                cands = configs(fmt, M, N, K, smoke, args.quick, args.wide, args.xperm, args.fold_ab,
+                                tuple(int(v) for v in args.splits.split(",") if v))
                 if heur.kind != "cublas" and heur not in cands:
                     cands = [heur, *cands]
                 if not smoke:
