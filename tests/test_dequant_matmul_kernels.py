@@ -849,6 +849,68 @@ def test_tune_command_lists_a_models_problems_and_needs_a_gpu_to_time(plan_files
         assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+def test_tune_step_keeps_what_the_step_times_faster(plan_files):
+    """``fusepass tune --step``'s search: each plan the step looked up is pinned to
+    each candidate and the step timed; the fastest is kept where it gains more
+    than min_gain, one key at a time with the choices made before it; a
+    candidate that fails is skipped; the plans in place stay where nothing
+    gains enough.  The step here is a sum of made-up times of the plans that
+    ``plans.lookup`` returns (what the ops' calls see), so pin's effect on
+    lookups is what is tested."""
+    from fusepass.bench.e2e.tune_step import search
+
+    a = Problem.of(1, 6144, 4096, "int4", 128, torch.bfloat16, "cuda")
+    b = Problem.of(1, 4096, 14336, "int4", 128, torch.bfloat16, "cuda")
+    c = Problem.of(1, 4096, 4096, "int4", 128, torch.bfloat16, "cuda")
+    keys = [(p, plans.lookup(p)) for p in (b, a, c)]
+    start = dict(keys)
+    # four other candidates of each key: 10, 11, 12, 13 µs; the plans in place 12
+    others = {p: [cfg for cfg in tuner.candidates(p) if cfg.kind == "gemv" and cfg != start[p]][:4] for p in start}
+    cost = {(p, cfg): 10.0 + i for p in start for i, cfg in enumerate(others[p])}
+    cost.update({(p, cfg): 12.0 for p, cfg in keys})
+    bad = others[a][0]
+    cost[(b, others[b][1])] = 11.0 - 1.0  # b: 10 and 10 (the first of equal times kept)
+    for cfg in others[a][1:]:
+        cost[(a, cfg)] = 11.99             # a: 0.01 µs better than in place, under min_gain
+    cost[(a, bad)] = 5.0                   # fastest, but it fails
+    cost[(c, others[c][3])] = 9.0          # c: 3 µs better
+
+    def measure():
+        now = {p: plans.lookup(p) for p in start}
+        if now[a] == bad:
+            raise RuntimeError("out of resources")
+        return sum(cost[(p, cfg)] for p, cfg in now.items())
+
+    lines = []
+    cands = {p: [start[p]] + others[p] for p in start}  # (the plan in place among them is not timed twice)
+    choices, trials = search(keys, lambda p: cands[p], measure, plans.pin, min_gain=0.005, say=lines.append)
+    got = {ch.key: ch.after for ch in choices}
+    assert got[b] == others[b][0] and got[a] == start[a] and got[c] == others[c][3]
+    assert any("failed (RuntimeError" in line for line in lines)
+    assert sum(t.cfg == start[b] for t in trials) == 0 and len(trials) == 3 + 4 + 3 + 4
+    # each key is first timed with its plan in place, after the earlier keys' choices
+    assert [t.us for t in trials if t.cfg is None] == [36.0, 34.0, 34.0]
+    assert plans.lookup(b) == others[b][0] and plans.lookup(c) == others[c][3]  # left pinned
+    plans.pin(b, None)
+    assert plans.lookup(b) == start[b]  # unpinned: the files (or the heuristic) again
+    # out of budget before the first key: nothing timed, the plans in place kept
+    choices, trials = search(keys, lambda p: cands[p], measure, plans.pin, budget_s=-1.0, say=lines.append)
+    assert not trials and all(ch.after == ch.before for ch in choices)
+    # a plan kept by the step is saved as the step's, apart from kernel timings
+    plans.save(c, others[c][3], 830.5, where="step")
+    saved = json.loads(plan_files.read_text())["plans"][c.key]
+    assert saved["where"] == "step" and saved["us"] == 830.5 and plans.from_entry(saved) == others[c][3]
+
+
+def test_tune_step_needs_a_gpu(capsys):
+    from fusepass.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the command times a model")
+    assert main(["tune", "--step", "tiny-llama", "--quantize", "int4"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().out
+
+
 # -- other libraries' layouts (fusepass.formats.LIBRARY_FORMATS) ------------------------------
 
 LIB_PATHS = {

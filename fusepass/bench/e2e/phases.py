@@ -176,8 +176,6 @@ def phase_decode(run: Run) -> None:
 
 
 def phase_replay(run: Run) -> None:
-    from transformers import StaticCache
-
     model = run.get_model()
     prompt = run.args.prompt
     # Eager last: a capture that fails (a host sync inside eager code) must not
@@ -190,21 +188,9 @@ def phase_replay(run: Run) -> None:
                 continue
             run.say(f"replay B={batch} {backend}: compiling and capturing")
             try:
-                cache = StaticCache(config=model.config, max_cache_len=prompt + run.args.new_tokens)
                 with torch.no_grad():
-                    model(input_ids=run.ids(batch, prompt), past_key_values=cache, use_cache=True)  # fill it
-                    ids = run.ids(batch, 1, seed=2)
-                    pos = torch.tensor([prompt], device=run.device)
-                    position_ids = pos.expand(batch, 1)
-                    rewind = _rewinder(cache, prompt)
-
-                    def step() -> torch.Tensor:
-                        # Every replay writes position `prompt` again: the cache's own
-                        # write counter (transformers >= 5.x) is set back first.
-                        rewind()
-                        return fn(input_ids=ids, past_key_values=cache, position_ids=position_ids,
-                                  cache_position=pos, use_cache=True).logits
-
+                    step, cache = decode_step(model, fn, run.ids, batch, prompt, prompt + run.args.new_tokens,
+                                              run.device)
                     if run.cuda:
                         replay = captured(step)
                         replays = run.args.replays
@@ -238,6 +224,31 @@ def phase_replay(run: Run) -> None:
             if run.cuda:
                 del replay, replay_k
                 torch.cuda.empty_cache()
+
+
+def decode_step(model: torch.nn.Module, fn: Callable[..., Any], ids_of: Callable[..., torch.Tensor], batch: int,
+                prompt: int, max_len: int, device: str) -> tuple[Callable[[], torch.Tensor], Any]:
+    """(step, cache): one decode step of ``fn`` (``model`` compiled, or the model)
+    at position ``prompt`` of a static cache that ``model`` filled with a prompt
+    of ``ids_of(batch, prompt)``; every call writes that position again (call
+    it under ``torch.no_grad()``)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    model(input_ids=ids_of(batch, prompt), past_key_values=cache, use_cache=True)  # fill it
+    ids = ids_of(batch, 1, seed=2)
+    pos = torch.tensor([prompt], device=device)
+    position_ids = pos.expand(batch, 1)
+    rewind = _rewinder(cache, prompt)
+
+    def step() -> torch.Tensor:
+        # Every replay writes position `prompt` again: the cache's own
+        # write counter (transformers >= 5.x) is set back first.
+        rewind()
+        return fn(input_ids=ids, past_key_values=cache, position_ids=position_ids,
+                  cache_position=pos, use_cache=True).logits
+
+    return step, cache
 
 
 def _rewinder(cache: Any, position: int) -> Callable[[], None]:

@@ -307,17 +307,36 @@ def lookup(p: Problem) -> Config:
     return cfg
 
 
+def looked_up() -> dict[Problem, Config]:
+    """The problems this process looked a plan up for so far, with the plan each got."""
+    with _lock:
+        return dict(_looked_up)
+
+
+def pin(p: Problem, cfg: Config | None) -> None:
+    """Make later lookups of ``p`` in this process return ``cfg`` (``fusepass tune
+    --step`` trying a plan in a model; None: read the plan files again).  A
+    graph that inlined the op keeps the plan it chose; op calls look it up at
+    every call."""
+    with _lock:
+        if cfg is None:
+            _looked_up.pop(p, None)
+        else:
+            _looked_up[p] = cfg
+
+
 def measured(p: Problem) -> dict | None:
     """The plan file entry for ``p`` (with its measured "us"), if any."""
     with _lock:
         return _user_plans().get(p.key) or _shipped_plans(p.gpu).get(p.key)
 
 
-def save(p: Problem, cfg: Config, us: float) -> None:
+def save(p: Problem, cfg: Config, us: float, where: str | None = None) -> None:
     """Keep a measured plan in the user cache (and in memory: later lookups in
     this process see it; compiled graphs that chose the old one recompile, as
-    :func:`fingerprint` changes)."""
-    entry = {**asdict(cfg), "us": round(us, 2)}
+    :func:`fingerprint` changes).  ``us``: the kernel's time, or with ``where``
+    what was timed instead ("step": a model's decode step)."""
+    entry = {**asdict(cfg), "us": round(us, 2), **({"where": where} if where else {})}
     with _lock:
         _user_plans()[p.key] = entry
         _looked_up.clear()
