@@ -45,7 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", choices=MODELS, default=None, help="tune the shapes of this random-weight model")
     p.add_argument("--size", choices=["tiny", "small", "medium"], default="small")
-    p.add_argument("--quantize", "--fmt", dest="fmt", choices=FORMATS, default="int8", help="weight format")
+    from fusepass.bench.e2e.models import QUANTIZE
+
+    p.add_argument("--quantize", "--fmt", dest="fmt", choices=list(dict.fromkeys(FORMATS + QUANTIZE)), default="int8",
+                   help=f"weight format ({', '.join(FORMATS)}; with --step also {', '.join(QUANTIZE[2:])}, "
+                        "as fusepass bench e2e quantizes)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
                    help="int4 group size (default 32; 128 with --step, as fusepass bench e2e)")
     p.add_argument("--batch", type=int, default=2, help="prefill batch (with --model)")
@@ -84,8 +88,11 @@ def model_shapes(name: str, size: str, fmt: str, group_size: int) -> list[tuple[
 
 
 def problems(args: argparse.Namespace, device: torch.device):
+    from fusepass.formats import FORMATS
     from fusepass.kernels.dequant_matmul import Problem
 
+    if args.fmt not in FORMATS:
+        raise SystemExit(f"fusepass tune: --quantize {args.fmt} is for --step (a library's layers in a model)")
     if args.shapes:
         shapes = [tuple(_ints(nk.replace("x", ","))) for nk in args.shapes.split(",") if nk.strip()]
         ms = _ints(args.m)

@@ -909,6 +909,8 @@ def test_tune_step_needs_a_gpu(capsys):
         pytest.skip("on a GPU the command times a model")
     assert main(["tune", "--step", "tiny-llama", "--quantize", "int4"]) == 2
     assert "CUDA GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="is for --step"):  # a library's layers: only in a model's step
+        main(["tune", "--shapes", "64x32", "--quantize", "bnb-nf4", "--list"])
 
 
 # -- other libraries' layouts (fusepass.formats.LIBRARY_FORMATS) ------------------------------

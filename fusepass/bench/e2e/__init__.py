@@ -50,7 +50,7 @@ import time
 
 from ...formats import GROUP_SIZES
 from .. import output
-from .models import MODELS
+from .models import MODELS, QUANTIZE
 from .phases import phase_decode, phase_prefill, phase_replay
 from .run import DTYPES, VARIANT, Run, fusepass_options
 from .startup import phase_startup
@@ -127,8 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the tiny model on the CPU, a few shapes (CI)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--quantize", choices=["int8", "int4", "torchao-int8", "bnb-nf4", "bnb-fp4", "gptq",
-                                          "gptq-act-order"], default=None,
+    p.add_argument("--quantize", choices=QUANTIZE, default=None,
                    help="weight-only quantization: int8/int4 through fusepass.quantize, torchao-int8 through "
                         "torchao's Int8WeightOnlyConfig, bnb-nf4/bnb-fp4 as bitsandbytes' Linear4bit (blocks "
                         "of 64, no double quantization), gptq/gptq-act-order: each linear written in GPTQ's "

@@ -149,6 +149,10 @@ def build(name: str, layers: str | int, dtype: torch.dtype, device: str, seed: i
     return model.eval()
 
 
+# --quantize's names: fusepass.quantize's int8 / int4, torchao's int8, bitsandbytes' 4-bit, GPTQ's layout
+QUANTIZE = ("int8", "int4", "torchao-int8", "bnb-nf4", "bnb-fp4", "gptq", "gptq-act-order")
+
+
 def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.nn.Module:
     if not fmt:
         return model
