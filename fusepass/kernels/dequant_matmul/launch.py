@@ -73,7 +73,7 @@ def _words(w: Tensor) -> Tensor:
     """A weight of bytes (int4 / nf4 / fp4 packed uint8 [N, K / 2], int8 [N, K]) as int32 words
     of four bytes; a row stride or offset that is not whole words is copied first."""
     if w.stride(0) % 4 or w.storage_offset() % 4:
-        w = w.contiguous()
+        w = w.clone(memory_format=torch.contiguous_format)  # (a new storage: contiguous() keeps the offset)
     return w.view(torch.int32)
 
 

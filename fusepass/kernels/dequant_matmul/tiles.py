@@ -91,14 +91,21 @@ def _int4_minus_zero(b_q, p_z, m_z, HAS_ZERO: tl.constexpr, ZERO_F32: tl.constex
 def _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO: tl.constexpr, ZERO_F32: tl.constexpr, ASM: tl.constexpr):
     """_int4_minus_zero with the zero points [...] already loaded (as stored; unused without them)."""
     b_e, b_o = _nibbles_128(b_q, ASM)
+    # (one return: Triton's frontend also builds the code after a return inside
+    # a constexpr if, there with b_z already expanded: "inconsistent return
+    # types" on the GPU for fp32 zero points, the interpreter did not mind)
     if ZERO_F32:
-        b_z = tl.expand_dims(b_z, -1)
-        return (b_e - 128.0) - b_z, (b_o - 128.0) - b_z
-    if HAS_ZERO:
-        b_c = tl.expand_dims(128.0 + b_z.to(tl.float32), -1)
+        b_zz = tl.expand_dims(b_z, -1)
+        b_lo = (b_e - 128.0) - b_zz
+        b_hi = (b_o - 128.0) - b_zz
     else:
-        b_c = 136.0
-    return b_e - b_c, b_o - b_c
+        if HAS_ZERO:
+            b_c = tl.expand_dims(128.0 + b_z.to(tl.float32), -1)
+        else:
+            b_c = 136.0
+        b_lo = b_e - b_c
+        b_hi = b_o - b_c
+    return b_lo, b_hi
 
 
 @triton.jit
