@@ -5,7 +5,7 @@
 
 Groups: norms, dequant_matmul (int8 / int4 / fp8), library (nf4, fp4, gptq4
 with an act-order g_idx and, at GEMV sizes, g_idx = k // G too, gptq4_v1,
-hqq4), gdn, conv, linear (linear_siblings), attention (decode_attention), moe (router and experts
+hqq4), gdn, conv, linear (linear_siblings, the quantized siblings and gated), attention (decode_attention), moe (router and experts
 at Qwen3-30B-A3B's, gpt-oss-20b's and DeepSeek-V3's sizes, quantized expert
 stacks) and all_reduce (``all_reduce_rms_norm`` on a one-rank process group:
 NCCL for the CUDA tensors, gloo for the CPU copies).  Besides each op's own
@@ -657,6 +657,18 @@ def linear_cases(quick: bool):
         bs = [_randn(Ns[0])] + [None] * (len(Ns) - 1)
         yield (f"dequant_matmul_siblings {fmt} M{M} K{K} N{Ns}", ops.dequant_matmul_siblings,
                (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0), 2e-2)
+    # gate and up with their activation in one launch (dequant_matmul_gated): two weights of one shape,
+    # both biased or neither, odd N (a program's half-tile past N), one to three rows
+    ggroups = [(4096, 14336), (320, 33)] if quick else [(4096, 14336), (3584, 18944), (320, 33), (1024, 7)]
+    for (K, N), fmt, M in itertools.product(ggroups, ("int4", "int8", "fp8"), (1, 3)):
+        layers = [quantize_rows(torch.randn(N, K, device=DEVICE) * 0.02, fmt, 64) for _ in range(2)]
+        ws = [q for q, _, _ in layers]
+        ss = [s.to(torch.bfloat16) if fmt == "int4" else s for _, s, _ in layers]
+        zs = [z.to(torch.bfloat16) if z is not None else None for _, _, z in layers]
+        bs = [_randn(N), _randn(N)] if M == 3 else [None, None]
+        act = ("silu", "gelu", "gelu_tanh")[(K + M) % 3]
+        yield (f"dequant_matmul_gated {fmt} {act} M{M} K{K} N{N}", ops.dequant_matmul_gated,
+               (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0, act), 2e-2)
 
 
 def attention_cases(quick: bool):

@@ -143,6 +143,11 @@ class Rule:
     # or of a token whose scores are all NaN).
     # Traced after the form's own nodes, so it is no part of the pattern.
     canonical: Callable[..., Any] | None = None
+    # Rules whose rewrites this rule's finder starts from (its forms are plain
+    # torch: those rules make the ops it looks for, as linear_siblings groups
+    # the dequantising rules' calls): enabled beside it when its forms are
+    # checked alone, and a form's block must be rewritten only where they are.
+    builds_on: tuple[str, ...] = ()
 
     def inputs(self, form: Form, dtype: torch.dtype) -> list[Any]:
         """Example inputs for ``form`` in ``dtype``: one per argument of its ``search`` not in ``scalars``."""
@@ -156,7 +161,7 @@ class Rule:
     def sources(self) -> str:
         """Source text of everything that decides what the rule does (for the cache key)."""
         parts = [self.name, repr(sorted(self.scalars.items())), repr(self.dtypes), str(self.priority)]
-        parts.append(f"any_reshape={self.any_reshape}")
+        parts.append(f"any_reshape={self.any_reshape} builds_on={self.builds_on}")
         for fn in [self.example_inputs, self.check, self.explain, self.find] + [
             f for form in self.forms for f in (form.search, form.replace, form.example_inputs)
         ]:
@@ -196,6 +201,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.causal_conv1d",
     "fusepass.patterns.linear_siblings",
     "fusepass.patterns.linear_one",
+    "fusepass.patterns.dequant_matmul_gated",
     "fusepass.patterns.decode_attention",
 )
 

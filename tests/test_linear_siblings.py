@@ -362,3 +362,102 @@ def test_linear_one_through_the_kernel_matches_eager():
     with torch.no_grad():
         want = copy.deepcopy(model).float()(x.float())
     assert_close(got, want.bfloat16(), "linear_one (Triton)", dtype=torch.bfloat16)
+
+
+# -- a quantized MLP's gate, up and activation: fusepass::dequant_matmul_gated -----------------
+
+class _MLP(torch.nn.Module):
+    """down(act(gate(x)) * up(x)); ``also`` returns gate's output too; ``order`` "up"
+    writes the product up * act(gate)."""
+
+    def __init__(self, act="silu", H=64, I=96, bias=False, also=False, order="gate"):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, I, bias=bias)
+        self.up = torch.nn.Linear(H, I, bias=bias)
+        self.down = torch.nn.Linear(I, H, bias=False)
+        self.act, self.also, self.order = act, also, order
+
+    def forward(self, x):
+        g = self.gate(x)
+        a = torch.nn.functional.silu(g) if self.act == "silu" else torch.nn.functional.gelu(g, approximate=self.act)
+        h = a * self.up(x) if self.order == "gate" else self.up(x) * a
+        return (self.down(h), g) if self.also else self.down(h)
+
+
+def _quantized_mlp(fmt, act="silu", dtype=torch.bfloat16, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = _MLP(act, **kw).to(dtype).eval()
+    fusepass.quantize(model, fmt, group_size=32)
+    return model
+
+
+_ACT_FORM = {"silu": "silu", "none": "gelu", "tanh": "gelu_tanh"}
+
+
+@pytest.mark.parametrize("fmt,act", [("int4", "silu"), ("int8", "none"), ("fp8", "tanh"), ("int4", "tanh")])
+def test_gated_rule_takes_a_quantized_mlp_at_one_token(fmt, act):
+    """gate and up quantized by fusepass.quantize, one token: one gated call in
+    place of the siblings and the activation (either product order, with
+    biases); the CPU body and the Triton kernel (interpreted) match eager."""
+    model = _quantized_mlp(fmt, act, bias=fmt == "int8", order="up" if fmt == "fp8" else "gate")
+    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    got, want, report = _compile(model, x)
+    assert [h.form for h in report.hits if h.rule == "dequant_matmul_gated"] == [f"{fmt}_{_ACT_FORM[act]}"]
+    assert_close(got, want, f"{fmt} gated", dtype=torch.bfloat16)
+    if differential.interpreting():
+        torch._dynamo.reset()
+        with differential.triton_on_cpu(), torch.no_grad():
+            got = torch.compile(model, backend="fusepass")(x)
+        assert_close(got, want, f"{fmt} gated (Triton)", dtype=torch.bfloat16)
+
+
+def test_gated_rule_leaves_a_gate_read_elsewhere_and_prefill_rows():
+    model = _quantized_mlp("int4", also=True)
+    got, want, report = _compile(model, torch.randn(1, 1, 64, dtype=torch.bfloat16))
+    assert not [h for h in report.hits if h.rule == "dequant_matmul_gated"]
+    assert any("also read outside the activation" in r for r in report.reasons())
+    for g, w in zip(got, want):
+        assert_close(g, w, "gate read elsewhere", dtype=torch.bfloat16)
+    _, _, report = _compile(_quantized_mlp("int4"), torch.randn(1, 12, 64, dtype=torch.bfloat16))
+    assert not [h for h in report.hits if h.rule in ("dequant_matmul_gated", "linear_siblings")]
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_gated_kernel_is_the_siblings_then_the_activation(fmt, dtype, monkeypatch):
+    """The one launch against its two-launch form (the siblings kernel, then the
+    gated_act kernel) on the same inputs: equal to the bit in fp16 and fp32
+    (each output column's sums are the siblings loop's); in bf16, where the
+    interpreter's conversion truncates the siblings' stores and the gated
+    kernel rounds, within the tolerance of eager's own result.  N odd and not
+    a whole tile, one to three rows, biases, every output element written."""
+    from fusepass.kernels.dequant_matmul import gated as gm
+    from fusepass.kernels.dequant_matmul.launch import gated_launch
+    from fusepass.quantize import quantize_rows
+
+    fusepass.kernels._common.clear_kernel_fallbacks()
+    launched = []
+    monkeypatch.setattr(gm, "gated_launch", lambda *a, **k: launched.append(1) or gated_launch(*a, **k))
+    torch.manual_seed(7)
+    K, N = 256, 37
+    ops = ["dequant_matmul_gated", "dequant_matmul_siblings", "swiglu", "geglu"]
+    for M, act, bias in ((1, "silu", True), (3, "gelu", False), (2, "gelu_tanh", True)):
+        q = [quantize_rows(torch.randn(N, K) * 0.1, fmt, 32) for _ in range(2)]
+        ws = [t[0] for t in q]
+        ss = [t[1].to(dtype) if fmt == "int4" else t[1] for t in q]
+        zs = [t[2].to(dtype) if t[2] is not None else None for t in q]
+        bs = [torch.randn(N, dtype=dtype) if bias else None for _ in range(2)]
+        x = torch.randn(M, K, dtype=dtype)
+        before = len(launched)
+        with differential.triton_on_cpu(ops):
+            got = torch.ops.fusepass.dequant_matmul_gated(x, ws, ss, zs, bs, fmt, 32, act)
+            g, u = torch.ops.fusepass.dequant_matmul_siblings(x, ws, ss, zs, bs, fmt, 32)
+            two = torch.ops.fusepass.swiglu(g, u) if act == "silu" else \
+                torch.ops.fusepass.geglu(g, u, gm.ACTIVATIONS[act])
+        assert len(launched) == before + 1 and got.shape == (M, N) and torch.isfinite(got).all()
+        if dtype == torch.bfloat16:
+            assert_close(got, gm._reference(x, ws, ss, zs, bs, fmt, 32, act), f"{fmt} gated", dtype=dtype)
+        else:
+            assert torch.equal(got, two), (fmt, dtype, M, act)
+    assert not fusepass.kernels._common.kernel_fallbacks()

@@ -213,6 +213,17 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("fp64", lambda: _siblings_inputs("int8", 0, (2,), (5, 3), torch.float64)),
         ("empty-rows", lambda: _siblings_inputs("int8", 0, (0,), (5, 3), torch.bfloat16)),
     ],
+    "dequant_matmul_gated": [
+        ("int4-g32-M1-zero-bias-bf16-silu", lambda: (*_siblings_inputs("int4", 32, (1,), (40, 40), torch.bfloat16,
+                                                                      zero=True, bias=(True, True)), "silu")),
+        ("int8-M2x1-fp16-gelu", lambda: (*_siblings_inputs("int8", 0, (2, 1), (24, 24), torch.float16), "gelu")),
+        # (fp8: opcheck cannot multiply float8_e4m3fn on the CPU, see dequant_matmul's cases)
+        ("int8-M3-fp32-gelu_tanh", lambda: (*_siblings_inputs("int8", 0, (3,), (9, 9), torch.float32), "gelu_tanh")),
+        ("int4-sym-g16-M1-fp32-odd-N", lambda: (*_siblings_inputs("int4", 16, (1,), (33, 33), torch.float32), "silu")),
+        ("fp64", lambda: (*_siblings_inputs("int8", 0, (2,), (5, 5), torch.float64), "silu")),
+        ("empty-rows", lambda: (*_siblings_inputs("int8", 0, (0,), (5, 5), torch.bfloat16), "gelu")),
+        ("rows-past-the-gemv", lambda: (*_siblings_inputs("int4", 32, (12,), (16, 16), torch.bfloat16), "silu")),
+    ],
     "decode_attention": [
         # (a static cache of 300 slots, 9 written: the kernel splits L and skips the hidden blocks)
         ("gqa-bool-mask-bf16-L300", lambda: (_t(1, 8, 1, 32, dtype=torch.bfloat16), _t(1, 2, 300, 32, dtype=torch.bfloat16),

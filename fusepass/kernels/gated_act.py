@@ -83,7 +83,14 @@ def _gated_act_fwd_kernel(
     b_g = tl.load(gate + i_m * stride_g + o_n, mask=m_n, other=0.0)
     b_u = tl.load(up + i_m * stride_u + o_n, mask=m_n, other=0.0)
 
-    b_x = b_g.to(tl.float32)
+    b_o = gated(b_g.to(tl.float32), b_u.to(tl.float32), b_g.dtype, ACT, EMU_G)
+    tl.store(out + i_m * stride_o + o_n, round_to(b_o, out.dtype.element_ty, EMU_O), mask=m_n)
+
+
+@triton.jit
+def gated(b_x, b_u, DT: tl.constexpr, ACT: tl.constexpr, EMU: tl.constexpr):
+    """act(g) * u in fp32 from g and u (fp32 tensors holding values of DT),
+    with eager's rounding of act(g) to DT between (the caller rounds the product)."""
     if ACT == "silu":
         # The form of ATen's CUDA kernel.  x -> -inf: exp(-x) = inf, x / inf = -0.
         b_a = b_x / (1.0 + tl.exp(-b_x))
@@ -98,9 +105,8 @@ def _gated_act_fwd_kernel(
         b_a = b_x / (1.0 + tl.exp(-2.0 * b_z))
     # Eager's intermediate rounding to the input dtype (a no-op for fp32); to
     # nearest under the interpreter too (round_to: its bf16 conversion truncates).
-    b_a = round_to(b_a, b_g.dtype, EMU_G).to(tl.float32)
-    b_o = b_a * b_u.to(tl.float32)
-    tl.store(out + i_m * stride_o + o_n, round_to(b_o, out.dtype.element_ty, EMU_O), mask=m_n)
+    b_a = round_to(b_a, DT, EMU).to(tl.float32)
+    return b_a * b_u
 
 
 # ---------------------------------------------------------------- launch ----

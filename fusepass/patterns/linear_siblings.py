@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from fusepass.formats import KERNEL_DTYPES, out_features
+from fusepass.formats import KERNEL_DTYPES, dequantize_int4, out_features
 from fusepass.kernels.dequant_matmul import dequant_matmul_siblings_call
 from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M
 from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
@@ -64,6 +64,18 @@ def search_gathered(x, perm, w0, w1):
     return x.index_select(-1, perm) @ w0.t(), x.index_select(-1, perm) @ w1.t()
 
 
+def search_int4_two(xq, p0, s0, z0, p1, s1, z1):
+    # two int4 linears of fusepass.quantize's form: the dequant rule makes each a
+    # dequant_matmul call, then this rule one dequant_matmul_siblings call
+    return (xq @ dequantize_int4(p0, s0, z0, xq.dtype).t(), xq @ dequantize_int4(p1, s1, z1, xq.dtype).t())
+
+
+def replace_int4_two(xq, p0, s0, z0, p1, s1, z1):
+    group = 2 * p0.shape[1] // s0.shape[1]
+    return tuple(dequant_matmul_siblings_call(xq, [p0, p1], [s0.contiguous(), s1.contiguous()],
+                                              [z0.contiguous(), z1.contiguous()], [None, None], "int4", group))
+
+
 def replace_two(x, w0, w1):
     return tuple(linear_siblings_call(x, [w0, w1], [None, None]))
 
@@ -83,6 +95,16 @@ def example_inputs(dtype):
             torch.randn(4, dtype=dtype)]
 
 
+def _int4_weights(dtype, n, k, group):
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    scale = ((0.5 + torch.rand(n, k // group)) / (6 * k ** 0.5)).to(dtype)
+    return packed, scale, torch.randint(0, 16, (n, k // group)).to(dtype)
+
+
+def int4_inputs(dtype):
+    return [torch.randn(1, 64, dtype=dtype), *_int4_weights(dtype, 24, 64, 32), *_int4_weights(dtype, 8, 64, 32)]
+
+
 def gathered_inputs(dtype):
     x, w0, w1 = example_inputs(dtype)[:3]
     return [x, torch.randperm(x.shape[-1]), w0, w1]
@@ -99,9 +121,14 @@ def sized_inputs(dtype, shape):
         rows *= max(d, 1)
     x, w0, w1, w2, b0, b1, b2 = example_inputs(dtype)
     K = shape[-1]
+    kq = max(32, -(-K // 32) * 32)  # (int4: whole groups, the largest of 128 / 64 / 32 that divides K)
+    group = next(g for g in (128, 64, 32) if kq % g == 0)
+    p0, s0, z0 = _int4_weights(dtype, 24, kq, group)
+    p1, s1, z1 = _int4_weights(dtype, 8, kq, group)
     return dict(x=torch.randn(*lead, K, dtype=dtype), w0=torch.randn(w0.shape[0], K, dtype=dtype),
                 w1=torch.randn(w1.shape[0], K, dtype=dtype), w2=torch.randn(w2.shape[0], K, dtype=dtype),
-                b0=b0, b1=b1, b2=b2, perm=torch.randperm(K))
+                b0=b0, b1=b1, b2=b2, perm=torch.randperm(K), xq=torch.randn(*lead, kq, dtype=dtype),
+                p0=p0, s0=s0, z0=z0, p1=p1, s1=s1, z1=z1)
 
 
 # -- the rule's find ------------------------------------------------------------------------
@@ -269,11 +296,14 @@ def _chained(x, w0, w1):  # the second weight made from the first product: one l
 RULE = Rule(
     name="linear_siblings",
     forms=[Form("two", search_two, replace_two), Form("three", search_three, replace_three),
-           Form("gathered", search_gathered, replace_gathered, example_inputs=gathered_inputs)],
+           Form("gathered", search_gathered, replace_gathered, example_inputs=gathered_inputs),
+           Form("int4 two", search_int4_two, replace_int4_two, example_inputs=int4_inputs)],
     example_inputs=example_inputs,
     find=find,
     priority=-10,  # last: every rule that fuses a matmul (dequantising linears, routers) takes it first
     sized_inputs=sized_inputs,
+    packed_args=("p0", "p1"),
+    builds_on=("dequant_matmul_int4",),  # (the "int4 two" form: the calls it groups)
     near_misses=[
         NearMiss("rows of a prefill", _prefill_rows, _pair_inputs, ""),
         NearMiss("weight from the other product", _chained, _pair_inputs, ""),

@@ -123,7 +123,7 @@ def _check_rule(rule: Rule, dtypes: Sequence[torch.dtype] | None, device: str | 
             inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in rule.inputs(form, dtype)]
             fn = _bind_scalars(rule, form.search)
             expected = fn(*inputs)
-            out, report = compile_and_run(fn, inputs, rules=[rule.name])
+            out, report = compile_and_run(fn, inputs, rules=[rule.name, *rule.builds_on])
             n = report.count(rule.name)
             assert n >= 1, f"{case}: not rewritten; refusals: {report.reasons(rule.name) or 'none'}"
             err = assert_close(out, expected, case)
@@ -132,7 +132,7 @@ def _check_rule(rule: Rule, dtypes: Sequence[torch.dtype] | None, device: str | 
         case = f"{rule.name}/near-miss/{nm.name}"
         inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in nm.inputs(near_miss_dtype)]
         expected = nm.fn(*inputs)
-        out, report = compile_and_run(nm.fn, inputs, rules=[rule.name])
+        out, report = compile_and_run(nm.fn, inputs, rules=[rule.name, *rule.builds_on])
         # A near-miss may mix dtypes: Inductor computes its fp32 parts to fp32
         # precision even when the output is fp64 (seen on CUDA: 1e-7 in fp64).
         in_dtypes = [x.dtype for x in inputs if isinstance(x, torch.Tensor)]

@@ -66,10 +66,12 @@ Modules, in reading order: ``tiles`` (the Triton helpers the kernels share),
 ``_launch``), ``plans`` (lookup: user cache, shipped plans, heuristic),
 ``tuner`` (candidates timed on the GPU, only when asked), ``op`` (the op,
 its reference and its inlined form), ``siblings`` (``dequant_matmul_siblings``:
-two or three weights that read one x, in one GEMV launch).
+two or three weights that read one x, in one GEMV launch), ``gated``
+(``dequant_matmul_gated``: an MLP's gate and up with the activation, in one).
 """
 
 from fusepass.kernels.dequant_matmul.config import BUCKETS, CUBLAS, GEMV_MAX_M, Config, Problem, m_bucket
+from fusepass.kernels.dequant_matmul.gated import dequant_matmul_gated, dequant_matmul_gated_call
 from fusepass.kernels.dequant_matmul.op import (
     dequant_matmul,
     dequant_matmul_call,
@@ -83,6 +85,6 @@ from fusepass.kernels.dequant_matmul.tuner import cold_copies, tune, tune_and_sa
 
 __all__ = [
     "BUCKETS", "CUBLAS", "Config", "GEMV_MAX_M", "Problem", "cold_copies", "dequant_matmul",
-    "dequant_matmul_call", "dequant_matmul_fwd", "dequant_matmul_siblings", "dequant_matmul_siblings_call", "dequant_matmul_plan", "dequant_matmul_reference",
+    "dequant_matmul_call", "dequant_matmul_gated", "dequant_matmul_gated_call", "dequant_matmul_fwd", "dequant_matmul_siblings", "dequant_matmul_siblings_call", "dequant_matmul_plan", "dequant_matmul_reference",
     "dequant_matmul_traced", "lookup", "m_bucket", "tune", "tune_and_save",
 ]

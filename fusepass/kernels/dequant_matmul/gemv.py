@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusepass.kernels._common import pdl_begin
+from fusepass.kernels._common import pdl_begin, round_to
 from fusepass.kernels.dequant_matmul.tiles import (
     _chunk_sums,
     _codebook_pair,
@@ -27,6 +27,7 @@ from fusepass.kernels.dequant_matmul.tiles import (
     _pair_to_f32,
     _word_128,
 )
+from fusepass.kernels.gated_act import gated
 
 
 @triton.jit
@@ -331,6 +332,24 @@ def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N,
 
 
 @triton.jit
+def _pick_row(w, scale, zero, w_b, scale_b, zero_b, i_n, r: tl.constexpr, N, BN: tl.constexpr,
+              PAIRED: tl.constexpr):
+    """Row ``r`` of the program's BN: (weight, scale and zero point pointers, row
+    index; rows past N read row N - 1, never stored).  PAIRED (two weights of
+    N rows read side by side, dequant_matmul_gated): the first BN / 2 rows are
+    rows i_n BN / 2 + r of the first weight, the others the same rows of the
+    second, so that a program holds the two products of each output column."""
+    if PAIRED:
+        n = tl.minimum(i_n * (BN // 2) + r % (BN // 2), N - 1)
+        if r < BN // 2:
+            return w, scale, zero, n
+        else:
+            return w_b, scale_b, zero_b, n
+    else:
+        return w, scale, zero, tl.minimum(i_n * BN + r, N - 1)
+
+
+@triton.jit
 def _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K: tl.constexpr):
     """Row n's packed bytes of the tile ([NCH, VB], one vector load a chunk; its
     K slice from byte kp0) and its chunks' scales [NCH] as fp32."""
@@ -343,9 +362,9 @@ def _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K: t
 
 
 @triton.jit
-def _folded_loads(x2, w, scale, zero, N, k0, k_hi, i_n, stride_wn, stride_sn, o_c, o_b, G: tl.constexpr,
-                  HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, VB: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):
+def _folded_loads(x2, w, scale, zero, w_b, scale_b, zero_b, N, k0, k_hi, i_n, stride_wn, stride_sn, o_c, o_b,
+                  G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, VB: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, PAIRED: tl.constexpr):
     """One K tile's loads for _int4_gemv_folded: x's pairs [NCH, VB] and per row
     (its bytes [NCH, VB], its chunks' scales [NCH], zero points [NCH] or the
     scales again where there are none), as a tuple of BN."""
@@ -358,10 +377,10 @@ def _folded_loads(x2, w, scale, zero, N, k0, k_hi, i_n, stride_wn, stride_sn, o_
         b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
     rows = ()
     for r in tl.static_range(BN):
-        n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored)
-        b_q, b_s = _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
+        w_r, s_r, z_r, n = _pick_row(w, scale, zero, w_b, scale_b, zero_b, i_n, r, N, BN, PAIRED)
+        b_q, b_s = _row_chunks(w_r, s_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
         if HAS_ZERO:
-            b_z = tl.load(zero + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
+            b_z = tl.load(z_r + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
         else:
             b_z = b_s
         rows = rows + ((b_q, b_s, b_z),)
@@ -389,9 +408,9 @@ def _folded_sums(acc2, b_x, rows, o_r, DT: tl.constexpr, HAS_ZERO: tl.constexpr,
 
 
 @triton.jit
-def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn, DT: tl.constexpr,
-                      G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr):
+def _int4_gemv_folded(x2, w, scale, zero, w_b, scale_b, zero_b, N, k_lo, k_hi, i_n, stride_wn, stride_sn,
+                      DT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+                      ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIRED: tl.constexpr):
     """[1, BN] int4 sums of one row of x over K in [k_lo, k_hi), the zero point
     taken off each chunk's sum: s (sum (128 + q) x - (128 + z) sum x).  Per value
     one PRMT (_nibbles_128) and one FMA in a chain, where _nibble_gemv adds an
@@ -415,16 +434,16 @@ def _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_
     o_r = tl.arange(0, BN)
     acc2 = tl.zeros([BN, NCH], dtype=tl.float32)  # chunks last: spread over the threads
     for k0 in range(k_lo, k_hi, BK):
-        b_x, rows = _folded_loads(x2, w, scale, zero, N, k0, k_hi, i_n, stride_wn, stride_sn, o_c, o_b, G,
-                                  HAS_ZERO, EVEN_K, VB, BN, BK)
+        b_x, rows = _folded_loads(x2, w, scale, zero, w_b, scale_b, zero_b, N, k0, k_hi, i_n, stride_wn, stride_sn,
+                                  o_c, o_b, G, HAS_ZERO, EVEN_K, VB, BN, BK, PAIRED)
         acc2 = _folded_sums(acc2, b_x, rows, o_r, DT, HAS_ZERO, ASM, BN)
     return tl.sum(acc2, axis=1)[None, :]
 
 
 @triton.jit
-def _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn, FMT: tl.constexpr,
-                 G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+def _nibble_gemv(x, x2, w, scale, zero, w_b, scale_b, zero_b, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn,
+                 stride_sn, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+                 ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIRED: tl.constexpr):
     """[BM, BN] sums of int4, and of the code books' whole blocks (nf4 / fp4: the
     same bytes per value, the high nibble the even k, an fp32 absmax per block),
     over K in [k_lo, k_hi), value by value as the dequantised matmul."""
@@ -461,12 +480,13 @@ def _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, strid
                 b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
             b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
         for r in tl.static_range(BN):
-            n = tl.minimum(i_n * BN + r, N - 1)  # rows past N read row N - 1 (never stored): no row mask
-            b_q, b_s = _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
+            # (rows past N read row N - 1, never stored: no row mask)
+            w_r, s_r, z_r, n = _pick_row(w, scale, zero, w_b, scale_b, zero_b, i_n, r, N, BN, PAIRED)
+            b_q, b_s = _row_chunks(w_r, s_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
             if FMT != "int4":
                 b_e, b_o = _codebook_pair(b_q, tab, zero, ASM)  # (zero: the code book)
             else:  # (the low nibble the even k)
-                b_e, b_o = _int4_minus_zero(b_q, zero + n * stride_sn + o_g, m_c, HAS_ZERO, ZERO_F32, ASM)
+                b_e, b_o = _int4_minus_zero(b_q, z_r + n * stride_sn + o_g, m_c, HAS_ZERO, ZERO_F32, ASM)
             for m in tl.static_range(BM):
                 if BM > 1:
                     # Rows past M read row M - 1 (their sums are never stored): no row mask.
@@ -491,29 +511,53 @@ def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, 
     """Output rows [i_n BN, +BN) over K slice i_s of n_s: fusepass's own formats
     (int4, int8, fp8) and the library layouts read value by value or in the int4
     loop (the code books)."""
+    acc = _rows_acc(x, x2, w, scale, zero, w, scale, zero, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n, i_s,
+                    stride_xm, stride_x2m, stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, LIB, LOOP, BM, BN, BK, FOLD,
+                    False)
     o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    o_m = tl.arange(0, BM)
+    m_o = (o_m[:, None] < M) & m_n[None, :]
+    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
+            i_s, n_s, M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+
+
+@triton.jit
+def _rows_acc(x, x2, w, scale, zero, w_b, scale_b, zero_b, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n, i_s,
+              stride_xm, stride_x2m, stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr, PAIRED: tl.constexpr):
+    """The fp32 sums [BM, BN] of _own_rows' tile (PAIRED: of _pick_row's rows of two weights)."""
+    o_r = tl.arange(0, BN)
+    if PAIRED:
+        o_n = i_n * (BN // 2) + o_r % (BN // 2)
+    else:
+        o_n = i_n * BN + o_r
     m_n = o_n < N
     o_m = tl.arange(0, BM)
     k_lo = i_s * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    p_wn = w + o_n.to(tl.int64) * stride_wn
+    if PAIRED:  # (int8 / fp8 rows: each row's pointer from its weight)
+        p_wn = tl.where(o_r < BN // 2, w + o_n.to(tl.int64) * stride_wn, w_b + o_n.to(tl.int64) * stride_wn)
+    else:
+        p_wn = w + o_n.to(tl.int64) * stride_wn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
 
     if FMT == "int4" or LOOP:
         if FMT == "int4" and FOLD and BM == 1:
-            acc = _int4_gemv_folded(x2, w, scale, zero, N, k_lo, k_hi, i_n, stride_wn, stride_sn,
-                                    x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK)
+            acc = _int4_gemv_folded(x2, w, scale, zero, w_b, scale_b, zero_b, N, k_lo, k_hi, i_n, stride_wn,
+                                    stride_sn, x.dtype.element_ty, G, HAS_ZERO, EVEN_K, ASM, BN, BK, PAIRED)
             # The folded sums are not the dequantised matmul's where x (or a sum
             # of it) is not finite: inf - inf = NaN where the product gives +-inf.
             # Such a slice is summed again value by value (any non-finite sum
             # is re-done; a finite one is within fp32 rounding of the exact sum).
             bad = ((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)
             if tl.max(tl.max(bad, axis=1), axis=0) > 0:
-                acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn,
-                                   stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
+                acc = _nibble_gemv(x, x2, w, scale, zero, w_b, scale_b, zero_b, M, N, k_lo, k_hi, i_n, stride_x2m,
+                                   stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK, PAIRED)
         else:
-            acc = _nibble_gemv(x, x2, w, scale, zero, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn, stride_sn,
-                               FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK)
+            acc = _nibble_gemv(x, x2, w, scale, zero, w_b, scale_b, zero_b, M, N, k_lo, k_hi, i_n, stride_x2m,
+                               stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK, PAIRED)
     else:
         o_k = tl.arange(0, BK)
         if BM == 1:
@@ -569,11 +613,12 @@ def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, 
                 acc3 += b_w[None, :, :] * b_x[:, None, :]
             acc += tl.sum(acc3, axis=2)
         if not LIB:  # (library layouts scale each value: their scales change along K)
-            acc *= tl.load(scale + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
-
-    m_o = (o_m[:, None] < M) & m_n[None, :]
-    _finish(acc, out, part, bias + o_n[None, :], m_n[None, :], ctr + i_n, o_m[:, None] * N + o_n[None, :], m_o,
-            i_s, n_s, M, N, HAS_BIAS, PARTIAL, SUM_HERE)
+            if PAIRED:
+                p_sn = tl.where(o_r < BN // 2, scale + o_n, scale_b + o_n)
+            else:
+                p_sn = scale + o_n
+            acc *= tl.load(p_sn, mask=m_n, other=0).to(tl.float32)[None, :]
+    return acc
 
 
 @triton.jit
@@ -644,3 +689,39 @@ def _dequant_gemv_siblings_kernel(
                 if NW > 2:
                     _sibling_rows(x, x2, w2, s2, z2, b2, o2, pid - E1, M, N2, K, stride_xm, stride_x2m, stride_w2,
                                   stride_s2, FMT, G, HAS_ZERO, HB2, EVEN_K, ASM, BM, BN, BK, FOLD)
+
+
+@triton.jit
+def _dequant_gemv_gated_kernel(
+    x, x2, w0, w1, s0, s1, z0, z1, b0, b1, out, M, N, K, stride_xm, stride_x2m, stride_wn, stride_sn, stride_om,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
+    ACT: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False,
+):
+    pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
+    # act(x W0^T + b0) * (x W1^T + b1) (an MLP's gate and up) in one grid, the
+    # siblings' GEMV loop over the whole of K with program p's BN rows taken
+    # half from each weight (_pick_row): rows [p BN / 2, +BN / 2) of both, so
+    # the program holds gate and up of its BN / 2 output columns and applies
+    # the activation with the model's roundings (each product rounded to x's
+    # dtype, the activation rounded, the product rounded: the gated_act
+    # kernel's) before one store.  No launch, no write or read of gate and up
+    # between the GEMV and the activation.
+    i_n = tl.program_id(0)
+    acc = _rows_acc(x, x2, w0, s0, z0, w1, s1, z1, s0, s0, M, N, K, K, 1, i_n, 0, stride_xm, stride_x2m, stride_wn,
+                    stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, False, False, BM, BN, BK, FOLD, True)
+    H: tl.constexpr = BN // 2
+    b_g, b_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, H]), (0, 2, 1)))  # [BM, H] each
+    o_n = i_n * H + tl.arange(0, H)
+    m_n = o_n < N
+    if HAS_BIAS:
+        b_g += tl.load(b0 + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+        b_u += tl.load(b1 + o_n, mask=m_n, other=0).to(tl.float32)[None, :]
+    DT: tl.constexpr = out.dtype.element_ty
+    b_g = round_to(b_g, DT, EMU).to(tl.float32)
+    b_u = round_to(b_u, DT, EMU).to(tl.float32)
+    b_o = gated(b_g, b_u, DT, ACT, EMU)
+    o_m = tl.arange(0, BM)
+    tl.store(out + o_m[:, None] * stride_om + o_n[None, :], round_to(b_o, DT, EMU),
+             mask=(o_m[:, None] < M) & m_n[None, :])
+

@@ -16,11 +16,15 @@ from torch import Tensor
 import functools
 
 from fusepass.formats import CODEBOOKS, LIBRARY_FORMATS, codebook, out_features
-from fusepass.kernels._common import Launch, cdiv, interpreting, pdl_on
+from fusepass.kernels._common import Launch, cdiv, emulate_rounding, interpreting, pdl_on
 from fusepass.kernels.dequant_matmul.config import _GROUP_M, Config, _k_split, _pow2, codebook_chunk
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.dequant_matmul.dequant import _dequant_kernel
-from fusepass.kernels.dequant_matmul.gemv import _dequant_gemv_kernel, _dequant_gemv_siblings_kernel
+from fusepass.kernels.dequant_matmul.gemv import (
+    _dequant_gemv_gated_kernel,
+    _dequant_gemv_kernel,
+    _dequant_gemv_siblings_kernel,
+)
 from fusepass.kernels.dequant_matmul.tensor_core import _dequant_mm_kernel, _dequant_mmt_kernel
 from fusepass.kernels.dequant_matmul.tiles import _splitk_reduce_kernel
 
@@ -249,6 +253,34 @@ def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: li
                      f"HB{i}": i < len(ws) and biases[i] is not None})
     return Launch(_dequant_gemv_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(ws))), cfg.warps,
                   cfg.stages, pdl=args["PDL"])
+
+
+def gated_fits(cfg: Config, fmt: str) -> bool:
+    """Whether ``gated_launch`` takes the siblings' plan ``cfg``: a GEMV of an even
+    number of rows a program (half of them from each weight)."""
+    return fmt in SIBLING_FORMATS and cfg.kind == "gemv" and cfg.BN >= 2 and cfg.BN % 2 == 0
+
+
+def gated_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[Tensor | None],
+                 biases: list[Tensor | None], out: Tensor, fmt: str, G: int, cfg: Config, activation: str) -> Launch:
+    """out [M, N] = act(x @ dequant(ws[0])^T + b0) * (x @ dequant(ws[1])^T + b1) in
+    one GEMV grid (``cfg``: the plan of the two weights as siblings, ``gated_fits``);
+    operands as for :func:`siblings_launch`, the two weights of one shape and
+    layout (strides), ``activation`` one of "silu", "gelu", "gelu_tanh"."""
+    M, K = x.shape
+    N = out.shape[1]
+    ws = [w.view(torch.uint8) if fmt == "fp8" else w for w in ws]
+    xp = _pairs(x) if fmt == "int4" else x
+    z0, z1 = zeros if zeros[0] is not None else (scales[0], scales[0])
+    b0, b1 = biases if biases[0] is not None else (scales[0], scales[0])
+    args = dict(x=x, x2=xp, w0=ws[0], w1=ws[1], s0=scales[0], s1=scales[1], z0=z0, z1=z1, b0=b0, b1=b1, out=out,
+                M=M, N=N, K=K, stride_xm=x.stride(0), stride_x2m=xp.stride(0), stride_wn=ws[0].stride(0),
+                stride_sn=scales[0].stride(0) if fmt == "int4" else 1, stride_om=out.stride(0), FMT=fmt,
+                G=max(G, 1), HAS_ZERO=zeros[0] is not None, HAS_BIAS=biases[0] is not None, EVEN_K=K % cfg.BK == 0,
+                ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, 2 * N, cfg), BM=_pow2(M), BN=cfg.BN,
+                BK=cfg.BK, FOLD=_fold(cfg, x), ACT=activation, EMU=emulate_rounding(out.dtype), PDL=pdl_on(x))
+    return Launch(_dequant_gemv_gated_kernel, (cdiv(N, cfg.BN // 2),), args, ("out",), cfg.warps, cfg.stages,
+                  pdl=args["PDL"])
 
 
 def reduce_launch(part: Tensor, bias: Tensor | None, out: Tensor) -> Launch:

@@ -464,7 +464,10 @@ def _report_problems(program: Program, report: RewriteReport) -> list[str]:
     problems += [f"refusal from a crash: {r.rule}: {r.reason}" for r in report.refusals
                  if r.reason.startswith(("check raised", "explain raised", "replacement failed"))]
     options = Options.parse(program.spec.options_dict())[0]
-    selected = [b for b in program.blocks if options.enabled(b.spec.rule)]
+    by_name = {r.name: r for r in rules()}
+    # a block's rule, and the rules whose rewrites it starts from (Rule.builds_on), selected
+    selected = [b for b in program.blocks
+                if all(options.enabled(r) for r in (b.spec.rule, *by_name[b.spec.rule].builds_on))]
     must = sum(1 for b in selected if b.must_rewrite)
     if len(report.hits) < must:
         problems.append(f"{must} block(s) must be rewritten, {len(report.hits)} were; "
