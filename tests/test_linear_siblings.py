@@ -160,16 +160,21 @@ def test_rule_groups_quantized_projections_of_one_x(fmt):
     """q / k / v quantized by fusepass.quantize: the dequant rules take each
     linear, then linear_siblings puts the three calls in one; the Triton kernel
     (interpreted) and the CPU body both match eager."""
-    model = _quantized_attention(fmt)
-    x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
+    _rewritten_both_ways(_quantized_attention(fmt), torch.randn(1, 1, 128, dtype=torch.bfloat16), "linear_siblings",
+                         f"{fmt} three")
+
+
+def _rewritten_both_ways(model, x, rule, form):
+    """``rule`` rewrites ``model`` once, as ``form``; the CPU bodies and (interpreted)
+    the Triton kernels both match eager."""
     got, want, report = _compile(model, x)
-    assert [h.form for h in report.hits if h.rule == "linear_siblings"] == [f"{fmt} three"]
-    assert_close(got, want, f"{fmt} siblings", dtype=torch.bfloat16)
+    assert [h.form for h in report.hits if h.rule == rule] == [form]
+    assert_close(got, want, form, dtype=torch.bfloat16)
     if differential.interpreting():
         torch._dynamo.reset()
         with differential.triton_on_cpu(), torch.no_grad():
             got = torch.compile(model, backend="fusepass")(x)
-        assert_close(got, want, f"{fmt} siblings (Triton)", dtype=torch.bfloat16)
+        assert_close(got, want, f"{form} (Triton)", dtype=torch.bfloat16)
 
 
 class _Permuted(torch.nn.Module):
@@ -400,15 +405,8 @@ def test_gated_rule_takes_a_quantized_mlp_at_one_token(fmt, act):
     place of the siblings and the activation (either product order, with
     biases); the CPU body and the Triton kernel (interpreted) match eager."""
     model = _quantized_mlp(fmt, act, bias=fmt == "int8", order="up" if fmt == "fp8" else "gate")
-    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
-    got, want, report = _compile(model, x)
-    assert [h.form for h in report.hits if h.rule == "dequant_matmul_gated"] == [f"{fmt}_{_ACT_FORM[act]}"]
-    assert_close(got, want, f"{fmt} gated", dtype=torch.bfloat16)
-    if differential.interpreting():
-        torch._dynamo.reset()
-        with differential.triton_on_cpu(), torch.no_grad():
-            got = torch.compile(model, backend="fusepass")(x)
-        assert_close(got, want, f"{fmt} gated (Triton)", dtype=torch.bfloat16)
+    _rewritten_both_ways(model, torch.randn(1, 1, 64, dtype=torch.bfloat16), "dequant_matmul_gated",
+                         f"{fmt}_{_ACT_FORM[act]}")
 
 
 def test_gated_rule_leaves_a_gate_read_elsewhere_and_prefill_rows():
