@@ -77,7 +77,8 @@ def search(keys: Iterable[tuple[Any, Any]], candidates: Callable[[Any], list[Any
             try:
                 us = measure()
             except Exception as exc:  # noqa: BLE001 - a plan that does not compile or run is skipped
-                say(f"  {_label(cfg)}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''})")
+                first = str(exc).splitlines()[0][:100] if str(exc) else ""
+                say(f"  {_label(cfg)}: failed ({type(exc).__name__}: {first})")
                 continue
             trials.append(Trial(key, cfg, us))
             if us < best_us and us < us0 * (1.0 - min_gain):

@@ -85,6 +85,7 @@ from fusepass.kernels.dequant_matmul.tuner import cold_copies, tune, tune_and_sa
 
 __all__ = [
     "BUCKETS", "CUBLAS", "Config", "GEMV_MAX_M", "Problem", "cold_copies", "dequant_matmul",
-    "dequant_matmul_call", "dequant_matmul_gated", "dequant_matmul_gated_call", "dequant_matmul_fwd", "dequant_matmul_siblings", "dequant_matmul_siblings_call", "dequant_matmul_plan", "dequant_matmul_reference",
+    "dequant_matmul_call", "dequant_matmul_gated", "dequant_matmul_gated_call", "dequant_matmul_fwd",
+    "dequant_matmul_siblings", "dequant_matmul_siblings_call", "dequant_matmul_plan", "dequant_matmul_reference",
     "dequant_matmul_traced", "lookup", "m_bucket", "tune", "tune_and_save",
 ]

@@ -31,7 +31,8 @@ ACTIVATIONS = {"silu": "silu", "gelu": "none", "gelu_tanh": "tanh"}
 
 
 def _check(x, weights, scales, zeros, biases, fmt, group_size, activation) -> None:
-    torch._check(activation in ACTIVATIONS, lambda: f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    torch._check(activation in ACTIVATIONS,
+                 lambda: f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     torch._check(len(weights) == 2, lambda: f"two weights (gate, up), got {len(weights)}")
     _check_siblings(x, weights, scales, zeros, biases, fmt, group_size)
     n0, n1 = (out_features(w, fmt, s) for w, s in zip(weights, scales))

@@ -512,8 +512,8 @@ def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, 
     (int4, int8, fp8) and the library layouts read value by value or in the int4
     loop (the code books)."""
     acc = _rows_acc(x, x2, w, scale, zero, w, scale, zero, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n, i_s,
-                    stride_xm, stride_x2m, stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, LIB, LOOP, BM, BN, BK, FOLD,
-                    False)
+                    stride_xm, stride_x2m, stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, LIB, LOOP, BM, BN, BK,
+                    FOLD, False)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
     o_m = tl.arange(0, BM)
