@@ -1316,3 +1316,42 @@ def test_gpu_library_layouts_real_sizes(fmt):
                             for t in library_inputs(fmt, 16, N, K, torch.bfloat16))
     expected = torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g)
     _assert_graph_replays(lambda: torch.ops.fusepass.dequant_matmul(x, w, s, z, None, fmt, group, g), expected)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the ops' kernels on CPU tensors under the interpreter")
+def test_tune_step_pins_plans_the_steps_launches_take(plan_files, monkeypatch):
+    """``fusepass tune --step`` on a tiny Llama's int4 decode step, its ops' Triton
+    kernels interpreted on the CPU: the step's plans are found from its lookups
+    (q / k / v, gate / up as one gated call, o, down), a candidate pinned for the
+    largest (the gated pair's) is what that call's launch then takes, and a plan
+    kept (where the interpreted step ran faster) lands in the user cache marked
+    as the step's."""
+    import dataclasses
+
+    from fusepass.bench.e2e.tune_step import tune_step
+    from fusepass.kernels.dequant_matmul import gated as gm
+    from fusepass.testing import differential
+
+    launched = []
+    real = gm.gated_launch
+    monkeypatch.setattr(gm, "gated_launch", lambda *a, **k: launched.append(a[8].BN) or real(*a, **k))
+    tried = []
+
+    def candidates(p):  # one other tile for the first (largest) plan, none for the rest
+        tried.append(p)
+        return [dataclasses.replace(plans.lookup(p), BN=4)] if len(tried) == 1 else []
+
+    with differential.triton_on_cpu():
+        choices, before, after = tune_step("tiny-llama", "1", "int4", 32, 1, 4, min_gain=0.0,
+                                           candidates=candidates, say=lambda line: None)
+    keys = [(c.key.N, c.key.K) for c in choices]
+    assert keys == [(256, 64), (128, 64), (64, 128), (64, 64)]  # gate + up, q + k + v, down, o
+    assert 8 in launched and 4 in launched  # the heuristic's eight rows, then the pinned four
+    assert choices[0].after.BN in (4, 8) and all(c.after == c.before for c in choices[1:])
+    # (the interpreter's timings decide whether the four rows were faster: saved only then)
+    saved = json.loads(plan_files.read_text())["plans"] if plan_files.exists() else {}
+    if choices[0].after.BN == 4:
+        assert list(saved) == [choices[0].key.key] and saved[choices[0].key.key]["where"] == "step"
+    else:
+        assert not saved
+    assert before > 0 and after > 0

@@ -95,10 +95,15 @@ def _label(cfg: Any) -> str:
 
 def tune_step(model_name: str, layers: str, fmt: str, group_size: int, batch: int = 1, prompt: int = 128,
               replays: int = 50, min_gain: float = 0.005, budget_s: float | None = None, save: bool = True,
-              say: Callable[[str], None] = print) -> tuple[list[Choice], float, float]:
+              say: Callable[[str], None] = print,
+              candidates: Callable[[Any], list[Any]] | None = None) -> tuple[list[Choice], float, float]:
     """Tune the plans of ``model_name``'s decode step at ``batch`` on the current
     GPU (see the module docstring); (choices, the step's µs with the plans
-    found in place, with the plans kept), both timed again at the end."""
+    found in place, with the plans kept), both timed again at the end.  Without
+    a GPU, under the Triton interpreter with the ops' CUDA bodies serving CPU
+    tensors (``testing.differential.triton_on_cpu``, the tests): the step
+    called once a timing, in fp32, no CUDA graph.  ``candidates``: the plans
+    tried for a key (default: the tuner's and the heuristic's)."""
     from fusepass.kernels.dequant_matmul import plans, tuner
 
     from ..timing import captured
@@ -106,11 +111,14 @@ def tune_step(model_name: str, layers: str, fmt: str, group_size: int, batch: in
     from .phases import decode_step
     from .run import _fresh
 
-    if not torch.cuda.is_available():
+    from fusepass.kernels._common import interpreting
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not interpreting():
         raise SystemExit("fusepass tune --step: timing needs a CUDA GPU")
-    device = "cuda"
     n_layers = _layers(MODELS[model_name], layers)
-    model = quantize(build(model_name, n_layers, torch.bfloat16, device), fmt, group_size)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = quantize(build(model_name, n_layers, dtype, device), fmt, group_size)
     fn = _fresh(model, "fusepass", captured=True, fullgraph=True)  # op calls: each looks its plan up
 
     def ids_of(b: int, seq: int, seed: int = 1) -> torch.Tensor:
@@ -122,6 +130,10 @@ def tune_step(model_name: str, layers: str, fmt: str, group_size: int, batch: in
 
         def measure() -> float:
             """µs per step: the step captured again (its launches take the plans pinned now), replayed."""
+            if device == "cpu":
+                t0 = time.perf_counter()
+                step()
+                return (time.perf_counter() - t0) * 1e6
             replay = captured(step)
             for _ in range(5):
                 replay()
@@ -149,10 +161,10 @@ def tune_step(model_name: str, layers: str, fmt: str, group_size: int, batch: in
         say(f"{len(keys)} plans in the step ({found:.1f} µs): "
             + ", ".join(f"M{p.M} N{p.N} K{p.K} {cfg.label()}" for p, cfg in keys))
 
-        def candidates(p: Any) -> list[Any]:
+        def every(p: Any) -> list[Any]:
             return list(dict.fromkeys(tuner.candidates(p) + [plans.heuristic(p)]))
 
-        choices, _ = search(keys, candidates, measure, plans.pin, min_gain, budget_s, say)
+        choices, _ = search(keys, candidates or every, measure, plans.pin, min_gain, budget_s, say)
         for p, cfg in keys:  # the plans found in place, timed again beside the kept ones
             plans.pin(p, cfg)
         before = measure()
