@@ -478,3 +478,19 @@ def test_gdn_chunk_fed_an_infinity_compiles_clean():
     outcome = diff.run(_gdn_chunk_fed_an_infinity("extra_cast", 35))
     assert outcome.report.count("gdn_chunk") == 1
     assert not outcome.failures, "\n".join(outcome.failures)
+
+
+def test_a_rule_building_on_others_is_owed_a_rewrite_only_with_them():
+    """dequant_matmul_gated starts from the siblings call and the activation op
+    that other rules make (Rule.builds_on): with them selected its block is
+    rewritten by it; with the activation's rule left out the block is owed no
+    rewrite of it, and the siblings op the quantized pair still becomes is
+    accounted to linear_siblings (no failure either way)."""
+    blocks = (diff.BlockSpec("dequant_matmul_gated", "form", "int4_silu", shape=(1, 40)),
+              diff.BlockSpec("dequant_matmul_gated", "near-miss", "gate also read"))
+    for options, gated in (((), 1), ((("disable_rules", ("swiglu",)),), 0)):
+        spec = diff.ProgramSpec(blocks, seed=6, options=options)
+        outcome = diff.run(diff.build(spec))
+        assert not outcome.failures, "\n".join(outcome.failures)
+        assert outcome.report.count("dequant_matmul_gated") == gated
+        assert outcome.report.count("linear_siblings") == 2

@@ -53,24 +53,28 @@ def search(keys: Iterable[tuple[Any, Any]], candidates: Callable[[Any], list[Any
     """For each (key, plan in place), in order: the step timed with the plan in
     place, then with each other candidate pinned; the fastest kept (pinned)
     where it is faster by more than ``min_gain`` of the step, else the plan in
-    place.  A candidate that fails (compile, launch) is skipped with a line.
+    place (a key with no other candidate keeps it, untimed).  A candidate that
+    fails (compile, launch) is skipped with a line.
     Past ``budget_s`` seconds no new candidate is timed (the plans in place
     stay for the keys not reached)."""
     t0 = time.perf_counter()
     choices: list[Choice] = []
     trials: list[Trial] = []
+    last = float("nan")  # the step's time with the plans pinned so far
     for key, start in keys:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             say(f"budget spent: {key} and later keep their plans")
-            choices.append(Choice(key, start, start, float("nan"), float("nan")))
+            choices.append(Choice(key, start, start, last, last))
             continue
+        others = [cfg for cfg in candidates(key) if cfg != start]
         pin(key, start)
+        if not others:  # nothing to try: the plan in place stays, the step is not timed for it
+            choices.append(Choice(key, start, start, last, last))
+            continue
         us0 = measure()
         trials.append(Trial(key, None, us0))
         best, best_us = start, us0
-        for cfg in candidates(key):
-            if cfg == start:
-                continue
+        for cfg in others:
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
                 break
             pin(key, cfg)
@@ -84,6 +88,7 @@ def search(keys: Iterable[tuple[Any, Any]], candidates: Callable[[Any], list[Any
             if us < best_us and us < us0 * (1.0 - min_gain):
                 best, best_us = cfg, us
         pin(key, best)
+        last = best_us
         choices.append(Choice(key, start, best, us0, best_us))
         say(f"{key}: {_label(start)} {us0:.1f} µs -> {_label(best)} {best_us:.1f} µs")
     return choices, trials
