@@ -705,12 +705,12 @@ def test_decode_launches_take_pdl_where_measured_faster(monkeypatch):
     assert rt.router_heuristic(1, 128, 2048).pdl and not rt.router_heuristic(512, 128, 2048).pdl
     assert not _common.pdl_supported(torch.zeros(1))
     kernel = decode._moe_decode_down_kernel
-    launch = _common.Launch(kernel, (1,), dict.fromkeys(kernel.arg_names), pdl=True)
+    launch = _common.Launch(kernel, (1,), {**dict.fromkeys(kernel.arg_names), "PDL": True})  # (pdl: the kernel's PDL)
     monkeypatch.setattr(_common, "interpreting", lambda: True)
     assert "launch_pdl" not in launch._launch_meta()
     monkeypatch.setattr(_common, "interpreting", lambda: False)
     assert launch._launch_meta()["launch_pdl"] is True
-    assert "launch_pdl" not in dataclasses.replace(launch, pdl=False)._launch_meta()
+    assert "launch_pdl" not in dataclasses.replace(launch, args={**launch.args, "PDL": False})._launch_meta()
 
 
 def test_decode_heuristic_puts_transposed_16_bit_down_weights_on_the_tensor_cores():

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -196,8 +196,9 @@ def scalar_fp32(v, IS_PTR: tl.constexpr):
 
 # -- programmatic dependent launch -------------------------------------------
 #
-# A kernel launched with ``Launch(pdl=True)`` may start while the kernel
-# before it in the stream is still running, once every program of that one
+# A kernel launched with PDL (a ``Launch`` of a kernel whose ``PDL`` argument
+# is true) may start while the kernel before it in the stream is still
+# running, once every program of that one
 # has passed ``pdl_release`` (or ended): its programs sit resident and do
 # what needs nothing of the previous kernel, then ``pdl_wait`` until it has
 # ended and its writes are visible.  Rules for the kernels here:
@@ -228,10 +229,10 @@ def pdl_release(PDL: tl.constexpr):
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
     """The first statement of a decode-path kernel (the GEMVs, norms, gated
-    activation, attention, GDN's decode step) launched with ``Launch(pdl=...)``:
-    wait for the kernel before it, since every operand but the weights may be
-    its output, then let the next launch's programs start, so they are
-    resident when this kernel ends (H200, replayed decode steps: Llama-3-8B
+    activation, attention, GDN's decode step; launched with PDL where its
+    ``PDL`` is true): wait for the kernel before it, since every operand but
+    the weights may be its output, then let the next launch's programs start,
+    so they are resident when this kernel ends (H200, replayed decode steps: Llama-3-8B
     int4 8 layers 888.0 -> 855.2 µs).  An L2 prefetch of the weights before
     the wait was slower (893.6)."""
     pdl_wait(PDL)
@@ -358,7 +359,10 @@ class Launch:
     outputs: tuple[str, ...] = ()
     num_warps: int = 4
     num_stages: int | None = None
-    pdl: bool = False  # launched with programmatic dependent launch (see pdl_wait); ``run`` only
+    # Launched with programmatic dependent launch (see pdl_wait; ``run`` only):
+    # what the kernel's own ``PDL`` argument says, so that a kernel whose waits
+    # are compiled out is never launched early.
+    pdl: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         names = kernel_arg_names(self.kernel)
@@ -369,6 +373,7 @@ class Launch:
                             f"of the kernel (defaults too); missing {missing}, unknown {unknown}")
         if not set(self.outputs) <= names:
             raise TypeError(f"outputs {self.outputs} are not arguments of the kernel")
+        self.pdl = bool(self.args.get("PDL", False))
 
     def _meta(self) -> dict[str, int]:
         return {"num_warps": self.num_warps} if self.num_stages is None else \

@@ -182,7 +182,7 @@ def update_launch(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | 
                 s_bc=_bias_stride(bias),
                 K=weight.shape[-1], BL=_pow2(L), BS=_pow2(S), BC=BC, HAS_BIAS=bias is not None,
                 SILU=activation is not None, WDT=_TL[weight.dtype], PDL=pdl_on(x))
-    return Launch(_causal_conv1d_update_kernel, (cdiv(C, BC), B), args, ("out", "new_state"), 4, pdl=args["PDL"])
+    return Launch(_causal_conv1d_update_kernel, (cdiv(C, BC), B), args, ("out", "new_state"), 4)
 
 
 def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, *,

@@ -223,13 +223,13 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
         IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)), BDV=BDV,
-        PDL=pdl), ("ws", "wml") if split > 1 else ("o",), warps, 2, pdl=pdl)
+        PDL=pdl), ("ws", "wml") if split > 1 else ("o",), warps, 2)
     if split == 1:
         return [main], out
     BDM = min(BDV, 64)
     merge = Launch(_decode_attention_merge_kernel, (B * HKV, BDV // BDM), dict(
         ws=ws, wml=wml, o=out, H=H, HKV=HKV, T=T, DV=DV, G=G, NSPLIT=split, EMU=emulate_rounding(q.dtype), BR=BR,
-        BDV=BDM, BW=BDV, PDL=pdl), ("o",), 4, pdl=pdl)
+        BDV=BDM, BW=BDV, PDL=pdl), ("o",), 4)
     return [main, merge], out
 
 

@@ -167,7 +167,7 @@ def gated_act_launch(gate: Tensor, up: Tensor, out: Tensor, activation: str, blo
     args = dict(gate=g2, up=u2, out=o2, N=N, NB=NB, stride_g=g2.stride(0), stride_u=u2.stride(0),
                 stride_o=o2.stride(0), ACT=_ACTIVATIONS[activation], BN=block,
                 EMU_G=emulate_rounding(gate.dtype), EMU_O=emulate_rounding(out.dtype), PDL=pdl_on(gate))
-    return Launch(_gated_act_fwd_kernel, (M * NB,), args, ("out",), num_warps or _num_warps(block), pdl=args["PDL"])
+    return Launch(_gated_act_fwd_kernel, (M * NB,), args, ("out",), num_warps or _num_warps(block))
 
 
 def gated_act_fwd(

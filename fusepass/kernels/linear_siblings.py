@@ -157,8 +157,7 @@ def siblings_launch(x2: Tensor, weights: list[Tensor], biases: list[Tensor | Non
     for i in range(MAX_WEIGHTS):
         args.update({f"w{i}": ws[i], f"b{i}": bs[i], f"o{i}": os_[i], f"N{i}": ns[i],
                      f"stride_w{i}": ws[i].stride(0), f"HB{i}": i < len(biases) and biases[i] is not None})
-    return Launch(_linear_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(weights))), warps,
-                  pdl=args["PDL"])
+    return Launch(_linear_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(weights))), warps)
 
 
 # ------------------------------------------------------------------------ op ----

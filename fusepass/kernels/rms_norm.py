@@ -423,10 +423,9 @@ def rms_norm_launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h
                 EMU_X=emulate_rounding(x.dtype), EMU_Y=emulate_rounding(y.dtype), PDL=pdl_on(x))
     outputs = ("y", "h") if res is not None else ("y",)
     if cfg.variant == "looped":
-        return Launch(_rms_norm_fwd_looped_kernel, (cfg.num_programs,), args, outputs, cfg.num_warps,
-                      pdl=args["PDL"])
+        return Launch(_rms_norm_fwd_looped_kernel, (cfg.num_programs,), args, outputs, cfg.num_warps)
     return Launch(_rms_norm_fwd_kernel, (cdiv(M, cfg.BM),), {**args, "BM": cfg.BM, "W_FIRST": cfg.w_first}, outputs,
-                  cfg.num_warps, pdl=args["PDL"])
+                  cfg.num_warps)
 
 
 def _launch(x, res, weight, eps, weight_offset, cast_before_weight, y, h, overrides) -> None:

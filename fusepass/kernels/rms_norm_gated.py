@@ -233,8 +233,7 @@ def rms_norm_gated_launch(x: Tensor, gate: Tensor, weight: Tensor, eps: float | 
     args = dict(x=x2, z=z2, w=w, y=y, stride_x=x2.stride(0), stride_z=z2.stride(0), stride_y=N, M=M, N=N, eps=eps,
                 **_flags(x, weight, cast_before_weight, activation), BM=cfg.BM, BN=cfg.BN, LOOPED=cfg.looped,
                 EPS_PTR=is_ptr(eps), PDL=pdl_on(x))
-    return Launch(_rms_norm_gated_fwd_kernel, (M if cfg.looped else cdiv(M, cfg.BM),), args, ("y",), cfg.num_warps,
-                  pdl=args["PDL"])
+    return Launch(_rms_norm_gated_fwd_kernel, (M if cfg.looped else cdiv(M, cfg.BM),), args, ("y",), cfg.num_warps)
 
 
 def rms_norm_gated_fwd(

@@ -197,7 +197,7 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
         pdl = pdl_on(x)
         return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if fmt == "hqq4" and loop else N, cfg.BN), split),
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "NG": ng, "BM": _pow2(M), "ASM": asm,
-                       "LOOP": loop, "FOLD": _fold(cfg, x), "PDL": pdl}, outputs, cfg.warps, cfg.stages, pdl=pdl)
+                       "LOOP": loop, "FOLD": _fold(cfg, x), "PDL": pdl}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mmt":
         # int4, the code books and HQQ always, int8 in whole tiles: the weight read
         # as int32 words (see the kernel); the code books' words hold codes in
@@ -252,7 +252,7 @@ def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: li
                      f"stride_w{i}": ws[j].stride(0), f"stride_s{i}": s.stride(0) if fmt == "int4" else 1,
                      f"HB{i}": i < len(ws) and biases[i] is not None})
     return Launch(_dequant_gemv_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(ws))), cfg.warps,
-                  cfg.stages, pdl=args["PDL"])
+                  cfg.stages)
 
 
 def gated_fits(cfg: Config, fmt: str) -> bool:
@@ -279,8 +279,7 @@ def gated_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[
                 G=max(G, 1), HAS_ZERO=zeros[0] is not None, HAS_BIAS=biases[0] is not None, EVEN_K=K % cfg.BK == 0,
                 ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, 2 * N, cfg), BM=_pow2(M), BN=cfg.BN,
                 BK=cfg.BK, FOLD=_fold(cfg, x), ACT=activation, EMU=emulate_rounding(out.dtype), PDL=pdl_on(x))
-    return Launch(_dequant_gemv_gated_kernel, (cdiv(N, cfg.BN // 2),), args, ("out",), cfg.warps, cfg.stages,
-                  pdl=args["PDL"])
+    return Launch(_dequant_gemv_gated_kernel, (cdiv(N, cfg.BN // 2),), args, ("out",), cfg.warps, cfg.stages)
 
 
 def reduce_launch(part: Tensor, bias: Tensor | None, out: Tensor) -> Launch:

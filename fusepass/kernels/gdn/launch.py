@@ -289,7 +289,7 @@ def recurrent_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h
                 **_strides("v", v), **_strides("g", g), **_strides("b", beta),
                 DK=DK, DV=DV, BK=_pow2(DK), BV=BV, L2NORM=use_qk_l2norm, HAS_H0=h0 is not None,
                 EMU=emulate_rounding(q.dtype), EPS=L2NORM_EPS, RISING_ONLY=rising_only, PDL=pdl_on(q))
-    return Launch(_gdn_recurrent_kernel, (NV * B * HV,), args, ("o", "hT"), num_warps or 4, pdl=args["PDL"])
+    return Launch(_gdn_recurrent_kernel, (NV * B * HV,), args, ("o", "hT"), num_warps or 4)
 
 
 def gdn_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,

@@ -572,7 +572,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         ACT=activation, HALVES=halves, FMT=fmt, G=group, HAS_ZERO=z1 is not None, HAS_BIAS=b1 is not None,
         ALPHA=float(alpha), LIMIT=float(limit), BS=cdiv_pow2(S), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DEFER=cfg.defer,
         TRANS=transposed, VB=vb1, ASM=asm and vb1 >= 4, PDL=pdl, AHEAD=cfg.ahead and not vb1 and fmt != "int4"),
-        ("h",), cfg.warps, pdl=pdl))["h"]
+        ("h",), cfg.warps))["h"]
     sn2, sk2 = _strides(w2, transposed)
     h2 = pairs(h) if vb2 else h  # (of the launch's output: the traced form's h is a new tensor)
     dot = cfg.dot2 and dot_down_fits(x.dtype, w2.dtype, fmt, transposed, cfg.BN2, cfg.BK2)
@@ -602,7 +602,7 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         KP=KP, BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, VB=vb2, ASM=asm and vb2 >= 4,
         PDL=pdl, SPLIT=n_split > 1, DOT=dot, KE=k if dot else 1, EMU=dot and interpreting(),
         AHEAD=cfg.ahead2 and not dot and (vb2 > 0 or fmt != "int4")), ("out",), cfg.warps2,
-        num_stages=cfg.stages2 if dot else None, pdl=pdl))["out"]
+        num_stages=cfg.stages2 if dot else None))["out"]
 
 
 def dot_down_fits(x_dtype: torch.dtype, w_dtype: torch.dtype, fmt: str, transposed: bool, BN: int = DOT_TILE,

@@ -376,7 +376,7 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
         BT=cfg.BT, BE=cfg.BE if split else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k),
         RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps), PDL=cfg.pdl and pdl, RELEASE=cfg.release and pdl)
     outputs = ("logits", "tw", "tid") + (("ctr",) if split else ())
-    return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps, pdl=args["PDL"])
+    return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps)
 
 
 def _unit_last(t: Tensor | None) -> Tensor | None:
