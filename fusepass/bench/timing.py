@@ -82,6 +82,37 @@ def time_graph(fn: Callable[[], Any], rep_ms: float) -> Timing:
     return Timing.of(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=QUANTILES))
 
 
+def time_events(fn: Callable[[], Any], reps: int) -> Timing:
+    """CUDA: milliseconds per call, CUDA events around each of ``reps`` calls
+    after one warm-up call (lazy allocations, first-launch costs)."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return Timing.from_samples(samples)
+
+
+def time_replays(fn: Callable[[], Any], replays: int, reps: int = 5) -> Timing:
+    """CUDA: milliseconds per call of ``fn`` captured once in a CUDA graph
+    (:func:`captured`) and replayed ``replays`` times between two events, ``reps`` times."""
+    replay = captured(fn)
+    for _ in range(10):
+        replay()
+
+    def replay_k() -> None:
+        for _ in range(replays):
+            replay()
+
+    per = time_events(replay_k, reps)
+    return Timing(per.median / replays, per.p20 / replays, per.p80 / replays)
+
+
 def captured(fn: Callable[[], Any]) -> Callable[[], None]:
     """``fn`` captured in one CUDA graph after three warm-up calls on a side stream; returns its replay."""
     stream = torch.cuda.Stream()

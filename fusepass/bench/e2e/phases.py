@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..ops import rel_err
-from ..timing import Timing, captured, sync, time_cpu
+from ..timing import Timing, sync, time_cpu, time_replays
 from .run import Run, _fresh, _report_text, _start_report, graphs_compile_args
 
 
@@ -192,17 +192,8 @@ def phase_replay(run: Run) -> None:
                     step, cache = decode_step(model, fn, run.ids, batch, prompt, prompt + run.args.new_tokens,
                                               run.device)
                     if run.cuda:
-                        replay = captured(step)
                         replays = run.args.replays
-                        for _ in range(10):
-                            replay()
-
-                        def replay_k() -> None:
-                            for _ in range(replays):
-                                replay()
-
-                        per = run.time_calls(replay_k, 5)
-                        per = Timing(per.median / replays, per.p20 / replays, per.p80 / replays)
+                        per = time_replays(step, replays)
                         how = f"one CUDA graph of the step, {replays} replays between two events, 5 times"
                         prof = run.profile(step, f"replay B{batch}", backend)
                     else:
@@ -222,7 +213,6 @@ def phase_replay(run: Run) -> None:
             run.say(f"replay B={batch} {backend}: {per.median * 1e3:.1f} µs/step (floor {floor * 1e3:.1f} µs)")
             del cache, step
             if run.cuda:
-                del replay, replay_k
                 torch.cuda.empty_cache()
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from .. import output
-from ..timing import Timing, copy_bandwidth, environment, profile_kernels, render_profile, time_cpu
+from ..timing import Timing, copy_bandwidth, environment, profile_kernels, render_profile, time_cpu, time_events
 from .models import MODELS, _layers, build, quantize, weight_bytes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -126,17 +126,7 @@ class Run:
         """Milliseconds per call: CUDA events around each call, or back-to-back calls on the CPU."""
         if not self.cuda:
             return time_cpu(fn, rep_ms=50.0 * reps, min_samples=reps)
-        fn()  # one more warm-up call: lazy allocations, first-launch costs
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        return Timing.from_samples(samples)
+        return time_events(fn, reps)
 
 
 # A backend "fusepass-no:RULE+RULE" is fusepass without those rules: an A/B of

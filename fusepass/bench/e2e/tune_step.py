@@ -111,7 +111,7 @@ def tune_step(model_name: str, layers: str, fmt: str, group_size: int, batch: in
     tried for a key (default: the tuner's and the heuristic's)."""
     from fusepass.kernels.dequant_matmul import plans, tuner
 
-    from ..timing import captured
+    from ..timing import time_replays
     from .models import MODELS, _layers, build, quantize
     from .phases import decode_step
     from .run import _fresh
@@ -139,21 +139,7 @@ def tune_step(model_name: str, layers: str, fmt: str, group_size: int, batch: in
                 t0 = time.perf_counter()
                 step()
                 return (time.perf_counter() - t0) * 1e6
-            replay = captured(step)
-            for _ in range(5):
-                replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(replays):
-                    replay()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3 / replays)
-            del replay
-            return sorted(samples)[len(samples) // 2]
+            return time_replays(step, replays).median * 1e3
 
         say(f"{model_name}, {n_layers} layers, {fmt}, batch {batch}: compiling and timing the step")
         found = measure()
