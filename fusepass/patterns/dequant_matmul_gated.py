@@ -34,6 +34,7 @@ from fusepass.kernels.dequant_matmul.launch import gated_fits
 from fusepass.kernels.dequant_matmul.siblings import group_plan
 from fusepass.match import same
 from fusepass.patterns._linear import is_call as _is, val as _val
+from fusepass.patterns.dequant_matmul_int4 import int4_weights, whole_groups
 from fusepass.rule import Form, NearMiss, Region, Rule
 
 aten = torch.ops.aten
@@ -70,15 +71,9 @@ def _replace(activation):
     return replace
 
 
-def _weights(dtype, n, k, group):
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    scale = ((0.5 + torch.rand(n, k // group)) / (6 * k ** 0.5)).to(dtype)
-    zero = torch.randint(0, 16, (n, k // group)).to(dtype)
-    return packed, scale, zero
-
-
 def example_inputs(dtype):
-    return [torch.randn(1, K_EX, dtype=dtype), *_weights(dtype, N_EX, K_EX, G_EX), *_weights(dtype, N_EX, K_EX, G_EX)]
+    return [torch.randn(1, K_EX, dtype=dtype), *int4_weights(dtype, N_EX, K_EX, G_EX),
+            *int4_weights(dtype, N_EX, K_EX, G_EX)]
 
 
 def sized_inputs(dtype, shape):
@@ -90,10 +85,9 @@ def sized_inputs(dtype, shape):
         d = min(d, 4 // rows) if d else 0
         lead.append(d)
         rows *= max(d, 1)
-    k = max(32, -(-(shape[-1] if shape else 1) // 32) * 32)
-    group = next(g for g in (128, 64, 32) if k % g == 0)
-    p0, s0, z0 = _weights(dtype, N_EX, k, group)
-    p1, s1, z1 = _weights(dtype, N_EX, k, group)
+    k, group = whole_groups(shape[-1] if shape else 1)
+    p0, s0, z0 = int4_weights(dtype, N_EX, k, group)
+    p1, s1, z1 = int4_weights(dtype, N_EX, k, group)
     return dict(x=torch.randn(*lead, k, dtype=dtype), p0=p0, s0=s0, z0=z0, p1=p1, s1=s1, z1=z1)
 
 

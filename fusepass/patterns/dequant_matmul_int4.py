@@ -69,7 +69,7 @@ def _bmm(inputs):
     return [x.reshape(2, 2, -1).transpose(0, 1), *rest]
 
 
-def _weights(dtype, n, k, group, gen=None):
+def int4_weights(dtype, n, k, group, gen=None):
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     # Codes minus zero have rms ~6: dequantized rows of norm O(1) (see dm.channel_scale).
     scale = ((0.5 + torch.rand(n, k // group, generator=gen)) / (6 * k ** 0.5)).to(dtype)
@@ -78,7 +78,7 @@ def _weights(dtype, n, k, group, gen=None):
 
 
 def example_inputs(dtype):
-    packed, scale, zero = _weights(dtype, N_EX, K_EX, G_EX)
+    packed, scale, zero = int4_weights(dtype, N_EX, K_EX, G_EX)
     return [torch.randn(4, K_EX, dtype=dtype), packed, scale, zero, torch.randn(N_EX, dtype=dtype)]
 
 
@@ -87,12 +87,19 @@ def _sym(dtype):
     return [x, packed, scale, bias]
 
 
+def whole_groups(k: int) -> tuple[int, int]:
+    """(K rounded up to a multiple of 32, as int4 needs whole groups; the group,
+    the largest of 128 / 64 / 32 that divides it): the sized inputs of the
+    rules whose forms hold int4 linears."""
+    k = max(32, -(-k // 32) * 32)
+    return k, next(g for g in (128, 64, 32) if k % g == 0)
+
+
 def sized_inputs(dtype, shape):
     """x of ``shape`` with K rounded up to a multiple of 32 (int4 needs whole groups);
     the group the largest of 128/64/32 that divides K."""
-    k = max(32, -(-(shape[-1] if shape else 1) // 32) * 32)
-    group = next(g for g in (128, 64, 32) if k % g == 0)
-    packed, scale, zero = _weights(dtype, N_EX, k, group)
+    k, group = whole_groups(shape[-1] if shape else 1)
+    packed, scale, zero = int4_weights(dtype, N_EX, k, group)
     return dict(x=torch.randn(*shape[:-1], k, dtype=dtype), packed=packed, scale=scale, zero=zero,
                 bias=torch.randn(N_EX, dtype=dtype))
 

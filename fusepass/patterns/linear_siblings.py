@@ -43,6 +43,7 @@ from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
 from fusepass.kernels.dequant_matmul.siblings import group_plan
 from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
 from fusepass.patterns._linear import is_call as _is, product as _product, root as _root, val as _val
+from fusepass.patterns.dequant_matmul_int4 import int4_weights, whole_groups
 from fusepass.rule import Form, NearMiss, Region, Rule
 
 aten = torch.ops.aten
@@ -95,14 +96,8 @@ def example_inputs(dtype):
             torch.randn(4, dtype=dtype)]
 
 
-def _int4_weights(dtype, n, k, group):
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    scale = ((0.5 + torch.rand(n, k // group)) / (6 * k ** 0.5)).to(dtype)
-    return packed, scale, torch.randint(0, 16, (n, k // group)).to(dtype)
-
-
 def int4_inputs(dtype):
-    return [torch.randn(1, 64, dtype=dtype), *_int4_weights(dtype, 24, 64, 32), *_int4_weights(dtype, 8, 64, 32)]
+    return [torch.randn(1, 64, dtype=dtype), *int4_weights(dtype, 24, 64, 32), *int4_weights(dtype, 8, 64, 32)]
 
 
 def gathered_inputs(dtype):
@@ -121,10 +116,9 @@ def sized_inputs(dtype, shape):
         rows *= max(d, 1)
     x, w0, w1, w2, b0, b1, b2 = example_inputs(dtype)
     K = shape[-1]
-    kq = max(32, -(-K // 32) * 32)  # (int4: whole groups, the largest of 128 / 64 / 32 that divides K)
-    group = next(g for g in (128, 64, 32) if kq % g == 0)
-    p0, s0, z0 = _int4_weights(dtype, 24, kq, group)
-    p1, s1, z1 = _int4_weights(dtype, 8, kq, group)
+    kq, group = whole_groups(K)
+    p0, s0, z0 = int4_weights(dtype, 24, kq, group)
+    p1, s1, z1 = int4_weights(dtype, 8, kq, group)
     return dict(x=torch.randn(*lead, K, dtype=dtype), w0=torch.randn(w0.shape[0], K, dtype=dtype),
                 w1=torch.randn(w1.shape[0], K, dtype=dtype), w2=torch.randn(w2.shape[0], K, dtype=dtype),
                 b0=b0, b1=b1, b2=b2, perm=torch.randperm(K), xq=torch.randn(*lead, kq, dtype=dtype),
