@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=float, default=0.005,
                    help="with --step: keep another plan only where the step is this much faster (default 0.5%%)")
     p.add_argument("--budget", type=float, default=None, help="with --step: seconds before no new plan is timed")
+    p.add_argument("--without", default="", metavar="RULE[,RULE]",
+                   help="with --step: compile the step without these rules (plans for that variant)")
     p.set_defaults(func=main)
 
 
@@ -151,7 +153,8 @@ def _main_step(args: argparse.Namespace) -> int:
     rows = []
     for batch in _ints(args.decode_batch or "1"):
         choices, before, after = tune_step(args.step, args.layers, args.fmt, args.group_size or 128, batch,
-                                           args.prompt, args.replays, args.min_gain, args.budget)
+                                           args.prompt, args.replays, args.min_gain, args.budget,
+                                           without=[r for r in args.without.split(",") if r])
         for c in choices:
             p = c.key
             rows.append([p.fmt + (f"-g{p.group}" if p.group else ""), batch, p.N, p.K, c.before.label(),

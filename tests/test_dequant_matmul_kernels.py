@@ -1355,3 +1355,28 @@ def test_tune_step_pins_plans_the_steps_launches_take(plan_files, monkeypatch):
     else:
         assert not saved
     assert before > 0 and after > 0
+
+
+def test_tune_step_without_rules_compiles_that_variant(monkeypatch):
+    """``fusepass tune --step --without RULE`` tunes the step of fusepass without
+    that rule (the plans of that variant's lookups): the model is compiled with
+    the backend name ``fusepass bench e2e`` uses for the A/B."""
+    from fusepass.bench.e2e import run
+    from fusepass.bench.e2e.tune_step import tune_step
+    from fusepass.testing import differential
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def fresh(model, backend, **kwargs):
+        asked.append((backend, run.compile_args(backend)))
+        raise Stop
+
+    monkeypatch.setattr(run, "_fresh", fresh)
+    with differential.triton_on_cpu(), pytest.raises(Stop):
+        tune_step("tiny-llama", "1", "int4", 32, without=["dequant_matmul_gated", "swiglu"], say=lambda line: None)
+    backend, args = asked[0]
+    assert backend == "fusepass-no:dequant_matmul_gated+swiglu"
+    assert args["options"]["disable_rules"] == ["dequant_matmul_gated", "swiglu"]

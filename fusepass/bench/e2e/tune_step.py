@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -101,20 +101,23 @@ def _label(cfg: Any) -> str:
 def tune_step(model_name: str, layers: str, fmt: str, group_size: int, batch: int = 1, prompt: int = 128,
               replays: int = 50, min_gain: float = 0.005, budget_s: float | None = None, save: bool = True,
               say: Callable[[str], None] = print,
-              candidates: Callable[[Any], list[Any]] | None = None) -> tuple[list[Choice], float, float]:
+              candidates: Callable[[Any], list[Any]] | None = None,
+              without: Sequence[str] = ()) -> tuple[list[Choice], float, float]:
     """Tune the plans of ``model_name``'s decode step at ``batch`` on the current
     GPU (see the module docstring); (choices, the step's µs with the plans
     found in place, with the plans kept), both timed again at the end.  Without
     a GPU, under the Triton interpreter with the ops' CUDA bodies serving CPU
     tensors (``testing.differential.triton_on_cpu``, the tests): the step
     called once a timing, in fp32, no CUDA graph.  ``candidates``: the plans
-    tried for a key (default: the tuner's and the heuristic's)."""
+    tried for a key (default: the tuner's and the heuristic's).  ``without``:
+    rules the step is compiled without (``fusepass bench e2e``'s
+    ``fusepass-no:RULE`` variant), whose plans then differ."""
     from fusepass.kernels.dequant_matmul import plans, tuner
 
     from ..timing import time_replays
     from .models import MODELS, _layers, build, quantize
     from .phases import decode_step
-    from .run import _fresh
+    from .run import VARIANT, _fresh
 
     from fusepass.kernels._common import interpreting
 
@@ -124,7 +127,8 @@ def tune_step(model_name: str, layers: str, fmt: str, group_size: int, batch: in
     n_layers = _layers(MODELS[model_name], layers)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = quantize(build(model_name, n_layers, dtype, device), fmt, group_size)
-    fn = _fresh(model, "fusepass", captured=True, fullgraph=True)  # op calls: each looks its plan up
+    backend = VARIANT + "+".join(without) if without else "fusepass"
+    fn = _fresh(model, backend, captured=True, fullgraph=True)  # op calls: each looks its plan up
 
     def ids_of(b: int, seq: int, seed: int = 1) -> torch.Tensor:
         g = torch.Generator(device="cpu").manual_seed(seed)
