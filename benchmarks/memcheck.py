@@ -669,6 +669,22 @@ def linear_cases(quick: bool):
         act = ("silu", "gelu", "gelu_tanh")[(K + M) % 3]
         yield (f"dequant_matmul_gated {fmt} {act} M{M} K{K} N{N}", ops.dequant_matmul_gated,
                (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0, act), 2e-2)
+    # bitsandbytes' code books (blocks of 64, fp32 absmax) through both grids: Llama-3-8B's q / k / v and
+    # gate / up, odd rows (a tile past N), K of a masked last tile
+    from fusepass.testing.library_layouts import library_inputs
+
+    bgroups = [(4096, [4096, 1024, 1024]), (4096, [14336, 14336]), (192, [33, 5, 33])]
+    for (K, Ns), fmt, M in itertools.product(bgroups[1:] if quick else bgroups, ("nf4", "fp4"), (1, 3)):
+        got = [library_inputs(fmt, M, n, K, torch.bfloat16, seed=i) for i, n in enumerate(Ns)]
+        x = got[0][0].to(DEVICE)
+        ws, ss = [g[1].to(DEVICE) for g in got], [g[2].to(DEVICE) for g in got]
+        bs = [_randn(Ns[0])] + [None] * (len(Ns) - 1)
+        yield (f"dequant_matmul_siblings {fmt} M{M} K{K} N{Ns}", ops.dequant_matmul_siblings,
+               (x, ws, ss, [None] * len(Ns), bs, fmt, 64), 2e-2)
+        if Ns[0] == Ns[-1]:
+            yield (f"dequant_matmul_gated {fmt} silu M{M} K{K} N{Ns[0]}", ops.dequant_matmul_gated,
+                   (x, [ws[0], ws[-1]], [ss[0], ss[-1]], [None, None], [bs[0], _randn(Ns[0])], fmt, 64, "silu"),
+                   2e-2)
 
 
 def attention_cases(quick: bool):
@@ -709,13 +725,14 @@ GROUPS = {"norms": norm_cases, "dequant_matmul": dequant_cases, "library": libra
 
 def run_group(group: str, quick: bool, start: int = 0, record=None, match: str = "") -> list[tuple[str, str, float]]:
     """The group's cases from index ``start`` (earlier ones are built, not run: the
-    inputs come from one seeded stream) whose names contain ``match``.  ``record`` gets a line as each case
-    starts and ends, so a parent can name the case a dead child was running.
+    inputs come from one seeded stream) whose names contain ``match`` (or one of
+    its comma-separated parts).  ``record`` gets a line as each case starts and
+    ends, so a parent can name the case a dead child was running.
     Raises ContextLost after a case that faulted."""
     torch.manual_seed(0)  # per group: a child running one group draws what a whole sweep draws
     results = []
     for i, c in enumerate(GROUPS[group](quick)):
-        if i < start or (match and match not in c[0]):
+        if i < start or (match and not any(m in c[0] for m in match.split(","))):
             continue
         if record:
             record(dict(group=group, i=i, name=c[0]))
@@ -765,7 +782,7 @@ def main(argv=None) -> int:
     p.add_argument("--peers", action="store_true", help="also the GDN decode sequence with FLA and transformers")
     p.add_argument("--isolate", action="store_true",
                    help="each group in its own process; after a fault, the rest of the group in a new one")
-    p.add_argument("--match", default="", help="only the cases whose names contain this (e.g. 'split2')")
+    p.add_argument("--match", default="", help="only the cases whose names contain this, or one of a comma list (e.g. 'split2', 'nf4,fp4')")
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)  # a child's first case
     p.add_argument("--record", help=argparse.SUPPRESS)  # a child's JSON-lines record of its cases
     args = p.parse_args(argv)

@@ -280,6 +280,92 @@ def test_siblings_kernel_matches_each_weights_op(fmt, group, M):
             assert_close(g, w, f"{fmt} {cfg.label()}", dtype=torch.bfloat16)
 
 
+@interpreted
+@pytest.mark.parametrize("fmt,dtype", [("nf4", torch.bfloat16), ("fp4", torch.float32)])
+def test_codebook_siblings_and_gated_kernels_match_each_weights_op(fmt, dtype):
+    """bitsandbytes' code books (absmax per block of 64, no zero point) through
+    the siblings grid and the gated grid (the int4 loop with the code book in
+    the zero point's place): three weights of odd row counts and a bias, one
+    and three rows, K not a whole tile; the gated launch's pair through the
+    activation.  The same values as dequant_matmul weight by weight (outputs
+    NaN first: every element written); a tile that splits a chunk is no plan
+    for the grid."""
+    from fusepass.kernels.dequant_matmul import Config
+    from fusepass.kernels.dequant_matmul import gated as gm
+    from fusepass.kernels.dequant_matmul.launch import gated_launch, sibling_fits, siblings_launch
+    from fusepass.testing.library_layouts import library_inputs
+
+    K = 192  # three blocks: a tile of 128 is masked in its second step
+    for M, cfg in ((1, Config("gemv", BN=4, BK=64)), (3, Config("gemv", BN=2, BK=128, warps=2))):
+        ws, ss = [], []
+        for i, n in enumerate((33, 5, 33)):
+            x, w, s, _, _, _ = library_inputs(fmt, M, n, K, dtype, seed=10 * M + i)
+            ws.append(w)
+            ss.append(s)
+        bs = [None, torch.randn(5, dtype=dtype), torch.randn(33, dtype=dtype)]
+        want = [torch.ops.fusepass.dequant_matmul(x, w, s, None, b, fmt, 64) for w, s, b in zip(ws, ss, bs)]
+        assert sibling_fits(cfg, fmt, 64)
+        outs = [torch.full((M, w.shape[0]), float("nan"), dtype=dtype) for w in ws]
+        siblings_launch(x, ws, ss, [None] * 3, bs, outs, fmt, 64, cfg).run()
+        for g, w in zip(outs, want):
+            assert torch.isfinite(g).all()
+            assert_close(g, w, f"{fmt} siblings {cfg.label()}", dtype=dtype)
+        out = torch.full((M, 33), float("nan"), dtype=dtype)
+        gated_launch(x, [ws[0], ws[2]], [ss[0], ss[2]], [None, None], [bs[2], bs[2]], out, fmt, 64, cfg,
+                     "silu").run()
+        ref = gm._reference(x, [ws[0], ws[2]], [ss[0], ss[2]], [None, None], [bs[2], bs[2]], fmt, 64, "silu")
+        assert torch.isfinite(out).all()
+        assert_close(out, ref, f"{fmt} gated {cfg.label()}", dtype=dtype)
+    assert not sibling_fits(Config("gemv", BN=4, BK=48), fmt, 64)  # 1.5 chunks a tile: value by value only
+
+
+class _Bnb(torch.nn.Module):
+    """q / k / v and an MLP's gate / up / down as bitsandbytes 4-bit linears
+    (blocks of 64, no double quantization), quantized on the CPU."""
+
+    def __init__(self, quant_type, K=128):
+        super().__init__()
+        import bitsandbytes as bnb
+
+        def linear(k, n):
+            lin = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type=quant_type,
+                                    compress_statistics=False)
+            lin.weight = bnb.nn.Params4bit(torch.randn(n, k) * 0.1, requires_grad=False, quant_type=quant_type,
+                                           compress_statistics=False)._quantize("cpu")
+            lin.support_avx512bf16_for_cpu = False  # (the GPU's gemm_4bit layout, not the CPU's repack)
+            return lin
+
+        self.q, self.k, self.v = linear(K, 64), linear(K, 32), linear(K, 32)
+        self.gate, self.up, self.down = linear(K, 128), linear(K, 128), linear(128, K)
+
+    def forward(self, x):
+        h = self.q(x) * (self.k(x).sum(-1, keepdim=True) + self.v(x).sum(-1, keepdim=True)).sigmoid()
+        return h, self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_bnb_projections_of_one_x_are_one_launch(quant_type):
+    """bitsandbytes' NF4 / FP4 linears at one token: the library rule takes each,
+    then q / k / v become one siblings call and gate / up with SiLU one gated
+    call; the CPU bodies and the Triton kernels (interpreted) match eager."""
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(5)
+    model = _Bnb(quant_type).eval()
+    x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
+    got, want, report = _compile(model, x)
+    assert sorted(h.form for h in report.hits if h.rule == "linear_siblings") == [f"{quant_type} three",
+                                                                                  f"{quant_type} two"]
+    assert [h.form for h in report.hits if h.rule == "dequant_matmul_gated"] == [f"{quant_type}_silu"]
+    for g, w in zip(got, want):
+        assert_close(g, w, f"bnb {quant_type}", dtype=torch.bfloat16)
+    if differential.interpreting() and quant_type == "nf4":
+        torch._dynamo.reset()
+        with differential.triton_on_cpu(), torch.no_grad():
+            got = torch.compile(model, backend="fusepass")(x)
+        for g, w in zip(got, want):
+            assert_close(g, w, "bnb nf4 (Triton)", dtype=torch.bfloat16)
+
+
 # -- one weight alone at one row: linear_one ----------------------------------------------------
 
 

@@ -14,9 +14,12 @@ layers of one input gather it), after every other rule has taken the
 matmuls it fuses (a dequantising linear, an MoE router); replaced by one op
 that reads every weight once in one launch (four weights at most a call).
 The quantized linears those rules found become ``fusepass::dequant_matmul``
-calls first; two or three of them on one x, one format (int4 / int8 / fp8)
-and group size, become one ``fusepass::dequant_matmul_siblings`` call (the
-GEMV over all their rows where the group's plan is the GEMV).
+calls first; two or three of them on one x, one format (int4 / int8 / fp8,
+and bitsandbytes' NF4 / FP4 code books) and group size, become one
+``fusepass::dequant_matmul_siblings`` call (the GEMV over all their rows
+where the group's plan is the GEMV).  A bitsandbytes weight with double
+quantization stays apart: its absmax is computed in the graph next to its
+own call, after the group's first product.
 
 Left alone, without a line in the report: where the rows of x and the
 weights' bytes are known when compiling and one launch was measured no
@@ -43,6 +46,7 @@ from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
 from fusepass.kernels.dequant_matmul.siblings import group_plan
 from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
 from fusepass.patterns._linear import is_call as _is, product as _product, root as _root, val as _val
+from fusepass.patterns import dequant_matmul_bnb as bnb
 from fusepass.patterns.dequant_matmul_int4 import int4_weights, whole_groups
 from fusepass.rule import Form, NearMiss, Region, Rule
 
@@ -77,6 +81,19 @@ def replace_int4_two(xq, p0, s0, z0, p1, s1, z1):
                                               [z0.contiguous(), z1.contiguous()], [None, None], "int4", group))
 
 
+def search_nf4_two(xb, q0, a0, q1, a1):
+    # two bitsandbytes NF4 linears (blocks of 64): dequant_matmul_bnb makes each a
+    # dequant_matmul call, then this rule one dequant_matmul_siblings call
+    return bnb.search(xb, q0, a0), bnb.search(xb, q1, a1)
+
+
+def replace_nf4_two(xb, q0, a0, q1, a1):
+    n, k = bnb.N_EX, bnb.K_EX
+    ws = [q.view(torch.uint8).reshape(n, k // 2) for q in (q0, q1)]
+    return tuple(dequant_matmul_siblings_call(xb, ws, [a.reshape(n, k // 64) for a in (a0, a1)], [None, None],
+                                              [None, None], "nf4", 64))
+
+
 def replace_two(x, w0, w1):
     return tuple(linear_siblings_call(x, [w0, w1], [None, None]))
 
@@ -100,6 +117,11 @@ def int4_inputs(dtype):
     return [torch.randn(1, 64, dtype=dtype), *int4_weights(dtype, 24, 64, 32), *int4_weights(dtype, 8, 64, 32)]
 
 
+def nf4_inputs(dtype):
+    (q0, (a0,)), (q1, (a1,)) = bnb._quantized(dtype), bnb._quantized(dtype)
+    return [torch.randn(1, bnb.K_EX, dtype=dtype), q0, a0, q1, a1]
+
+
 def gathered_inputs(dtype):
     x, w0, w1 = example_inputs(dtype)[:3]
     return [x, torch.randperm(x.shape[-1]), w0, w1]
@@ -119,7 +141,9 @@ def sized_inputs(dtype, shape):
     kq, group = whole_groups(K)
     p0, s0, z0 = int4_weights(dtype, 24, kq, group)
     p1, s1, z1 = int4_weights(dtype, 8, kq, group)
-    return dict(x=torch.randn(*lead, K, dtype=dtype), w0=torch.randn(w0.shape[0], K, dtype=dtype),
+    _, q0, a0, q1, a1 = nf4_inputs(dtype)  # (the bitsandbytes form's shapes are fixed: K_EX features)
+    return dict(xb=torch.randn(*lead, bnb.K_EX, dtype=dtype), q0=q0, a0=a0, q1=q1, a1=a1,
+                x=torch.randn(*lead, K, dtype=dtype), w0=torch.randn(w0.shape[0], K, dtype=dtype),
                 w1=torch.randn(w1.shape[0], K, dtype=dtype), w2=torch.randn(w2.shape[0], K, dtype=dtype),
                 b0=b0, b1=b1, b2=b2, perm=torch.randperm(K), xq=torch.randn(*lead, kq, dtype=dtype),
                 p0=p0, s0=s0, z0=z0, p1=p1, s1=s1, z1=z1)
@@ -291,13 +315,14 @@ RULE = Rule(
     name="linear_siblings",
     forms=[Form("two", search_two, replace_two), Form("three", search_three, replace_three),
            Form("gathered", search_gathered, replace_gathered, example_inputs=gathered_inputs),
-           Form("int4 two", search_int4_two, replace_int4_two, example_inputs=int4_inputs)],
+           Form("int4 two", search_int4_two, replace_int4_two, example_inputs=int4_inputs),
+           Form("nf4 two", search_nf4_two, replace_nf4_two, example_inputs=nf4_inputs)],
     example_inputs=example_inputs,
     find=find,
     priority=-10,  # last: every rule that fuses a matmul (dequantising linears, routers) takes it first
     sized_inputs=sized_inputs,
-    packed_args=("p0", "p1"),
-    builds_on=("dequant_matmul_int4",),  # (the "int4 two" form: the calls it groups)
+    packed_args=("p0", "p1", "a0", "a1"),
+    builds_on=("dequant_matmul_int4", "dequant_matmul_bnb"),  # (the int4 and nf4 forms: the calls it groups)
     near_misses=[
         NearMiss("rows of a prefill", _prefill_rows, _pair_inputs, ""),
         NearMiss("weight from the other product", _chained, _pair_inputs, ""),

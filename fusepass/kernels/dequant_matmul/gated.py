@@ -11,8 +11,8 @@ siblings is a GEMV of an even number of rows a program (the one-token plans),
 one grid reads both weights and applies the activation before its one store
 (``gemv._dequant_gemv_gated_kernel``): no launch and no round trip of gate
 and up between the GEMV and the activation kernel.  Elsewhere the siblings op
-and the gated_act kernel run as before.  fusepass's own formats (int4, int8,
-fp8)."""
+and the gated_act kernel run as before.  The siblings' formats: fusepass's own
+(int4, int8, fp8) and bitsandbytes' code books (nf4, fp4)."""
 
 from __future__ import annotations
 

@@ -654,11 +654,11 @@ def _dequant_gemv_kernel(
 @triton.jit
 def _sibling_rows(x, x2, w, s, z, b, o, pid, M, N, K, stride_xm, stride_x2m, stride_wn, stride_sn,
                   FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  FOLD: tl.constexpr):
+                  EVEN_K: tl.constexpr, ASM: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, FOLD: tl.constexpr):
     # Whole K, no split: part / ctr / g_idx / shifts are never read (o and s stand in).
     _own_rows(x, x2, w, s, z, b, o, o, o, s, s, M, N, K, K, 1, pid, 0, 1, stride_xm, stride_x2m, stride_wn,
-              stride_sn, FMT, G, HAS_ZERO, HAS_BIAS, False, False, EVEN_K, ASM, False, False, BM, BN, BK, FOLD)
+              stride_sn, FMT, G, HAS_ZERO, HAS_BIAS, False, False, EVEN_K, ASM, False, LOOP, BM, BN, BK, FOLD)
 
 
 @triton.jit
@@ -666,37 +666,38 @@ def _dequant_gemv_siblings_kernel(
     x, x2, w0, w1, w2, s0, s1, s2, z0, z1, z2, b0, b1, b2, o0, o1, o2, N0, N1, N2, E0, E1,
     M, K, stride_xm, stride_x2m, stride_w0, stride_w1, stride_w2, stride_s0, stride_s1, stride_s2,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HB0: tl.constexpr, HB1: tl.constexpr,
-    HB2: tl.constexpr, NW: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
+    HB2: tl.constexpr, NW: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LOOP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # Two or three weights of one format that read the same x (q / k / v, gate /
     # up) in one grid: program p owns BN rows of the weight whose block range
     # holds p (E0, E1: where the blocks of weights 0 and 1 end), each through its
-    # own pointers, with the one-weight GEMV's loop.  A slot past NW is compiled
+    # own pointers, with the one-weight GEMV's loop (LOOP: a code book's, the
+    # int4 loop with its table in z's place).  A slot past NW is compiled
     # out: its stand-in pointers are neither read nor written.
     pid = tl.program_id(0)
     if pid < E0:
         _sibling_rows(x, x2, w0, s0, z0, b0, o0, pid, M, N0, K, stride_xm, stride_x2m, stride_w0, stride_s0, FMT, G,
-                      HAS_ZERO, HB0, EVEN_K, ASM, BM, BN, BK, FOLD)
+                      HAS_ZERO, HB0, EVEN_K, ASM, LOOP, BM, BN, BK, FOLD)
     else:
         if NW > 1:
             if pid < E1:
                 _sibling_rows(x, x2, w1, s1, z1, b1, o1, pid - E0, M, N1, K, stride_xm, stride_x2m, stride_w1,
-                              stride_s1, FMT, G, HAS_ZERO, HB1, EVEN_K, ASM, BM, BN, BK, FOLD)
+                              stride_s1, FMT, G, HAS_ZERO, HB1, EVEN_K, ASM, LOOP, BM, BN, BK, FOLD)
             else:
                 if NW > 2:
                     _sibling_rows(x, x2, w2, s2, z2, b2, o2, pid - E1, M, N2, K, stride_xm, stride_x2m, stride_w2,
-                                  stride_s2, FMT, G, HAS_ZERO, HB2, EVEN_K, ASM, BM, BN, BK, FOLD)
+                                  stride_s2, FMT, G, HAS_ZERO, HB2, EVEN_K, ASM, LOOP, BM, BN, BK, FOLD)
 
 
 @triton.jit
 def _dequant_gemv_gated_kernel(
     x, x2, w0, w1, s0, s1, z0, z1, b0, b1, out, M, N, K, stride_xm, stride_x2m, stride_wn, stride_sn, stride_om,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
-    ACT: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False,
+    ASM: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FOLD: tl.constexpr, ACT: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # act(x W0^T + b0) * (x W1^T + b1) (an MLP's gate and up) in one grid, the
@@ -709,7 +710,7 @@ def _dequant_gemv_gated_kernel(
     # between the GEMV and the activation.
     i_n = tl.program_id(0)
     acc = _rows_acc(x, x2, w0, s0, z0, w1, s1, z1, s0, s0, M, N, K, K, 1, i_n, 0, stride_xm, stride_x2m, stride_wn,
-                    stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, False, False, BM, BN, BK, FOLD, True)
+                    stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, False, LOOP, BM, BN, BK, FOLD, True)
     H: tl.constexpr = BN // 2
     b_g, b_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, H]), (0, 2, 1)))  # [BM, H] each
     o_n = i_n * H + tl.arange(0, H)

@@ -220,8 +220,27 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
     raise ValueError(f"no fused kernel for config kind {cfg.kind!r}")
 
 
-SIBLING_FORMATS = ("int4", "int8", "fp8")
+# fusepass's own formats and bitsandbytes' code books (their whole blocks in the int4 loop)
+SIBLING_FORMATS = ("int4", "int8", "fp8", *CODEBOOKS)
 MAX_SIBLINGS = 3
+
+
+def sibling_fits(cfg: Config, fmt: str, G: int) -> bool:
+    """Whether one GEMV grid over a group's weights runs the plan ``cfg``: a GEMV,
+    and for a code book one whose K tile holds whole chunks (``own_loop``: the
+    grid has no value-by-value path for the library layouts)."""
+    return cfg.kind == "gemv" and (fmt not in CODEBOOKS or own_loop(fmt, 0, G, cfg))
+
+
+def _group_operands(x: Tensor, zeros: list[Tensor | None], fmt: str):
+    """(x as the kernel reads it, the zero pointers, HAS_ZERO, LOOP) of a group:
+    int4 and the code books read x as value pairs; a code book's table stands
+    in zero's place (``_library_operands``) and runs the int4 loop."""
+    book = fmt in CODEBOOKS
+    xp = _pairs(x) if fmt == "int4" or book else x
+    if book:
+        return xp, [_table(fmt, x.device)] * len(zeros), False, True
+    return xp, zeros, zeros[0] is not None, False
 
 
 def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[Tensor | None],
@@ -236,10 +255,10 @@ def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: li
         e += cdiv(n, cfg.BN)
         ends.append(e)
     ws = [w.view(torch.uint8) if fmt == "fp8" else w for w in ws]
-    xp = _pairs(x) if fmt == "int4" else x
+    xp, zeros, has_zero, loop = _group_operands(x, zeros, fmt)
     even = K % cfg.BK == 0
     args = dict(x=x, x2=xp, M=M, K=K, stride_xm=x.stride(0), stride_x2m=xp.stride(0), FMT=fmt, G=max(G, 1),
-                HAS_ZERO=zeros[0] is not None, NW=len(ws), EVEN_K=even,
+                HAS_ZERO=has_zero, NW=len(ws), EVEN_K=even, LOOP=loop,
                 ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, Ns[0], cfg), BM=_pow2(M), BN=cfg.BN,
                 BK=cfg.BK, FOLD=_fold(cfg, x), E0=ends[0], E1=(ends + [e])[1], PDL=pdl_on(x))
     for i in range(MAX_SIBLINGS):
@@ -249,7 +268,7 @@ def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: li
                      f"z{i}": zeros[j] if i < len(ws) and zeros[j] is not None else scales[0],
                      f"b{i}": biases[j] if i < len(ws) and biases[j] is not None else scales[0],
                      f"o{i}": outs[i] if i < len(ws) else scales[0], f"N{i}": Ns[j] if i < len(ws) else 1,
-                     f"stride_w{i}": ws[j].stride(0), f"stride_s{i}": s.stride(0) if fmt == "int4" else 1,
+                     f"stride_w{i}": ws[j].stride(0), f"stride_s{i}": s.stride(0) if fmt == "int4" or loop else 1,
                      f"HB{i}": i < len(ws) and biases[i] is not None})
     return Launch(_dequant_gemv_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(ws))), cfg.warps,
                   cfg.stages)
@@ -270,13 +289,13 @@ def gated_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[
     M, K = x.shape
     N = out.shape[1]
     ws = [w.view(torch.uint8) if fmt == "fp8" else w for w in ws]
-    xp = _pairs(x) if fmt == "int4" else x
+    xp, zeros, has_zero, loop = _group_operands(x, zeros, fmt)
     z0, z1 = zeros if zeros[0] is not None else (scales[0], scales[0])
     b0, b1 = biases if biases[0] is not None else (scales[0], scales[0])
     args = dict(x=x, x2=xp, w0=ws[0], w1=ws[1], s0=scales[0], s1=scales[1], z0=z0, z1=z1, b0=b0, b1=b1, out=out,
                 M=M, N=N, K=K, stride_xm=x.stride(0), stride_x2m=xp.stride(0), stride_wn=ws[0].stride(0),
-                stride_sn=scales[0].stride(0) if fmt == "int4" else 1, stride_om=out.stride(0), FMT=fmt,
-                G=max(G, 1), HAS_ZERO=zeros[0] is not None, HAS_BIAS=biases[0] is not None, EVEN_K=K % cfg.BK == 0,
+                stride_sn=scales[0].stride(0) if fmt == "int4" or loop else 1, stride_om=out.stride(0), FMT=fmt,
+                G=max(G, 1), HAS_ZERO=has_zero, HAS_BIAS=biases[0] is not None, EVEN_K=K % cfg.BK == 0, LOOP=loop,
                 ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, 2 * N, cfg), BM=_pow2(M), BN=cfg.BN,
                 BK=cfg.BK, FOLD=_fold(cfg, x), ACT=activation, EMU=emulate_rounding(out.dtype), PDL=pdl_on(x))
     return Launch(_dequant_gemv_gated_kernel, (cdiv(N, cfg.BN // 2),), args, ("out",), cfg.warps, cfg.stages)

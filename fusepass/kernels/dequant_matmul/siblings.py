@@ -10,7 +10,9 @@ over the whole of K): one launch's ramp instead of one a weight, which at one
 token is most of a small weight's time (Llama-3-8B's k / v, 2 MB of int4:
 3.6 µs a launch for 0.8 µs of bytes on an H200).  Elsewhere (more rows, a
 plan that is not the GEMV) each weight goes through ``dequant_matmul`` as
-before.  fusepass's own formats only (int4, int8, fp8)."""
+before.  fusepass's own formats (int4, int8, fp8) and bitsandbytes' code books
+(nf4, fp4: the absmax of each block as int4's scale, the table in the zero
+point's place, no zero point)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from fusepass.formats import KERNEL_DTYPES, out_features
+from fusepass.formats import CODEBOOKS, KERNEL_DTYPES, out_features
 from fusepass.kernels._common import call, inline_enabled, on_device, register_inline, run_kernel
 from fusepass.kernels.dequant_matmul.config import Config
-from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS, siblings_launch
+from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS, sibling_fits, siblings_launch
 from fusepass.kernels.dequant_matmul.op import _check as _check_one
 from fusepass.kernels.dequant_matmul.op import _operands, _plan, _reference_out, dequant_matmul_fwd
 
@@ -30,15 +32,16 @@ from fusepass.kernels.dequant_matmul.op import _operands, _plan, _reference_out,
 def group_plan(M: int, Ns: list[int], K: int, fmt: str, group_size: int, dtype: torch.dtype,
                device: torch.device) -> Config | None:
     """The GEMV config for the group (the plan of one weight of sum N_i rows, over
-    the whole of K), or None where that plan is not the GEMV."""
-    cfg = _plan(M, sum(Ns), K, fmt, _kernel_group(fmt, group_size), dtype, device)
-    if cfg.kind != "gemv":
+    the whole of K), or None where that plan is not a GEMV the grid runs (``sibling_fits``)."""
+    G = _kernel_group(fmt, group_size)
+    cfg = _plan(M, sum(Ns), K, fmt, G, dtype, device)
+    if not sibling_fits(cfg, fmt, G):
         return None
     return dataclasses.replace(cfg, split=1)
 
 
 def _kernel_group(fmt: str, group_size: int) -> int:
-    return group_size if fmt == "int4" else 0  # (int8 / fp8: per channel)
+    return group_size if fmt == "int4" or fmt in CODEBOOKS else 0  # (int8 / fp8: per channel)
 
 
 def _check(x, weights, scales, zeros, biases, fmt, group_size) -> None:
