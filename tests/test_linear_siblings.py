@@ -321,17 +321,17 @@ def test_codebook_siblings_and_gated_kernels_match_each_weights_op(fmt, dtype):
 
 class _Bnb(torch.nn.Module):
     """q / k / v and an MLP's gate / up / down as bitsandbytes 4-bit linears
-    (blocks of 64, no double quantization), quantized on the CPU."""
+    (blocks of 64, ``nested``: double quantization), quantized on the CPU."""
 
-    def __init__(self, quant_type, K=128):
+    def __init__(self, quant_type, K=128, nested=False):
         super().__init__()
         import bitsandbytes as bnb
 
         def linear(k, n):
             lin = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type=quant_type,
-                                    compress_statistics=False)
+                                    compress_statistics=nested)
             lin.weight = bnb.nn.Params4bit(torch.randn(n, k) * 0.1, requires_grad=False, quant_type=quant_type,
-                                           compress_statistics=False)._quantize("cpu")
+                                           compress_statistics=nested)._quantize("cpu")
             lin.support_avx512bf16_for_cpu = False  # (the GPU's gemm_4bit layout, not the CPU's repack)
             return lin
 
@@ -343,14 +343,16 @@ class _Bnb(torch.nn.Module):
         return h, self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_bnb_projections_of_one_x_are_one_launch(quant_type):
+@pytest.mark.parametrize("quant_type,nested", [("nf4", False), ("fp4", False), ("nf4", True)])
+def test_bnb_projections_of_one_x_are_one_launch(quant_type, nested):
     """bitsandbytes' NF4 / FP4 linears at one token: the library rule takes each,
     then q / k / v become one siblings call and gate / up with SiLU one gated
-    call; the CPU bodies and the Triton kernels (interpreted) match eager."""
+    call, with double quantization too (each weight's absmax computed in the
+    graph beside its own call, moved up to the one call); the CPU bodies and
+    the Triton kernels (interpreted) match eager."""
     pytest.importorskip("bitsandbytes")
     torch.manual_seed(5)
-    model = _Bnb(quant_type).eval()
+    model = _Bnb(quant_type, nested=nested).eval()
     x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
     got, want, report = _compile(model, x)
     assert sorted(h.form for h in report.hits if h.rule == "linear_siblings") == [f"{quant_type} three",
@@ -358,7 +360,7 @@ def test_bnb_projections_of_one_x_are_one_launch(quant_type):
     assert [h.form for h in report.hits if h.rule == "dequant_matmul_gated"] == [f"{quant_type}_silu"]
     for g, w in zip(got, want):
         assert_close(g, w, f"bnb {quant_type}", dtype=torch.bfloat16)
-    if differential.interpreting() and quant_type == "nf4":
+    if differential.interpreting() and quant_type == "nf4" and not nested:
         torch._dynamo.reset()
         with differential.triton_on_cpu(), torch.no_grad():
             got = torch.compile(model, backend="fusepass")(x)

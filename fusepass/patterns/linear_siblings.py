@@ -17,9 +17,7 @@ The quantized linears those rules found become ``fusepass::dequant_matmul``
 calls first; two or three of them on one x, one format (int4 / int8 / fp8,
 and bitsandbytes' NF4 / FP4 code books) and group size, become one
 ``fusepass::dequant_matmul_siblings`` call (the GEMV over all their rows
-where the group's plan is the GEMV).  A bitsandbytes weight with double
-quantization stays apart: its absmax is computed in the graph next to its
-own call, after the group's first product.
+where the group's plan is the GEMV).
 
 Left alone, without a line in the report: where the rows of x and the
 weights' bytes are known when compiling and one launch was measured no
@@ -28,10 +26,12 @@ than four rows, as in a prefill; more than 64 MB of weights at one row, as
 an 8B model's gate and up; more than 32 MB at two to four rows; a symbolic
 row count goes to the op, which decides per call), a group of quantized
 calls whose plan on the CUDA device compiled for is not the GEMV (the op
-would run them one by one, from the dispatcher), a product whose
-weight or bias is computed after the group's first product (it may read
-another product's output).  Refused with the reason: fp64 and other dtypes
-without a kernel, a weight in another dtype or on another device than x.
+would run them one by one, from the dispatcher), a product whose weight or
+bias is computed from another product of the group (one launch cannot hold
+both; one computed later from what came before, as a bitsandbytes absmax
+with double quantization is next to its own call, joins).  Refused with the
+reason: fp64 and other dtypes without a kernel, a weight in another dtype or
+on another device than x.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from fusepass.kernels.dequant_matmul.config import GEMV_MAX_M
 from fusepass.kernels.dequant_matmul.launch import MAX_SIBLINGS, SIBLING_FORMATS
 from fusepass.kernels.dequant_matmul.siblings import group_plan
 from fusepass.kernels.linear_siblings import MAX_WEIGHTS, linear_siblings_call, takes
-from fusepass.patterns._linear import is_call as _is, product as _product, root as _root, val as _val
+from fusepass.patterns._linear import is_call as _is, product as _product, val as _val
 from fusepass.patterns import dequant_matmul_bnb as bnb
 from fusepass.patterns.dequant_matmul_int4 import int4_weights, whole_groups
 from fusepass.rule import Form, NearMiss, Region, Rule
@@ -161,12 +161,32 @@ def _cublas_known(group) -> bool:
 
 
 def _made_before(members, node_of, operands_of, pos):
-    """The members whose weights and biases (under their views) come before the
-    group's first product: one computed later may read a product's output, and
-    joining it would make a cycle."""
+    """The members none of whose weights and biases is computed from a member's
+    product: joining one would make a cycle.  One computed after the group's
+    first product from what came before (a bitsandbytes absmax with double
+    quantization, computed next to its own call) joins: the engine's
+    topological sort after the rewrites moves it up to the one call."""
     first = pos[node_of(members[0])]
-    return [m for m in members if all(not isinstance(_root(a), torch.fx.Node) or pos.get(_root(a), first) < first
-                                      for a in operands_of(m) if a is not None)]
+    calls = {node_of(m) for m in members}
+    return [m for m in members if all(_independent(a, calls, first, pos) for a in operands_of(m) if a is not None)]
+
+
+def _independent(a, calls, first: int, pos, limit: int = 64) -> bool:
+    """Whether ``a`` is computed without any node of ``calls``: what it reads from
+    position ``first`` on, traced back through pure, deterministic nodes (at
+    most ``limit`` of them; more, an impure or a seeded one: no)."""
+    seen: set = set()
+    todo = [a]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or pos.get(n, first) < first:
+            continue
+        if n in calls or n.op != "call_function" or n.is_impure() or len(seen) >= limit \
+                or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return False
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return True
 
 
 def _key(x: torch.fx.Node):
