@@ -224,10 +224,12 @@ def test_bench_e2e_quick(tmp_path, capsys):
     assert "wrote" in out.out
 
 
-def test_e2e_bitsandbytes_quantization():
+@pytest.mark.parametrize("fmt", ["bnb-nf4", "bnb-nf4-dq"])
+def test_e2e_bitsandbytes_quantization(fmt):
     """--quantize bnb-nf4: every linear but lm_head becomes bitsandbytes' Linear4bit (NF4, blocks of 64,
-    no double quantization), the model still answers close to its bf16 self, and the weight-read floor
-    counts the codes and absmax (each Params4bit's quant_state) rather than the bf16 weights."""
+    no double quantization; bnb-nf4-dq: with it), the model still answers close to its bf16 self, and
+    the weight-read floor counts the codes and absmax (each Params4bit's quant_state, and the nested
+    one's) rather than the bf16 weights."""
     pytest.importorskip("transformers")
     bnb = pytest.importorskip("bitsandbytes")
     import torch
@@ -240,12 +242,13 @@ def test_e2e_bitsandbytes_quantization():
         expected = model(ids).logits
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not model.lm_head]
     before = weight_bytes(model)
-    quantize(model, "bnb-nf4", 128)
+    quantize(model, fmt, 128)
     q = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(q) == len(linears) == 14 and type(model.lm_head) is torch.nn.Linear
     assert {m.weight.quant_state.quant_type for m in q} == {"nf4"} and {m.weight.quant_state.blocksize for m in q} == {64}
-    assert not any(m.weight.quant_state.nested for m in q)
-    codes = sum(m.weight.numel() for m in q) + sum(m.weight.quant_state.absmax.numel() * 4 for m in q)
+    assert [m.weight.quant_state.nested for m in q] == [fmt.endswith("-dq")] * 14
+    states = [m.weight.quant_state for m in q] + [m.weight.quant_state.state2 for m in q if fmt.endswith("-dq")]
+    codes = sum(m.weight.numel() for m in q) + sum(st.absmax.numel() * st.absmax.element_size() for st in states)
     assert weight_bytes(model) == before - sum(m.weight.numel() * 4 for m in linears) + codes
     with torch.no_grad():
         got = model(ids).logits

@@ -149,15 +149,16 @@ def build(name: str, layers: str | int, dtype: torch.dtype, device: str, seed: i
     return model.eval()
 
 
-# --quantize's names: fusepass.quantize's int8 / int4, torchao's int8, bitsandbytes' 4-bit, GPTQ's layout
-QUANTIZE = ("int8", "int4", "torchao-int8", "bnb-nf4", "bnb-fp4", "gptq", "gptq-act-order")
+# --quantize's names: fusepass.quantize's int8 / int4, torchao's int8, bitsandbytes' 4-bit (-dq: with
+# double quantization), GPTQ's layout
+QUANTIZE = ("int8", "int4", "torchao-int8", "bnb-nf4", "bnb-nf4-dq", "bnb-fp4", "gptq", "gptq-act-order")
 
 
 def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.nn.Module:
     if not fmt:
         return model
     if fmt.startswith("bnb-"):
-        return _bitsandbytes_4bit(model, fmt[4:])
+        return _bitsandbytes_4bit(model, fmt[4:7], nested=fmt.endswith("-dq"))
     if fmt in ("gptq", "gptq-act-order"):
         return _gptq_loaded(model, group_size, act_order=fmt == "gptq-act-order")
     if fmt == "torchao-int8":  # torchao's int8 weight-only tensor subclass, lm_head kept in bf16 as below
@@ -195,9 +196,10 @@ def _gptq_loaded(model: torch.nn.Module, group: int, act_order: bool) -> torch.n
     return model
 
 
-def _bitsandbytes_4bit(model: torch.nn.Module, quant_type: str) -> torch.nn.Module:
+def _bitsandbytes_4bit(model: torch.nn.Module, quant_type: str, nested: bool = False) -> torch.nn.Module:
     """Every linear but lm_head as bitsandbytes' Linear4bit (``quant_type`` nf4 or fp4, blocks of 64,
-    no double quantization: BitsAndBytesConfig's defaults), quantized by bitsandbytes on the model's device."""
+    no double quantization: BitsAndBytesConfig's defaults; ``nested``: double quantization, as QLoRA's
+    recipes set it), quantized by bitsandbytes on the model's device."""
     try:
         import bitsandbytes as bnb
     except ImportError as exc:
@@ -208,8 +210,8 @@ def _bitsandbytes_4bit(model: torch.nn.Module, quant_type: str) -> torch.nn.Modu
                 continue
             w = lin.weight
             q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=w.dtype,
-                                  compress_statistics=False, quant_type=quant_type, device="meta")
-            q.weight = bnb.nn.Params4bit(w.data, requires_grad=False, compress_statistics=False,
+                                  compress_statistics=nested, quant_type=quant_type, device="meta")
+            q.weight = bnb.nn.Params4bit(w.data, requires_grad=False, compress_statistics=nested,
                                          quant_type=quant_type)
             if lin.bias is not None:
                 q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
