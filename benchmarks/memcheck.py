@@ -782,7 +782,8 @@ def main(argv=None) -> int:
     p.add_argument("--peers", action="store_true", help="also the GDN decode sequence with FLA and transformers")
     p.add_argument("--isolate", action="store_true",
                    help="each group in its own process; after a fault, the rest of the group in a new one")
-    p.add_argument("--match", default="", help="only the cases whose names contain this, or one of a comma list (e.g. 'split2', 'nf4,fp4')")
+    p.add_argument("--match", default="",
+                   help="only the cases whose names contain this, or one of a comma list (e.g. 'split2', 'nf4,fp4')")
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)  # a child's first case
     p.add_argument("--record", help=argparse.SUPPRESS)  # a child's JSON-lines record of its cases
     args = p.parse_args(argv)

@@ -160,7 +160,7 @@ def _cublas_known(group) -> bool:
     return isinstance(M, int) and M != 0 and all(isinstance(s, int) for s in sizes) and not takes(M, sum(sizes))
 
 
-def _made_before(members, node_of, operands_of, pos):
+def _joinable(members, node_of, operands_of, pos):
     """The members none of whose weights and biases is computed from a member's
     product: joining one would make a cycle.  One computed after the group's
     first product from what came before (a bitsandbytes absmax with double
@@ -218,7 +218,7 @@ def _find_products(gm: torch.fx.GraphModule):
     for members in groups.values():
         if len(members) < 2:
             continue
-        members = _made_before(members, lambda m: m[0], lambda m: (m[2], m[3]), pos)
+        members = _joinable(members, lambda m: m[0], lambda m: (m[2], m[3]), pos)
         for i in range(0, len(members), MAX_WEIGHTS):
             group = members[i:i + MAX_WEIGHTS]
             if len(group) < 2 or _cublas_known(group):
@@ -279,7 +279,7 @@ def _find_quantized(gm: torch.fx.GraphModule):
             continue
         groups.setdefault((_key(x), fmt, group, zero is None), []).append(node)
     for members in groups.values():
-        members = _made_before(members, lambda m: m, lambda m: m.args[1:5], pos)
+        members = _joinable(members, lambda m: m, lambda m: m.args[1:5], pos)
         for i in range(0, len(members), MAX_SIBLINGS):
             group = members[i:i + MAX_SIBLINGS]
             if len(group) < 2:
