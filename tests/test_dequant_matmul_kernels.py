@@ -518,7 +518,7 @@ def test_shipped_plans_are_valid():
             gpu, fmt_g, prec, m, n, k = key.split("|")
             assert plans.shipped_path(gpu) == path, (key, path)  # each GPU's plans in its own file
             fmt, g = fmt_g.split("-")
-            group = int(g[1:]) if fmt == "int4" else 0
+            group = int(g[1:]) if g[1:].isdigit() else 0  # (int4's and the library layouts' groups; "gc": per channel)
             dtype = torch.float32 if prec == "fp32" else torch.bfloat16
             p = Problem(int(m[1:]), int(n[1:]), int(k[1:]), fmt, group, dtype, gpu)
             assert p.key == key
