@@ -192,6 +192,39 @@ class _Permuted(torch.nn.Module):
         return ys[0] * (ys[1].sum(-1, keepdim=True) + ys[2].sum(-1, keepdim=True)).sigmoid()
 
 
+class _Crossed(torch.nn.Module):
+    """Two pairs of products of two inputs, each pair's second weight made from
+    the other pair's first product: grouping both pairs would make each group's
+    call wait on the other's (a cycle the engine's topological sort cannot
+    order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(16, 32)) for _ in range(4))
+
+    def forward(self, x1, x2):
+        a1 = x1 @ self.w[0].t()
+        b1 = x2 @ self.w[1].t()
+        a2 = x1 @ (self.w[2] + b1.sum()).t()
+        b2 = x2 @ (self.w[3] + a1.sum()).t()
+        return a1 + a2, b1 + b2
+
+
+def test_weights_made_from_another_groups_products_stay_apart():
+    torch.manual_seed(2)
+    model = _Crossed().eval()
+    x1, x2 = torch.randn(1, 32), torch.randn(1, 32)
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with torch.no_grad():
+        got = torch.compile(model, backend="fusepass")(x1, x2)
+        want = model(x1, x2)
+    # (the second pair joins: its weight reads a product made before the pair; the first stays apart)
+    assert [h.form for h in fusepass.last_report().hits if h.rule == "linear_siblings"] == ["two"]
+    for g, w in zip(got, want):
+        assert_close(g, w, "crossed pairs", dtype=torch.float32)
+
+
 def test_one_permutation_of_x_taken_alike_is_one_x():
     """Products of x gathered by one shared index tensor are one x (one call of
     three); gathered by equal but separate index tensors, or by different ones,

@@ -160,14 +160,15 @@ def _cublas_known(group) -> bool:
     return isinstance(M, int) and M != 0 and all(isinstance(s, int) for s in sizes) and not takes(M, sum(sizes))
 
 
-def _joinable(members, node_of, operands_of, pos):
+def _joinable(members, node_of, operands_of, pos, products):
     """The members none of whose weights and biases is computed from a member's
-    product: joining one would make a cycle.  One computed after the group's
+    product, or any product a group may take (``products``): joining one would
+    make a cycle.  One computed after the group's
     first product from what came before (a bitsandbytes absmax with double
     quantization, computed next to its own call) joins: the engine's
     topological sort after the rewrites moves it up to the one call."""
     first = pos[node_of(members[0])]
-    calls = {node_of(m) for m in members}
+    calls = {node_of(m) for m in members} | products
     return [m for m in members if all(_independent(a, calls, first, pos) for a in operands_of(m) if a is not None)]
 
 
@@ -204,11 +205,14 @@ def _key(x: torch.fx.Node):
 
 
 def find(gm: torch.fx.GraphModule):
-    yield from _find_products(gm)
-    yield from _find_quantized(gm)
+    # Every product either finder may group: a weight computed from any of them
+    # stays apart (from another group's, two groups could each wait on the other).
+    products = {n for n in gm.graph.nodes if _product(n) is not None or _is(n, _DEQUANT)}
+    yield from _find_products(gm, products)
+    yield from _find_quantized(gm, products)
 
 
-def _find_products(gm: torch.fx.GraphModule):
+def _find_products(gm: torch.fx.GraphModule, products: set):
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups: dict = {}
     for node in gm.graph.nodes:
@@ -218,7 +222,7 @@ def _find_products(gm: torch.fx.GraphModule):
     for members in groups.values():
         if len(members) < 2:
             continue
-        members = _joinable(members, lambda m: m[0], lambda m: (m[2], m[3]), pos)
+        members = _joinable(members, lambda m: m[0], lambda m: (m[2], m[3]), pos, products)
         for i in range(0, len(members), MAX_WEIGHTS):
             group = members[i:i + MAX_WEIGHTS]
             if len(group) < 2 or _cublas_known(group):
@@ -261,7 +265,7 @@ def _replacement(has_bias: list[bool]):
 _DEQUANT = torch.ops.fusepass.dequant_matmul.default
 
 
-def _find_quantized(gm: torch.fx.GraphModule):
+def _find_quantized(gm: torch.fx.GraphModule, products: set):
     """Groups of ``fusepass::dequant_matmul`` calls on one x, one format (int4,
     int8, fp8), one group size, zero points on all or none, at a row count
     the GEMV serves (or symbolic): ``fusepass::dequant_matmul_siblings``."""
@@ -279,7 +283,7 @@ def _find_quantized(gm: torch.fx.GraphModule):
             continue
         groups.setdefault((_key(x), fmt, group, zero is None), []).append(node)
     for members in groups.values():
-        members = _joinable(members, lambda m: m, lambda m: m.args[1:5], pos)
+        members = _joinable(members, lambda m: m, lambda m: m.args[1:5], pos, products)
         for i in range(0, len(members), MAX_SIBLINGS):
             group = members[i:i + MAX_SIBLINGS]
             if len(group) < 2:
