@@ -404,6 +404,39 @@ def test_eager_overflow_that_cancels_to_nan_is_held_to_fp64():
     assert not _eager_overflowed(step, [x, weight, scale], flipped, expected, 0)
 
 
+def test_fused_gate_and_up_held_to_fp64_where_eager_rounding_is_amplified():
+    """A quantized MLP's gate and up with SiLU in one op: eager rounds the dequantized weights
+    and both products to bf16 before SiLU(gate) * up, the op keeps them in fp32, and with
+    products in the hundreds the outputs differ by more than the table (the seeded run: 256
+    on 12,800).  The step then passes where the op is as near the fp64 value as eager plus the
+    table; gate and up swapped, or one output 3 % off, still fail."""
+    from fusepass.patterns.dequant_matmul_gated import search_silu
+    from fusepass.testing.differential.build import Step
+    from fusepass.testing.differential.check import _closer_than_eager, _compare
+
+    gen = torch.Generator().manual_seed(94077030)
+    dt = torch.bfloat16
+    step = Step(lambda *a: (search_silu(*a),), tuple(("a", i) for i in range(7)), (0,), "v0 = gated(...)", True, dt)
+    amplified = 0
+    for _ in range(4):
+        x = torch.randn(2, 128, generator=gen).to(dt)
+        ps = [torch.randint(0, 256, (24, 64), generator=gen, dtype=torch.uint8) for _ in range(2)]
+        ss = [(torch.randn(24, 1, generator=gen) * 1.4).to(dt) for _ in range(2)]
+        zs = [(torch.randn(24, 1, generator=gen) * 1.4).to(dt) for _ in range(2)]
+        ins = [x, ps[0], ss[0], zs[0], ps[1], ss[1], zs[1]]
+        eager = search_silu(*ins)
+        fused = torch.ops.fusepass.dequant_matmul_gated(x, ps, ss, zs, [None, None], "int4", 128, "silu")
+        amplified += _compare(fused, eager, dt) is not None
+        assert _closer_than_eager(step, ins, fused, eager, 0)
+        swapped = torch.ops.fusepass.dequant_matmul_gated(x, ps[::-1], ss[::-1], zs[::-1], [None, None], "int4",
+                                                          128, "silu")
+        assert not _closer_than_eager(step, ins, swapped, eager, 0)
+        off = fused.clone()
+        off.view(-1)[fused.abs().argmax()] *= 1.03
+        assert not _closer_than_eager(step, ins, off, eager, 0)
+    assert amplified  # the case the check is for: the table alone fails
+
+
 def test_step_check_takes_either_of_two_tied_top_k_choices():
     """Eager's CPU top-k of [2, 0, 1, 2] takes index 3; the router op takes ties lowest
     index first (0).  A step whose compiled output is the lowest-first answer passes
