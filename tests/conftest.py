@@ -38,6 +38,12 @@ def device():
 
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker a core, at most four (each holds torch, Inductor and
+    the compiled models of the file it runs)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def pytest_configure(config):
     """Rules whose forms hold collectives (all_reduce_rms_norm) run them on the
     default group: a single gloo rank in this process (tests/test_tp.py spawns

@@ -351,11 +351,12 @@ def test_experts_kernels_match_reference(poisoned, plan, case):
     _assert_experts_close(out, ref, loose=plan == "sorted" and fmt == "int4")
 
 
+# (int4 at one token, g32 asymmetric and g16 interleaved with biases: the two T3 / T5
+# int4 cases took 85 s of the interpreter for the same chunk loop)
 @pytest.mark.parametrize("case", ["T1-E8-k2-fp16-silu", "T3-E4-k3-fp32-gelu-interleaved-bias-H48-I40",
                                   "T3-E8-k2-bf16-gpt_oss-transposed-bias-fp32w", "T3-E8-k2-fp16-int8",
                                   "T3-E8-k2-bf16-fp8-interleaved", "T5-E5-k1-fp32-odd-H37-I19",
-                                  "T3-E6-k3-bf16-int4-g16-asym", "T1-E8-k2-bf16-int4-g32-asym-H128",
-                                  "T1-E6-k2-fp16-int4-g16-interleaved-bias", "T5-E4-k2-fp32-int4-g16-asym-interleaved"])
+                                  "T1-E8-k2-bf16-int4-g32-asym-H128", "T1-E6-k2-fp16-int4-g16-interleaved-bias"])
 def test_decode_loads_a_tile_ahead(poisoned, case):
     """gate_up and down with the next K tile loaded before this one's products
     (``ahead`` / ``ahead2``): tiles narrower than H and I so the loop runs several

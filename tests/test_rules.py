@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fusepass
+from fusepass.backend import interpreting_after_pass
 from fusepass.testing import assert_close, check_rule, differential
 
 RULES = [r.name for r in fusepass.rules()]
@@ -21,6 +22,19 @@ SCALAR_RULES = [r.name for r in fusepass.rules() if r.scalars]
 
 @pytest.mark.parametrize("name", RULES)
 def test_rule(name):
+    # The graphs after the pass run by the FX interpreter: the rewrites and the ops are the
+    # same, and Inductor's C++ build of every form, dtype and near-miss was 3-6x the rest
+    # (dequant_matmul 12.2 s against 3.5, moe_router 5.6 against 0.9).  rms_norm's
+    # check goes through Inductor's code generation too (test_rule_through_inductor).
+    with interpreting_after_pass():
+        results = check_rule(fusepass.get_rule(name))
+    rewritten = [r for r in results if "/near-miss/" not in r.case]
+    assert len(rewritten) == len(fusepass.get_rule(name).forms) * len(fusepass.get_rule(name).dtypes)
+    assert all(r.rewrites >= 1 for r in rewritten)
+
+
+def test_rule_through_inductor():
+    name = "rms_norm"
     results = check_rule(fusepass.get_rule(name))
     rewritten = [r for r in results if "/near-miss/" not in r.case]
     assert len(rewritten) == len(fusepass.get_rule(name).forms) * len(fusepass.get_rule(name).dtypes)
