@@ -20,6 +20,13 @@ RULES = [r.name for r in fusepass.rules()]
 SCALAR_RULES = [r.name for r in fusepass.rules() if r.scalars]
 
 
+def _assert_rule_checks(name: str) -> None:
+    results = check_rule(fusepass.get_rule(name))
+    rewritten = [r for r in results if "/near-miss/" not in r.case]
+    assert len(rewritten) == len(fusepass.get_rule(name).forms) * len(fusepass.get_rule(name).dtypes)
+    assert all(r.rewrites >= 1 for r in rewritten)
+
+
 @pytest.mark.parametrize("name", RULES)
 def test_rule(name):
     # The graphs after the pass run by the FX interpreter: the rewrites and the ops are the
@@ -27,18 +34,11 @@ def test_rule(name):
     # (dequant_matmul 12.2 s against 3.5, moe_router 5.6 against 0.9).  rms_norm's
     # check goes through Inductor's code generation too (test_rule_through_inductor).
     with interpreting_after_pass():
-        results = check_rule(fusepass.get_rule(name))
-    rewritten = [r for r in results if "/near-miss/" not in r.case]
-    assert len(rewritten) == len(fusepass.get_rule(name).forms) * len(fusepass.get_rule(name).dtypes)
-    assert all(r.rewrites >= 1 for r in rewritten)
+        _assert_rule_checks(name)
 
 
 def test_rule_through_inductor():
-    name = "rms_norm"
-    results = check_rule(fusepass.get_rule(name))
-    rewritten = [r for r in results if "/near-miss/" not in r.case]
-    assert len(rewritten) == len(fusepass.get_rule(name).forms) * len(fusepass.get_rule(name).dtypes)
-    assert all(r.rewrites >= 1 for r in rewritten)
+    _assert_rule_checks("rms_norm")
 
 
 def test_builtin_rules_are_registered():

@@ -368,6 +368,17 @@ def _sdpa_math(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, index:
     return _if_agrees(step, actual, answer, nonfinite_in=True)
 
 
+def _fp64_truth(step: Step, ins: list[torch.Tensor], index: int) -> torch.Tensor | None:
+    """The step's output ``index`` computed from its inputs in fp64 (explicit casts stay), or None
+    where the step needs its dtypes."""
+    try:
+        truth = step.fn(*[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                          for t in ins])[index]
+    except Exception:  # noqa: BLE001 - a step that needs its dtypes has no fp64 truth
+        return None
+    return truth.double() if isinstance(truth, torch.Tensor) else None
+
+
 def _eager_overflowed(step: Step, ins: list[torch.Tensor], actual: torch.Tensor, expected: torch.Tensor,
                       index: int) -> bool:
     """Whether ``expected`` (the step run eagerly) has infinities or NaNs where ``actual`` has other values
@@ -383,10 +394,8 @@ def _eager_overflowed(step: Step, ins: list[torch.Tensor], actual: torch.Tensor,
     same = (actual == expected) | (torch.isnan(actual) & torch.isnan(expected))
     if not (~torch.isfinite(expected) & ~same).any():
         return False
-    try:
-        truth = step.fn(*[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                          for t in ins])[index].double()
-    except Exception:  # noqa: BLE001 - a step that needs its dtypes has no fp64 truth
+    truth = _fp64_truth(step, ins, index)
+    if truth is None:
         return False
     tol = tolerance(actual.dtype)
     a = actual.double()
@@ -408,15 +417,11 @@ def _closer_than_eager(step: Step, ins: list[torch.Tensor], actual: torch.Tensor
     magnitude, not by eager's rounding: it still fails.  Explicit casts in the step stay casts in fp64."""
     if not (actual.dtype.is_floating_point and actual.shape == expected.shape and actual.dtype == expected.dtype):
         return False
-    try:
-        truth = step.fn(*[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                          for t in ins])[index]
-    except Exception:  # noqa: BLE001 - a step that needs its dtypes has no fp64 truth
-        return False
-    if not isinstance(truth, torch.Tensor) or truth.shape != actual.shape:
+    truth = _fp64_truth(step, ins, index)
+    if truth is None or truth.shape != actual.shape:
         return False
     tol = tolerance(loosest([step.precision, expected.dtype], default=torch.float64))
-    a, e, t = actual.double(), expected.double(), truth.double()
+    a, e, t = actual.double(), expected.double(), truth
     allowed = (e - t).abs() + max(tol.atol, floor) + tol.rtol * t.abs()
     ok = ((a - t).abs() <= allowed) | (a == e) | (torch.isnan(a) & torch.isnan(e))
     return bool(ok.all())
