@@ -150,7 +150,7 @@ def _quantized(name: str, fmt: str, args, dev, bw: float, l2: int) -> list:
                                                           for q, s, z in ring[i]]),
             (f"{fmt}: dequant_matmul_siblings", lambda i: torch.ops.fusepass.dequant_matmul_siblings(
                 x, [t[0] for t in ring[i]], [t[1] for t in ring[i]], [t[2] for t in ring[i]], [None] * len(Ns),
-                fmt, G)),
+                fmt, G, [])),
         ]:
             outs = call(0)
             err = max(((o.float() - r).norm() / r.norm()).item() for o, r in zip(outs, ref))

@@ -656,7 +656,7 @@ def linear_cases(quick: bool):
         zs = [z.to(torch.bfloat16) if z is not None else None for _, _, z in layers]
         bs = [_randn(Ns[0])] + [None] * (len(Ns) - 1)
         yield (f"dequant_matmul_siblings {fmt} M{M} K{K} N{Ns}", ops.dequant_matmul_siblings,
-               (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0), 2e-2)
+               (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0, []), 2e-2)
     # gate and up with their activation in one launch (dequant_matmul_gated): two weights of one shape,
     # both biased or neither, odd N (a program's half-tile past N), one to three rows
     ggroups = [(4096, 14336), (320, 33)] if quick else [(4096, 14336), (3584, 18944), (320, 33), (1024, 7)]
@@ -668,23 +668,42 @@ def linear_cases(quick: bool):
         bs = [_randn(N), _randn(N)] if M == 3 else [None, None]
         act = ("silu", "gelu", "gelu_tanh")[(K + M) % 3]
         yield (f"dequant_matmul_gated {fmt} {act} M{M} K{K} N{N}", ops.dequant_matmul_gated,
-               (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0, act), 2e-2)
-    # bitsandbytes' code books (blocks of 64, fp32 absmax) through both grids: Llama-3-8B's q / k / v and
-    # gate / up, odd rows (a tile past N), K of a masked last tile
+               (_randn(M, K), ws, ss, zs, bs, fmt, 64 if fmt == "int4" else 0, act, []), 2e-2)
+    # bitsandbytes' code books (blocks of 64, fp32 absmax; "dq": double quantization's bytes and
+    # tables, read in the grids) through both grids: Llama-3-8B's q / k / v and gate / up, odd rows (a
+    # tile past N), K of a masked last tile
     from fusepass.testing.library_layouts import library_inputs
 
     bgroups = [(4096, [4096, 1024, 1024]), (4096, [14336, 14336]), (192, [33, 5, 33])]
-    for (K, Ns), fmt, M in itertools.product(bgroups[1:] if quick else bgroups, ("nf4", "fp4"), (1, 3)):
-        got = [library_inputs(fmt, M, n, K, torch.bfloat16, seed=i) for i, n in enumerate(Ns)]
+    for (K, Ns), fmt, M in itertools.product(bgroups[1:] if quick else bgroups, ("nf4", "fp4", "nf4-dq"), (1, 3)):
+        book = fmt[:3]
+        got = [library_inputs(book, M, n, K, torch.bfloat16, seed=i) for i, n in enumerate(Ns)]
         x = got[0][0].to(DEVICE)
         ws, ss = [g[1].to(DEVICE) for g in got], [g[2].to(DEVICE) for g in got]
+        nested = []
+        if fmt.endswith("dq"):
+            dq = [_double_quantized(n, K) for n in Ns]
+            ss, nested = [a for a, _ in dq], [t for _, q in dq for t in q]
         bs = [_randn(Ns[0])] + [None] * (len(Ns) - 1)
         yield (f"dequant_matmul_siblings {fmt} M{M} K{K} N{Ns}", ops.dequant_matmul_siblings,
-               (x, ws, ss, [None] * len(Ns), bs, fmt, 64), 2e-2)
+               (x, ws, ss, [None] * len(Ns), bs, book, 64, nested), 2e-2)
         if Ns[0] == Ns[-1]:
             yield (f"dequant_matmul_gated {fmt} silu M{M} K{K} N{Ns[0]}", ops.dequant_matmul_gated,
-                   (x, [ws[0], ws[-1]], [ss[0], ss[-1]], [None, None], [bs[0], _randn(Ns[0])], fmt, 64, "silu"),
-                   2e-2)
+                   (x, [ws[0], ws[-1]], [ss[0], ss[-1]], [None, None], [bs[0], _randn(Ns[0])], book, 64, "silu",
+                    nested[:3] + nested[-3:]), 2e-2)
+        if fmt.endswith("dq"):
+            yield (f"dequant_matmul {fmt} M{M} K{K} N{Ns[-1]}", ops.dequant_matmul,
+                   (x, ws[-1], ss[-1], None, None, book, 64, None, None, *nested[-3:]), 2e-2)
+
+
+def _double_quantized(n, k):
+    """A random absmax of an [n, k] code-book weight (blocks of 64) as bitsandbytes' double
+    quantization stores it: bytes [n, k / 64], nested absmax per 256 blocks, code, offset."""
+    blocks = n * k // 64
+    a8 = torch.randint(0, 256, (n, k // 64), dtype=torch.uint8, device=DEVICE)
+    code = torch.sort(torch.rand(256, device=DEVICE) * 2 - 1)[0]
+    return a8, [torch.rand(-(-blocks // 256), device=DEVICE) * 0.1 + 0.01, code,
+                torch.rand(1, device=DEVICE) * 0.01]
 
 
 def attention_cases(quick: bool):

@@ -427,11 +427,11 @@ def test_fused_gate_and_up_held_to_fp64_where_eager_rounding_is_amplified():
         zs = [(torch.randn(24, 1, generator=gen) * 1.4).to(dt) for _ in range(2)]
         ins = [x, ps[0], ss[0], zs[0], ps[1], ss[1], zs[1]]
         eager = search_silu(*ins)
-        fused = torch.ops.fusepass.dequant_matmul_gated(x, ps, ss, zs, [None, None], "int4", 128, "silu")
+        fused = torch.ops.fusepass.dequant_matmul_gated(x, ps, ss, zs, [None, None], "int4", 128, "silu", [])
         amplified += _compare(fused, eager, dt) is not None
         assert _closer_than_eager(step, ins, fused, eager, 0)
         swapped = torch.ops.fusepass.dequant_matmul_gated(x, ps[::-1], ss[::-1], zs[::-1], [None, None], "int4",
-                                                          128, "silu")
+                                                          128, "silu", [])
         assert not _closer_than_eager(step, ins, swapped, eager, 0)
         off = fused.clone()
         off.view(-1)[fused.abs().argmax()] *= 1.03

@@ -352,6 +352,61 @@ def test_codebook_siblings_and_gated_kernels_match_each_weights_op(fmt, dtype):
     assert not sibling_fits(Config("gemv", BN=4, BK=48), fmt, 64)  # 1.5 chunks a tile: value by value only
 
 
+def _double_quantized(n, k, seed):
+    """bitsandbytes' double quantization of an [n, k] NF4 weight's absmax, in its
+    layout: a byte a block of 64, one nested absmax per 256 blocks (values far
+    apart, so a block read against its neighbour's shows), a 256-entry code
+    and an offset."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = n * k // 64
+    a8 = torch.randint(0, 256, (n, k // 64), dtype=torch.uint8, generator=g)
+    nest = torch.rand(-(-blocks // 256), generator=g) * 4 + 0.25
+    code = torch.sort(torch.rand(256, generator=g) * 2 - 1)[0]
+    return a8, [nest, code, torch.rand(1, generator=g) * 0.1 + 0.05]
+
+
+@interpreted
+def test_double_quantized_absmax_read_in_the_gemv_grids():
+    """A code book's absmax as double quantization stores it (a byte a block,
+    nested absmax per 256 blocks, code, offset), read by the one-weight,
+    siblings and gated GEMV grids as they go (the blocks of 100 rows of three
+    cross a nested block inside a row), and expanded in the op where the plan
+    is the tensor-core kernel (five rows): every output as the op (or, at
+    five rows, the same kernel) on the expanded fp32 absmax (outputs NaN first)."""
+    from fusepass.kernels.dequant_matmul import Config, dequant_matmul_fwd
+    from fusepass.kernels.dequant_matmul import gated as gm
+    from fusepass.kernels.dequant_matmul.launch import gated_launch, product_launch, siblings_launch
+    from fusepass.kernels.dequant_matmul.op import expand_absmax
+
+    dtype, K, N = torch.bfloat16, 192, 100
+    for M, cfg in ((1, Config("gemv", BN=4, BK=64)), (2, Config("gemv", BN=2, BK=128, warps=2))):
+        g = torch.Generator().manual_seed(M)
+        x = torch.randn(M, K, dtype=dtype, generator=g)
+        ws = [torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g) for _ in range(2)]
+        st = [_double_quantized(N, K, 10 * M + i) for i in range(2)]
+        fp32 = [expand_absmax(a8, q) for a8, q in st]
+        want = [torch.ops.fusepass.dequant_matmul(x, w, s, None, None, "nf4", 64) for w, s in zip(ws, fp32)]
+        for i, (w, (a8, q)) in enumerate(zip(ws, st)):
+            assert_close(torch.ops.fusepass.dequant_matmul(x, w, a8, None, None, "nf4", 64, None, None, *q),
+                         want[i], "op, CPU body", dtype=dtype)
+            out = torch.full((M, N), float("nan"), dtype=dtype)
+            product_launch(x, w, a8, None, None, out, "nf4", 64, cfg, nested=q).run()
+            assert_close(out, want[i], f"one weight {cfg.label()}", dtype=dtype)
+        outs = [torch.full((M, N), float("nan"), dtype=dtype) for _ in ws]
+        siblings_launch(x, ws, [a for a, _ in st], [None] * 2, [None] * 2, outs, "nf4", 64, cfg,
+                        [q for _, q in st]).run()
+        for got, w in zip(outs, want):
+            assert_close(got, w, f"siblings {cfg.label()}", dtype=dtype)
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        gated_launch(x, ws, [a for a, _ in st], [None] * 2, [None] * 2, out, "nf4", 64, cfg, "silu",
+                     [q for _, q in st]).run()
+        assert_close(out, gm._reference(x, ws, fp32, [None] * 2, [None] * 2, "nf4", 64, "silu"), "gated",
+                     dtype=dtype)
+    x = torch.randn(5, K, dtype=dtype)  # the tensor-core plan: the op expands the absmax first
+    got = dequant_matmul_fwd(x, ws[0], st[0][0], None, None, "nf4", 64, nested=st[0][1])
+    assert_close(got, dequant_matmul_fwd(x, ws[0], fp32[0], None, None, "nf4", 64), "five rows", dtype=dtype)
+
+
 class _Bnb(torch.nn.Module):
     """q / k / v and an MLP's gate / up / down as bitsandbytes 4-bit linears
     (blocks of 64, ``nested``: double quantization), quantized on the CPU."""
@@ -380,9 +435,10 @@ class _Bnb(torch.nn.Module):
 def test_bnb_projections_of_one_x_are_one_launch(quant_type, nested):
     """bitsandbytes' NF4 / FP4 linears at one token: the library rule takes each,
     then q / k / v become one siblings call and gate / up with SiLU one gated
-    call, with double quantization too (each weight's absmax computed in the
-    graph beside its own call, moved up to the one call); the CPU bodies and
-    the Triton kernels (interpreted) match eager."""
+    call, with double quantization too (each weight's absmax bytes and tables
+    passed as stored, nothing computed beside the calls); the CPU bodies and
+    the Triton kernels (interpreted, on the double-quantized model: its
+    absmax read in the grids) match eager."""
     pytest.importorskip("bitsandbytes")
     torch.manual_seed(5)
     model = _Bnb(quant_type, nested=nested).eval()
@@ -393,7 +449,7 @@ def test_bnb_projections_of_one_x_are_one_launch(quant_type, nested):
     assert [h.form for h in report.hits if h.rule == "dequant_matmul_gated"] == [f"{quant_type}_silu"]
     for g, w in zip(got, want):
         assert_close(g, w, f"bnb {quant_type}", dtype=torch.bfloat16)
-    if differential.interpreting() and quant_type == "nf4" and not nested:
+    if differential.interpreting() and quant_type == "nf4" and nested:
         torch._dynamo.reset()
         with differential.triton_on_cpu(), torch.no_grad():
             got = torch.compile(model, backend="fusepass")(x)
@@ -570,8 +626,8 @@ def test_gated_kernel_is_the_siblings_then_the_activation(fmt, dtype, monkeypatc
         x = torch.randn(M, K, dtype=dtype)
         before = len(launched)
         with differential.triton_on_cpu(ops):
-            got = torch.ops.fusepass.dequant_matmul_gated(x, ws, ss, zs, bs, fmt, 32, act)
-            g, u = torch.ops.fusepass.dequant_matmul_siblings(x, ws, ss, zs, bs, fmt, 32)
+            got = torch.ops.fusepass.dequant_matmul_gated(x, ws, ss, zs, bs, fmt, 32, act, [])
+            g, u = torch.ops.fusepass.dequant_matmul_siblings(x, ws, ss, zs, bs, fmt, 32, [])
             two = torch.ops.fusepass.swiglu(g, u) if act == "silu" else \
                 torch.ops.fusepass.geglu(g, u, gm.ACTIVATIONS[act])
         assert len(launched) == before + 1 and got.shape == (M, N) and torch.isfinite(got).all()

@@ -204,25 +204,31 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
                                                      torch.arange(0, 32, 4, dtype=torch.int32))),
         ("hqq4-g32-M3-N8-K64-fp32", lambda: (_t(3, 64), torch.randint(0, 256, (8, 32), dtype=torch.uint8),
                                              torch.rand(8, 2), torch.rand(8, 2) * 15, None, "hqq4", 32)),
+        # bitsandbytes' double quantization: the absmax's bytes, nested absmax, code and offset
+        ("nf4-double-quantized-M1-N300-K128-bf16", lambda: _nested_nf4_one((1,), 300, torch.bfloat16)),
     ],
     "dequant_matmul_siblings": [
-        ("int4-g32-M1-three-zero-bias-bf16", lambda: _siblings_inputs("int4", 32, (1,), (40, 8, 8), torch.bfloat16,
-                                                                       zero=True, bias=(True, False, False))),
-        ("int8-M2x1-two-fp16", lambda: _siblings_inputs("int8", 0, (2, 1), (24, 16), torch.float16)),
-        ("int4-sym-g16-M3-fp32", lambda: _siblings_inputs("int4", 16, (3,), (8, 9), torch.float32)),
-        ("fp64", lambda: _siblings_inputs("int8", 0, (2,), (5, 3), torch.float64)),
-        ("empty-rows", lambda: _siblings_inputs("int8", 0, (0,), (5, 3), torch.bfloat16)),
+        ("int4-g32-M1-three-zero-bias-bf16", lambda: (*_siblings_inputs("int4", 32, (1,), (40, 8, 8), torch.bfloat16,
+                                                                       zero=True, bias=(True, False, False)), [])),
+        ("int8-M2x1-two-fp16", lambda: (*_siblings_inputs("int8", 0, (2, 1), (24, 16), torch.float16), [])),
+        ("int4-sym-g16-M3-fp32", lambda: (*_siblings_inputs("int4", 16, (3,), (8, 9), torch.float32), [])),
+        ("fp64", lambda: (*_siblings_inputs("int8", 0, (2,), (5, 3), torch.float64), [])),
+        ("empty-rows", lambda: (*_siblings_inputs("int8", 0, (0,), (5, 3), torch.bfloat16), [])),
+        ("nf4-double-quantized-M1-bf16", lambda: _nested_nf4_inputs((1,), (40, 24), torch.bfloat16)),
+        ("nf4-M1-bf16", lambda: _plain_nf4_inputs((1,), (40, 24), torch.bfloat16)),
     ],
     "dequant_matmul_gated": [
         ("int4-g32-M1-zero-bias-bf16-silu", lambda: (*_siblings_inputs("int4", 32, (1,), (40, 40), torch.bfloat16,
-                                                                      zero=True, bias=(True, True)), "silu")),
-        ("int8-M2x1-fp16-gelu", lambda: (*_siblings_inputs("int8", 0, (2, 1), (24, 24), torch.float16), "gelu")),
+                                                                      zero=True, bias=(True, True)), "silu", [])),
+        ("int8-M2x1-fp16-gelu", lambda: (*_siblings_inputs("int8", 0, (2, 1), (24, 24), torch.float16), "gelu", [])),
         # (fp8: opcheck cannot multiply float8_e4m3fn on the CPU, see dequant_matmul's cases)
-        ("int8-M3-fp32-gelu_tanh", lambda: (*_siblings_inputs("int8", 0, (3,), (9, 9), torch.float32), "gelu_tanh")),
-        ("int4-sym-g16-M1-fp32-odd-N", lambda: (*_siblings_inputs("int4", 16, (1,), (33, 33), torch.float32), "silu")),
-        ("fp64", lambda: (*_siblings_inputs("int8", 0, (2,), (5, 5), torch.float64), "silu")),
-        ("empty-rows", lambda: (*_siblings_inputs("int8", 0, (0,), (5, 5), torch.bfloat16), "gelu")),
-        ("rows-past-the-gemv", lambda: (*_siblings_inputs("int4", 32, (12,), (16, 16), torch.bfloat16), "silu")),
+        ("int8-M3-fp32-gelu_tanh", lambda: (*_siblings_inputs("int8", 0, (3,), (9, 9), torch.float32), "gelu_tanh", [])),
+        ("int4-sym-g16-M1-fp32-odd-N", lambda: (*_siblings_inputs("int4", 16, (1,), (33, 33), torch.float32), "silu", [])),
+        ("fp64", lambda: (*_siblings_inputs("int8", 0, (2,), (5, 5), torch.float64), "silu", [])),
+        ("empty-rows", lambda: (*_siblings_inputs("int8", 0, (0,), (5, 5), torch.bfloat16), "gelu", [])),
+        ("nf4-double-quantized-M2-fp16-silu", lambda: _activation_before_nested(
+            _nested_nf4_inputs((2,), (24, 24), torch.float16), "silu")),
+        ("rows-past-the-gemv", lambda: (*_siblings_inputs("int4", 32, (12,), (16, 16), torch.bfloat16), "silu", [])),
     ],
     "decode_attention": [
         # (a static cache of 300 slots, 9 written: the kernel splits L and skips the hidden blocks)
@@ -276,6 +282,33 @@ def _siblings_inputs(fmt, group, lead, Ns, dtype, zero=False, bias=()):
         zs.append(z.to(dtype) if zero and z is not None else None)
         bs.append(_t(n, dtype=dtype) if i < len(bias) and bias[i] else None)
     return _t(*lead, K, dtype=dtype), ws, ss, zs, bs, fmt, group
+
+
+def _nested_nf4_inputs(lead, Ns, dtype):
+    """fusepass::dequant_matmul_siblings arguments for NF4 weights with double quantization."""
+    K = 128
+    ws, ss, nested = [], [], []
+    for n in Ns:
+        ws.append(torch.randint(0, 256, (n, K // 2), dtype=torch.uint8))
+        ss.append(torch.randint(0, 256, (n, K // 64), dtype=torch.uint8))
+        nested += [torch.rand(-(-n * K // 64 // 256)) + 0.5, torch.sort(torch.randn(256))[0], torch.rand(1)]
+    return _t(*lead, K, dtype=dtype), ws, ss, [None] * len(Ns), [None] * len(Ns), "nf4", 64, nested
+
+
+def _plain_nf4_inputs(lead, Ns, dtype):
+    """The same weights with their absmax as fp32 (no double quantization)."""
+    x, ws, ss, zs, bs, fmt, group, _ = _nested_nf4_inputs(lead, Ns, dtype)
+    return x, ws, [torch.rand(s.shape) + 0.1 for s in ss], zs, bs, fmt, group, []
+
+
+def _activation_before_nested(args, activation):
+    """The siblings' arguments as fusepass::dequant_matmul_gated takes them (the activation before nested)."""
+    return (*args[:7], activation, args[7])
+
+
+def _nested_nf4_one(lead, N, dtype):
+    x, (w,), (s,), _, _, fmt, group, nested = _nested_nf4_inputs(lead, (N,), dtype)
+    return (x, w, s, None, None, fmt, group, None, None, *nested)
 
 
 def _moe_experts_inputs(T, E, k, H, I, dtype, act="silu", layout="halves", transposed=False, bias=False,

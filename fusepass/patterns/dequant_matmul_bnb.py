@@ -9,9 +9,11 @@ absmax_8bit, absmax_code, absmax_offset)`` per linear, for every M, the codes
 packed two per byte along the flattened weight (the high nibble first).
 With K a multiple of the block size each block lies in one row, so the op
 reads the bytes as uint8 [N, K / 2] and absmax as fp32 [N, K / B] where they
-are; double quantization's absmax is expanded in the graph first (one small
-pointwise kernel: N K / B bytes in, 4 N K / B out, 12% of the codes' bytes at
-B = 64).  The op gathers each code's value from the code book
+are; double quantization's absmax as stored too (its bytes [N, K / B], the
+nested absmax, code and offset: the one-token GEMVs expand it as they read,
+a byte and a table lookup per block, where an expansion in the graph wrote
+and read back 4 N K / B bytes a step; other plans expand it in the op).
+The op gathers each code's value from the code book
 (fusepass.formats.CODEBOOKS) and rounds the product once, where
 bitsandbytes rounds the dequantized weight to x's dtype first: the same
 difference as every dequant_matmul form.
@@ -30,7 +32,6 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from fusepass.formats import bnb_absmax
 from fusepass.match import arguments, same, shape_str
 from fusepass.patterns import dequant_matmul as dm
 from fusepass.rule import Form, NearMiss, Region, Rule
@@ -175,16 +176,17 @@ def _refusal(a: dict, node: torch.fx.Node) -> str | None:
 
 
 def _replace(n, k, blocksize, fmt, has_bias, nested):
-    def absmax_of(absmax, a8=None, code=None, offset=None):
-        if a8 is None:
-            return absmax.reshape(n, k // blocksize)
-        return bnb_absmax(absmax, a8, code, offset).reshape(n, k // blocksize)
-
     def call(x, packed, absmax, *rest):
         rest = list(rest)
         bias = rest.pop(0) if has_bias else None
-        s = absmax_of(absmax, *rest) if nested else absmax_of(absmax)
-        return dm._op()(x, packed.view(torch.uint8).reshape(n, k // 2), s, None, bias, fmt, blocksize)
+        w = packed.view(torch.uint8).reshape(n, k // 2)
+        if not nested:
+            return dm._op()(x, w, absmax.reshape(n, k // blocksize), None, bias, fmt, blocksize)
+        a8, code, offset = rest
+        # The absmax as stored (a byte a block, the nested absmax, code and offset):
+        # the GEMV expands it as it reads; other plans expand it in the op.
+        return dm._op()(x, w, a8.reshape(n, k // blocksize), None, bias, fmt, blocksize,
+                        nested=[absmax.float(), code.float(), offset.float().reshape(1)])
 
     return call
 

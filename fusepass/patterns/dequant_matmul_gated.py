@@ -133,7 +133,7 @@ def _not_one_gemv(sib: torch.fx.Node) -> bool:
     """On a CUDA device with the rows and sizes known, whether the pair's plan is
     not a GEMV the gated kernel takes (the op would then run the siblings and
     the activation kernel one after the other)."""
-    x, ws, ss, _, _, fmt, group = sib.args
+    x, ws, ss, _, _, fmt, group = sib.args[:7]
     xv = _val(x)
     if xv.device.type != "cuda" or not all(isinstance(s, int) for s in xv.shape) or not xv.shape[-1]:
         return False
@@ -155,10 +155,11 @@ def find(gm: torch.fx.GraphModule):
         if got_g is None or got_u is None or got_g[0] is not got_u[0]:
             continue
         sib = got_g[0]
-        if not _is(sib, _SIBLINGS) or len(sib.args) != 7 or sib.kwargs or len(sib.args[1]) != 2 \
+        if not _is(sib, _SIBLINGS) or len(sib.args) not in (7, 8) or sib.kwargs or len(sib.args[1]) != 2 \
                 or {got_g[1], got_u[1]} != {0, 1}:
             continue
-        x, ws, ss, zs, bs, fmt, group = sib.args
+        x, ws, ss, zs, bs, fmt, group = sib.args[:7]
+        nested = list(sib.args[7]) if len(sib.args) == 8 else []  # (double quantization: three a weight)
         form = f"{fmt}_{activation}"
         chain = [g, *reversed(g_views), node], [u, *reversed(u_views), node]
         if set(sib.users) != {g, u} or any(list(a.users) != [b] for c in chain for a, b in zip(c, c[1:])):
@@ -171,14 +172,18 @@ def find(gm: torch.fx.GraphModule):
             continue
         order = (got_g[1], got_u[1])
         args = [x_in] + [t for i in order for t in (ws[i], ss[i], zs[i], bs[i])]
+        names = ["x", "w0", "s0", "z0", "b0", "w1", "s1", "z1", "b1"]
+        if nested:
+            args += [t for i in order for t in nested[3 * i:3 * i + 3]]
+            names += [f"{a}{i}" for i in range(2) for a in ("nested", "code", "offset")]
         yield Region(form, node, [sib, g, u, *g_views, *u_views, node], [node], args,
-                     _replacement(fmt, group, activation), names=["x", "w0", "s0", "z0", "b0", "w1", "s1", "z1", "b1"],
-                     arguments_checked=True)
+                     _replacement(fmt, group, activation), names=names, arguments_checked=True)
 
 
 def _replacement(fmt: str, group: int, activation: str):
-    def replace(x, w0, s0, z0, b0, w1, s1, z1, b1):
-        return dequant_matmul_gated_call(x, [w0, w1], [s0, s1], [z0, z1], [b0, b1], fmt, group, activation)
+    def replace(x, w0, s0, z0, b0, w1, s1, z1, b1, *nested):
+        return dequant_matmul_gated_call(x, [w0, w1], [s0, s1], [z0, z1], [b0, b1], fmt, group, activation,
+                                         list(nested))
 
     return replace
 

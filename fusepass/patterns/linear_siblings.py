@@ -272,18 +272,20 @@ def _find_quantized(gm: torch.fx.GraphModule, products: set):
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups: dict = {}
     for node in gm.graph.nodes:
-        if not _is(node, _DEQUANT) or node.kwargs or len(node.args) != 7:
+        if not _is(node, _DEQUANT) or node.kwargs or len(node.args) not in (7, 12) \
+                or any(a is not None for a in node.args[7:9]):
             continue
-        x, w, scale, zero, bias, fmt, group = node.args
+        x, w, scale, zero, bias, fmt, group = node.args[:7]
         xv = _val(x)
         if fmt not in SIBLING_FORMATS or not isinstance(xv, torch.Tensor) or xv.dtype not in KERNEL_DTYPES:
             continue
         rows = xv.numel() // xv.shape[-1] if isinstance(xv.shape[-1], int) and xv.shape[-1] else 0
         if isinstance(rows, int) and not 0 < rows <= GEMV_MAX_M:
             continue
-        groups.setdefault((_key(x), fmt, group, zero is None), []).append(node)
+        # (12 arguments: a code book's double quantization, its three tensors last)
+        groups.setdefault((_key(x), fmt, group, zero is None, len(node.args)), []).append(node)
     for members in groups.values():
-        members = _joinable(members, lambda m: m, lambda m: m.args[1:5], pos, products)
+        members = _joinable(members, lambda m: m, lambda m: [*m.args[1:5], *m.args[9:]], pos, products)
         for i in range(0, len(members), MAX_SIBLINGS):
             group = members[i:i + MAX_SIBLINGS]
             if len(group) < 2:
@@ -291,11 +293,14 @@ def _find_quantized(gm: torch.fx.GraphModule, products: set):
             fmt, gs = group[0].args[5], group[0].args[6]
             if _another_plan(group, fmt, gs):
                 continue
+            nested = len(group[0].args) == 12
             args = [group[0].args[0]] + [a for m in group for a in m.args[1:5]]
+            names = ["x"] + [f"{a}{i}" for i in range(len(group)) for a in ("w", "s", "z", "b")]
+            if nested:
+                args += [a for m in group for a in m.args[9:]]
+                names += [f"{a}{i}" for i in range(len(group)) for a in ("nested", "code", "offset")]
             yield Region(f"{fmt} {_FORMS[len(group)]}", group[0], list(group), list(group), args,
-                         _quantized_replacement(len(group), fmt, gs),
-                         names=["x"] + [f"{a}{i}" for i in range(len(group)) for a in ("w", "s", "z", "b")],
-                         arguments_checked=True)
+                         _quantized_replacement(len(group), fmt, gs), names=names, arguments_checked=True)
 
 
 def _another_plan(group, fmt: str, group_size: int) -> bool:
@@ -314,8 +319,8 @@ def _another_plan(group, fmt: str, group_size: int) -> bool:
 
 def _quantized_replacement(n: int, fmt: str, group_size: int):
     def replace(x, *rest):
-        ws, ss, zs, bs = (list(rest[i::4]) for i in range(4))
-        return tuple(dequant_matmul_siblings_call(x, ws, ss, zs, bs, fmt, group_size))
+        ws, ss, zs, bs = (list(rest[i:4 * n:4]) for i in range(4))
+        return tuple(dequant_matmul_siblings_call(x, ws, ss, zs, bs, fmt, group_size, list(rest[4 * n:])))
 
     return replace
 

@@ -332,33 +332,49 @@ def _gptq_gemv(x, x2, w, scale, zero, g_idx, shifts, bias, out, part, ctr, M, N,
 
 
 @triton.jit
-def _pick_row(w, scale, zero, w_b, scale_b, zero_b, i_n, r: tl.constexpr, N, BN: tl.constexpr,
+def _pick_row(w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, i_n, r: tl.constexpr, N, BN: tl.constexpr,
               PAIRED: tl.constexpr):
-    """Row ``r`` of the program's BN: (weight, scale and zero point pointers, row
-    index; rows past N read row N - 1, never stored).  PAIRED (two weights of
-    N rows read side by side, dequant_matmul_gated): the first BN / 2 rows are
-    rows i_n BN / 2 + r of the first weight, the others the same rows of the
-    second, so that a program holds the two products of each output column."""
+    """Row ``r`` of the program's BN: (weight, scale, zero point and nested-absmax
+    pointers, row index; rows past N read row N - 1, never stored).  PAIRED (two
+    weights of N rows read side by side, dequant_matmul_gated): the first BN / 2
+    rows are rows i_n BN / 2 + r of the first weight, the others the same rows
+    of the second, so that a program holds the two products of each output column."""
     if PAIRED:
         n = tl.minimum(i_n * (BN // 2) + r % (BN // 2), N - 1)
         if r < BN // 2:
-            return w, scale, zero, n
+            return w, scale, zero, nst, n
         else:
-            return w_b, scale_b, zero_b, n
+            return w_b, scale_b, zero_b, nst_b, n
     else:
-        return w, scale, zero, tl.minimum(i_n * BN + r, N - 1)
+        return w, scale, zero, nst, tl.minimum(i_n * BN + r, N - 1)
 
 
 @triton.jit
-def _row_chunks(w, scale, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K: tl.constexpr):
+def _block_scales(scale, nst, o_s, m_c, NESTED: tl.constexpr):
+    """The scales [NCH] at flat indices ``o_s`` as fp32.  NESTED (bitsandbytes'
+    double quantization, ``nst`` = (nested absmax, absmax code, offset)): scale
+    holds one byte a block, its absmax code[byte] * nested[block // 256] +
+    offset, as bitsandbytes expands it; a byte and an L1-resident lookup a
+    block of codes instead of the fp32 absmax written and read back each step."""
+    if NESTED:
+        b_a = tl.load(scale + o_s, mask=m_c, other=0).to(tl.int32)
+        b_n = tl.load(nst[0] + o_s // 256, mask=m_c, other=0)
+        return tl.load(nst[1] + b_a) * b_n + tl.load(nst[2])
+    else:
+        return tl.load(scale + o_s, mask=m_c, other=0).to(tl.float32)
+
+
+@triton.jit
+def _row_chunks(w, scale, nst, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K: tl.constexpr,
+                NESTED: tl.constexpr):
     """Row n's packed bytes of the tile ([NCH, VB], one vector load a chunk; its
-    K slice from byte kp0) and its chunks' scales [NCH] as fp32."""
+    K slice from byte kp0) and its chunks' scales [NCH] as fp32 (``_block_scales``)."""
     p_wr = w + n.to(tl.int64) * stride_wn + kp0
     if EVEN_K:
         b_q = tl.load(p_wr + o_b)
     else:
         b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
-    return b_q, tl.load(scale + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
+    return b_q, _block_scales(scale, nst, n * stride_sn + o_g, m_c, NESTED)
 
 
 @triton.jit
@@ -377,8 +393,9 @@ def _folded_loads(x2, w, scale, zero, w_b, scale_b, zero_b, N, k0, k_hi, i_n, st
         b_x = tl.load(x2 + kp0 + o_b, mask=m_c[:, None], other=0)
     rows = ()
     for r in tl.static_range(BN):
-        w_r, s_r, z_r, n = _pick_row(w, scale, zero, w_b, scale_b, zero_b, i_n, r, N, BN, PAIRED)
-        b_q, b_s = _row_chunks(w_r, s_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
+        w_r, s_r, z_r, q_r, n = _pick_row(w, scale, zero, (scale, scale, scale), w_b, scale_b, zero_b,
+                                          (scale, scale, scale), i_n, r, N, BN, PAIRED)
+        b_q, b_s = _row_chunks(w_r, s_r, q_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K, False)
         if HAS_ZERO:
             b_z = tl.load(z_r + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
         else:
@@ -441,12 +458,14 @@ def _int4_gemv_folded(x2, w, scale, zero, w_b, scale_b, zero_b, N, k_lo, k_hi, i
 
 
 @triton.jit
-def _nibble_gemv(x, x2, w, scale, zero, w_b, scale_b, zero_b, M, N, k_lo, k_hi, i_n, stride_x2m, stride_wn,
-                 stride_sn, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-                 ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIRED: tl.constexpr):
+def _nibble_gemv(x, x2, w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, M, N, k_lo, k_hi, i_n, stride_x2m,
+                 stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PAIRED: tl.constexpr, NESTED: tl.constexpr):
     """[BM, BN] sums of int4, and of the code books' whole blocks (nf4 / fp4: the
-    same bytes per value, the high nibble the even k, an fp32 absmax per block),
-    over K in [k_lo, k_hi), value by value as the dequantised matmul."""
+    same bytes per value, the high nibble the even k, an fp32 absmax per block,
+    or NESTED its byte and double quantization's tables), over K in [k_lo,
+    k_hi), value by value as the dequantised matmul."""
     # A thread owns a chunk of VB packed bytes (16: one vector load, 32 codes
     # inside one group) of each of the BN rows, and the VB matching pairs of
     # x's values (x2: x viewed as int32 pairs, or int64 for fp32 x).  Each
@@ -481,8 +500,9 @@ def _nibble_gemv(x, x2, w, scale, zero, w_b, scale_b, zero_b, M, N, k_lo, k_hi, 
             b_xe, b_xo = _pair_to_f32(b_x, x.dtype.element_ty)
         for r in tl.static_range(BN):
             # (rows past N read row N - 1, never stored: no row mask)
-            w_r, s_r, z_r, n = _pick_row(w, scale, zero, w_b, scale_b, zero_b, i_n, r, N, BN, PAIRED)
-            b_q, b_s = _row_chunks(w_r, s_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K)
+            w_r, s_r, z_r, q_r, n = _pick_row(w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, i_n, r, N, BN,
+                                              PAIRED)
+            b_q, b_s = _row_chunks(w_r, s_r, q_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K, NESTED)
             if FMT != "int4":
                 b_e, b_o = _codebook_pair(b_q, tab, zero, ASM)  # (zero: the code book)
             else:  # (the low nibble the even k)
@@ -503,17 +523,17 @@ def _nibble_gemv(x, x2, w, scale, zero, w_b, scale_b, zero_b, M, N, k_lo, k_hi, 
 
 
 @triton.jit
-def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n, i_s, n_s,
-              stride_xm, stride_x2m, stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr,
+def _own_rows(x, x2, w, scale, zero, nst, bias, out, part, ctr, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n, i_s,
+              n_s, stride_xm, stride_x2m, stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr,
               HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr):
+              BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr, NESTED: tl.constexpr):
     """Output rows [i_n BN, +BN) over K slice i_s of n_s: fusepass's own formats
     (int4, int8, fp8) and the library layouts read value by value or in the int4
     loop (the code books)."""
-    acc = _rows_acc(x, x2, w, scale, zero, w, scale, zero, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n, i_s,
-                    stride_xm, stride_x2m, stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, LIB, LOOP, BM, BN, BK,
-                    FOLD, False)
+    acc = _rows_acc(x, x2, w, scale, zero, nst, w, scale, zero, nst, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n,
+                    i_s, stride_xm, stride_x2m, stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, LIB, LOOP, BM, BN,
+                    BK, FOLD, False, NESTED)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
     o_m = tl.arange(0, BM)
@@ -523,10 +543,11 @@ def _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, 
 
 
 @triton.jit
-def _rows_acc(x, x2, w, scale, zero, w_b, scale_b, zero_b, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n, i_s,
-              stride_xm, stride_x2m, stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr,
-              EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr, PAIRED: tl.constexpr):
+def _rows_acc(x, x2, w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, g_idx, shifts, M, N, K, K_SPLIT, NG, i_n,
+              i_s, stride_xm, stride_x2m, stride_wn, stride_sn, FMT: tl.constexpr, G: tl.constexpr,
+              HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr, LOOP: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr, PAIRED: tl.constexpr,
+              NESTED: tl.constexpr):
     """The fp32 sums [BM, BN] of _own_rows' tile (PAIRED: of _pick_row's rows of two weights)."""
     o_r = tl.arange(0, BN)
     if PAIRED:
@@ -553,11 +574,13 @@ def _rows_acc(x, x2, w, scale, zero, w_b, scale_b, zero_b, g_idx, shifts, M, N, 
             # is re-done; a finite one is within fp32 rounding of the exact sum).
             bad = ((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)
             if tl.max(tl.max(bad, axis=1), axis=0) > 0:
-                acc = _nibble_gemv(x, x2, w, scale, zero, w_b, scale_b, zero_b, M, N, k_lo, k_hi, i_n, stride_x2m,
-                                   stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK, PAIRED)
+                acc = _nibble_gemv(x, x2, w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, M, N, k_lo, k_hi, i_n,
+                                   stride_x2m, stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK,
+                                   PAIRED, NESTED)
         else:
-            acc = _nibble_gemv(x, x2, w, scale, zero, w_b, scale_b, zero_b, M, N, k_lo, k_hi, i_n, stride_x2m,
-                               stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK, PAIRED)
+            acc = _nibble_gemv(x, x2, w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, M, N, k_lo, k_hi, i_n,
+                               stride_x2m, stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, BM, BN, BK, PAIRED,
+                               NESTED)
     else:
         o_k = tl.arange(0, BK)
         if BM == 1:
@@ -623,13 +646,13 @@ def _rows_acc(x, x2, w, scale, zero, w_b, scale_b, zero_b, g_idx, shifts, M, N, 
 
 @triton.jit
 def _dequant_gemv_kernel(
-    x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts,
+    x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, nest, code2, offset,
     M, N, K, K_SPLIT, NG,
     stride_xm, stride_x2m, stride_wn, stride_sn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, SUM_HERE: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LIB: tl.constexpr,
     LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, NESTED: tl.constexpr = False,
 ):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # Program (i_n, i_s): output rows [i_n * BN, +BN) over K in [i_s * K_SPLIT, +K_SPLIT)
@@ -638,6 +661,8 @@ def _dequant_gemv_kernel(
     # is masked and the loads stay 16-byte vectors.  LOOP: a library layout's loop of
     # its own, an HQQ weight of even N (_hqq_gemv) or a code book's whole blocks
     # (the int4 loop); HQQ of odd N has no pairs of rows and goes value by value.
+    # NESTED: a code book's absmax as bitsandbytes' double quantization stores
+    # it (nest, code2, offset: _block_scales), in the int4 loop only.
     if FMT == "hqq4" and LOOP:
         _hqq_gemv(x, w, scale, zero, bias, out, part, ctr, M, N, K, K_SPLIT, stride_xm, stride_sn, G, HAS_BIAS,
                   PARTIAL, SUM_HERE, EVEN_K, ASM, BM, BN, BK)
@@ -646,58 +671,63 @@ def _dequant_gemv_kernel(
                    stride_x2m, stride_wn, stride_sn, FMT == "gptq4_v1", HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM,
                    BM, BN, BK)
     else:
-        _own_rows(x, x2, w, scale, zero, bias, out, part, ctr, g_idx, shifts, M, N, K, K_SPLIT, NG,
-                  tl.program_id(0), tl.program_id(1), tl.num_programs(1), stride_xm, stride_x2m, stride_wn,
-                  stride_sn, FMT, G, HAS_ZERO, HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM, LIB, LOOP, BM, BN, BK, FOLD)
+        _own_rows(x, x2, w, scale, zero, (nest, code2, offset), bias, out, part, ctr, g_idx, shifts, M, N, K,
+                  K_SPLIT, NG, tl.program_id(0), tl.program_id(1), tl.num_programs(1), stride_xm, stride_x2m,
+                  stride_wn, stride_sn, FMT, G, HAS_ZERO, HAS_BIAS, PARTIAL, SUM_HERE, EVEN_K, ASM, LIB, LOOP, BM, BN,
+                  BK, FOLD, NESTED)
 
 
 @triton.jit
-def _sibling_rows(x, x2, w, s, z, b, o, pid, M, N, K, stride_xm, stride_x2m, stride_wn, stride_sn,
+def _sibling_rows(x, x2, w, s, z, q, b, o, pid, M, N, K, stride_xm, stride_x2m, stride_wn, stride_sn,
                   FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                   EVEN_K: tl.constexpr, ASM: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, FOLD: tl.constexpr):
+                  BK: tl.constexpr, FOLD: tl.constexpr, NESTED: tl.constexpr):
     # Whole K, no split: part / ctr / g_idx / shifts are never read (o and s stand in).
-    _own_rows(x, x2, w, s, z, b, o, o, o, s, s, M, N, K, K, 1, pid, 0, 1, stride_xm, stride_x2m, stride_wn,
-              stride_sn, FMT, G, HAS_ZERO, HAS_BIAS, False, False, EVEN_K, ASM, False, LOOP, BM, BN, BK, FOLD)
+    _own_rows(x, x2, w, s, z, q, b, o, o, o, s, s, M, N, K, K, 1, pid, 0, 1, stride_xm, stride_x2m, stride_wn,
+              stride_sn, FMT, G, HAS_ZERO, HAS_BIAS, False, False, EVEN_K, ASM, False, LOOP, BM, BN, BK, FOLD, NESTED)
 
 
 @triton.jit
 def _dequant_gemv_siblings_kernel(
-    x, x2, w0, w1, w2, s0, s1, s2, z0, z1, z2, b0, b1, b2, o0, o1, o2, N0, N1, N2, E0, E1,
+    x, x2, w0, w1, w2, s0, s1, s2, z0, z1, z2, b0, b1, b2, o0, o1, o2, q0, q1, q2, c0, c1, c2, f0, f1, f2,
+    N0, N1, N2, E0, E1,
     M, K, stride_xm, stride_x2m, stride_w0, stride_w1, stride_w2, stride_s0, stride_s1, stride_s2,
     FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HB0: tl.constexpr, HB1: tl.constexpr,
     HB2: tl.constexpr, NW: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, LOOP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, NESTED: tl.constexpr = False,
 ):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # Two or three weights of one format that read the same x (q / k / v, gate /
     # up) in one grid: program p owns BN rows of the weight whose block range
     # holds p (E0, E1: where the blocks of weights 0 and 1 end), each through its
     # own pointers, with the one-weight GEMV's loop (LOOP: a code book's, the
-    # int4 loop with its table in z's place).  A slot past NW is compiled
-    # out: its stand-in pointers are neither read nor written.
+    # int4 loop with its table in z's place; NESTED: weight i's double
+    # quantization in q_i, c_i, f_i).  A slot past NW is compiled out: its
+    # stand-in pointers are neither read nor written.
     pid = tl.program_id(0)
     if pid < E0:
-        _sibling_rows(x, x2, w0, s0, z0, b0, o0, pid, M, N0, K, stride_xm, stride_x2m, stride_w0, stride_s0, FMT, G,
-                      HAS_ZERO, HB0, EVEN_K, ASM, LOOP, BM, BN, BK, FOLD)
+        _sibling_rows(x, x2, w0, s0, z0, (q0, c0, f0), b0, o0, pid, M, N0, K, stride_xm, stride_x2m, stride_w0,
+                      stride_s0, FMT, G, HAS_ZERO, HB0, EVEN_K, ASM, LOOP, BM, BN, BK, FOLD, NESTED)
     else:
         if NW > 1:
             if pid < E1:
-                _sibling_rows(x, x2, w1, s1, z1, b1, o1, pid - E0, M, N1, K, stride_xm, stride_x2m, stride_w1,
-                              stride_s1, FMT, G, HAS_ZERO, HB1, EVEN_K, ASM, LOOP, BM, BN, BK, FOLD)
+                _sibling_rows(x, x2, w1, s1, z1, (q1, c1, f1), b1, o1, pid - E0, M, N1, K, stride_xm, stride_x2m,
+                              stride_w1, stride_s1, FMT, G, HAS_ZERO, HB1, EVEN_K, ASM, LOOP, BM, BN, BK, FOLD, NESTED)
             else:
                 if NW > 2:
-                    _sibling_rows(x, x2, w2, s2, z2, b2, o2, pid - E1, M, N2, K, stride_xm, stride_x2m, stride_w2,
-                                  stride_s2, FMT, G, HAS_ZERO, HB2, EVEN_K, ASM, LOOP, BM, BN, BK, FOLD)
+                    _sibling_rows(x, x2, w2, s2, z2, (q2, c2, f2), b2, o2, pid - E1, M, N2, K, stride_xm,
+                                  stride_x2m, stride_w2, stride_s2, FMT, G, HAS_ZERO, HB2, EVEN_K, ASM, LOOP, BM, BN,
+                                  BK, FOLD, NESTED)
 
 
 @triton.jit
 def _dequant_gemv_gated_kernel(
-    x, x2, w0, w1, s0, s1, z0, z1, b0, b1, out, M, N, K, stride_xm, stride_x2m, stride_wn, stride_sn, stride_om,
-    FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    ASM: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    FOLD: tl.constexpr, ACT: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False,
+    x, x2, w0, w1, s0, s1, z0, z1, b0, b1, q0, q1, c0, c1, f0, f1, out, M, N, K, stride_xm, stride_x2m, stride_wn,
+    stride_sn, stride_om, FMT: tl.constexpr, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, ASM: tl.constexpr, LOOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, FOLD: tl.constexpr, ACT: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False,
+    NESTED: tl.constexpr = False,
 ):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     # act(x W0^T + b0) * (x W1^T + b1) (an MLP's gate and up) in one grid, the
@@ -709,8 +739,9 @@ def _dequant_gemv_gated_kernel(
     # kernel's) before one store.  No launch, no write or read of gate and up
     # between the GEMV and the activation.
     i_n = tl.program_id(0)
-    acc = _rows_acc(x, x2, w0, s0, z0, w1, s1, z1, s0, s0, M, N, K, K, 1, i_n, 0, stride_xm, stride_x2m, stride_wn,
-                    stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, False, LOOP, BM, BN, BK, FOLD, True)
+    acc = _rows_acc(x, x2, w0, s0, z0, (q0, c0, f0), w1, s1, z1, (q1, c1, f1), s0, s0, M, N, K, K, 1, i_n, 0,
+                    stride_xm, stride_x2m, stride_wn, stride_sn, FMT, G, HAS_ZERO, EVEN_K, ASM, False, LOOP, BM, BN, BK,
+                    FOLD, True, NESTED)
     H: tl.constexpr = BN // 2
     b_g, b_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, H]), (0, 2, 1)))  # [BM, H] each
     o_n = i_n * H + tl.arange(0, H)

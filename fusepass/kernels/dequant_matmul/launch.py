@@ -10,10 +10,11 @@ its own.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
-
-import functools
+from torch._guards import detect_fake_mode
 
 from fusepass.formats import CODEBOOKS, LIBRARY_FORMATS, codebook, out_features
 from fusepass.kernels._common import Launch, cdiv, emulate_rounding, interpreting, pdl_on
@@ -81,9 +82,19 @@ def _words(w: Tensor) -> Tensor:
     return w.view(torch.int32)
 
 
-@functools.cache
 def _table(fmt: str, device: torch.device) -> Tensor:
-    """A code-book format's 16 values on ``device``, made once (the kernels read it from L1)."""
+    """A code-book format's 16 values on ``device`` (the kernels read it from L1):
+    one real tensor per device, made once; while a graph is traced with fake
+    tensors, a fresh one of that trace's mode (the graph holds it as a
+    constant; a cached one would belong to the first trace's mode, and the
+    next trace fails with "Mixing fake modes")."""
+    if detect_fake_mode() is not None:
+        return codebook(fmt, device)
+    return _real_table(fmt, device)
+
+
+@functools.cache
+def _real_table(fmt: str, device: torch.device) -> Tensor:
     return codebook(fmt, device)
 
 
@@ -154,9 +165,22 @@ def tiles(cfg: Config, M: int, N: int) -> int:
     return cdiv(N, cfg.BN) * (1 if cfg.kind == "gemv" else cdiv(M, cfg.BM))
 
 
+def nested_fits(cfg: Config, fmt: str, N: int, G: int) -> bool:
+    """Whether ``cfg`` reads a code book's double-quantized absmax as stored (its
+    byte, nested absmax, code and offset): the GEMV's int4 loop does
+    (gemv._block_scales); other plans take the fp32 absmax, expanded first."""
+    return fmt in CODEBOOKS and cfg.kind == "gemv" and own_loop(fmt, N, G, cfg)
+
+
+def _nested_args(nested: list[Tensor] | None, names: tuple[str, str, str], dummy: Tensor) -> dict:
+    """The kernel's pointers to a double quantization's (nested absmax, code, offset), or stand-ins."""
+    return dict(zip(names, nested if nested is not None else (dummy,) * 3))
+
+
 def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
                    fmt: str, G: int, cfg: Config, part: Tensor | None = None, ctr: Tensor | None = None,
-                   g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Launch:
+                   g_idx: Tensor | None = None, shifts: Tensor | None = None,
+                   nested: list[Tensor] | None = None) -> Launch:
     """The fused product (``cfg.kind`` "gemv", "mm" or "mmt"): out [M, N] = x [M, K] @ dequant(w)^T + bias.
 
     Operands as the op checked them: x and w with unit column stride (fp8
@@ -166,9 +190,13 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
     tile's last program sums them, else :func:`reduce_launch` must run next.
     Unused pointers are given ``scale``: never read, and never a tensor the
     launch writes (a graph's functional launch must not see its output twice).
+    ``nested``: a code book's double quantization (scale its bytes), where
+    ``nested_fits``.
     """
     M, K = x.shape
     N = out_features(w, fmt, scale)
+    if nested is not None and not nested_fits(cfg, fmt, N, G):
+        raise ValueError(f"config {cfg.label()} reads no double-quantized absmax: expand it first")
     k_split, split, even = _k_split(K, cfg.BK, cfg.split)
     dummy = scale
     lib = fmt in LIBRARY_FORMATS
@@ -197,7 +225,8 @@ def product_launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bia
         pdl = pdl_on(x)
         return Launch(_dequant_gemv_kernel, (cdiv(N // 2 if fmt == "hqq4" and loop else N, cfg.BN), split),
                       {**args, "x": x, "x2": xp, "stride_x2m": xp.stride(0), "NG": ng, "BM": _pow2(M), "ASM": asm,
-                       "LOOP": loop, "FOLD": _fold(cfg, x), "PDL": pdl}, outputs, cfg.warps, cfg.stages)
+                       "LOOP": loop, "FOLD": _fold(cfg, x), "PDL": pdl, "NESTED": nested is not None,
+                       **_nested_args(nested, ("nest", "code2", "offset"), dummy)}, outputs, cfg.warps, cfg.stages)
     if cfg.kind == "mmt":
         # int4, the code books and HQQ always, int8 in whole tiles: the weight read
         # as int32 words (see the kernel); the code books' words hold codes in
@@ -244,10 +273,12 @@ def _group_operands(x: Tensor, zeros: list[Tensor | None], fmt: str):
 
 
 def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[Tensor | None],
-                    biases: list[Tensor | None], outs: list[Tensor], fmt: str, G: int, cfg: Config) -> Launch:
+                    biases: list[Tensor | None], outs: list[Tensor], fmt: str, G: int, cfg: Config,
+                    nested: list[list[Tensor]] | None = None) -> Launch:
     """outs[i] [M, N_i] = x [M, K] @ dequant(ws[i])^T (+ biases[i]) in one GEMV grid
     (``cfg``: a "gemv" config, run over the whole of K); operands as for
-    :func:`product_launch`, one format and group size, zero points on all or none."""
+    :func:`product_launch`, one format and group size, zero points on all or
+    none, ``nested`` (each weight's double quantization) on all or none."""
     M, K = x.shape
     Ns = [out_features(w, fmt, s) for w, s in zip(ws, scales)]
     ends, e = [], 0
@@ -260,7 +291,8 @@ def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: li
     args = dict(x=x, x2=xp, M=M, K=K, stride_xm=x.stride(0), stride_x2m=xp.stride(0), FMT=fmt, G=max(G, 1),
                 HAS_ZERO=has_zero, NW=len(ws), EVEN_K=even, LOOP=loop,
                 ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, Ns[0], cfg), BM=_pow2(M), BN=cfg.BN,
-                BK=cfg.BK, FOLD=_fold(cfg, x), E0=ends[0], E1=(ends + [e])[1], PDL=pdl_on(x))
+                BK=cfg.BK, FOLD=_fold(cfg, x), E0=ends[0], E1=(ends + [e])[1], PDL=pdl_on(x),
+                NESTED=nested is not None)
     for i in range(MAX_SIBLINGS):
         j = min(i, len(ws) - 1)  # a slot past the weights: weight 0's tensors, never touched
         s = scales[j]
@@ -269,7 +301,9 @@ def siblings_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: li
                      f"b{i}": biases[j] if i < len(ws) and biases[j] is not None else scales[0],
                      f"o{i}": outs[i] if i < len(ws) else scales[0], f"N{i}": Ns[j] if i < len(ws) else 1,
                      f"stride_w{i}": ws[j].stride(0), f"stride_s{i}": s.stride(0) if fmt == "int4" or loop else 1,
-                     f"HB{i}": i < len(ws) and biases[i] is not None})
+                     f"HB{i}": i < len(ws) and biases[i] is not None,
+                     **_nested_args(nested[j] if nested is not None else None, (f"q{i}", f"c{i}", f"f{i}"),
+                                    scales[0])})
     return Launch(_dequant_gemv_siblings_kernel, (e,), args, tuple(f"o{i}" for i in range(len(ws))), cfg.warps,
                   cfg.stages)
 
@@ -281,7 +315,8 @@ def gated_fits(cfg: Config, fmt: str) -> bool:
 
 
 def gated_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[Tensor | None],
-                 biases: list[Tensor | None], out: Tensor, fmt: str, G: int, cfg: Config, activation: str) -> Launch:
+                 biases: list[Tensor | None], out: Tensor, fmt: str, G: int, cfg: Config, activation: str,
+                 nested: list[list[Tensor]] | None = None) -> Launch:
     """out [M, N] = act(x @ dequant(ws[0])^T + b0) * (x @ dequant(ws[1])^T + b1) in
     one GEMV grid (``cfg``: the plan of the two weights as siblings, ``gated_fits``);
     operands as for :func:`siblings_launch`, the two weights of one shape and
@@ -297,7 +332,10 @@ def gated_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[
                 stride_sn=scales[0].stride(0) if fmt == "int4" or loop else 1, stride_om=out.stride(0), FMT=fmt,
                 G=max(G, 1), HAS_ZERO=has_zero, HAS_BIAS=biases[0] is not None, EVEN_K=K % cfg.BK == 0, LOOP=loop,
                 ASM=x.is_cuda and not interpreting() and gemv_asm(fmt, G, 2 * N, cfg), BM=_pow2(M), BN=cfg.BN,
-                BK=cfg.BK, FOLD=_fold(cfg, x), ACT=activation, EMU=emulate_rounding(out.dtype), PDL=pdl_on(x))
+                BK=cfg.BK, FOLD=_fold(cfg, x), ACT=activation, EMU=emulate_rounding(out.dtype), PDL=pdl_on(x),
+                NESTED=nested is not None)
+    for i in range(2):
+        args.update(_nested_args(nested[i] if nested is not None else None, (f"q{i}", f"c{i}", f"f{i}"), scales[0]))
     return Launch(_dequant_gemv_gated_kernel, (cdiv(N, cfg.BN // 2),), args, ("out",), cfg.warps, cfg.stages)
 
 
@@ -334,7 +372,7 @@ def _run(launch: Launch, warmup: bool) -> None:
 
 def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, out: Tensor,
             fmt: str, G: int, cfg: Config, warmup: bool = False, sum_here: bool = True,
-            g_idx: Tensor | None = None, shifts: Tensor | None = None) -> None:
+            g_idx: Tensor | None = None, shifts: Tensor | None = None, nested: list[Tensor] | None = None) -> None:
     """out[M, N] = x[M, K] @ dequant(w)^T + bias with ``cfg``, now; operands as for
     :func:`product_launch`.  A split K is summed by the tile's last program
     where counters can be had and ``sum_here`` (the default), else by a second
@@ -359,6 +397,6 @@ def _launch(x: Tensor, w: Tensor, scale: Tensor, zero: Tensor | None, bias: Tens
     if split > 1 and sum_here:  # (a compile-only warmup needs only the pointer's type)
         ctr = torch.empty(0, dtype=torch.int32, device=x.device) if warmup else _split_counters(x.device,
                                                                                                   tiles(cfg, M, N))
-    _run(product_launch(x, w, scale, zero, bias, out, fmt, G, cfg, part, ctr, g_idx, shifts), warmup)
+    _run(product_launch(x, w, scale, zero, bias, out, fmt, G, cfg, part, ctr, g_idx, shifts, nested), warmup)
     if split > 1 and ctr is None:
         _run(reduce_launch(part, bias, out), warmup)

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from fusepass.formats import (
     CODEBOOKS,
+    bnb_absmax,
     KERNEL_DTYPES,
     OP_FORMATS,
     OP_WEIGHT_DTYPES,
@@ -20,7 +21,7 @@ from fusepass.formats import (
 )
 from fusepass.kernels._common import call, inline_enabled, on_device, register_inline, rows, run_kernel
 from fusepass.kernels.dequant_matmul.config import Config, Problem, valid
-from fusepass.kernels.dequant_matmul.launch import _launch, dequant_launch, product_launch, splits, tiles
+from fusepass.kernels.dequant_matmul.launch import _launch, dequant_launch, nested_fits, product_launch, splits, tiles
 from fusepass.kernels.dequant_matmul.plans import lookup
 
 
@@ -42,9 +43,15 @@ def _operands(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bia
             bias.contiguous() if bias is not None else None)
 
 
+def expand_absmax(scale: Tensor, nested: list[Tensor]) -> Tensor:
+    """A code book's fp32 absmax [N, K / B] from bitsandbytes' double quantization:
+    its bytes (``scale``) and (nested absmax, code, offset)."""
+    return bnb_absmax(nested[0], scale, nested[1], nested[2]).reshape(scale.shape)
+
+
 def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
-                       fmt: str, group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None, *,
-                       config: Config | None = None) -> Tensor:
+                       fmt: str, group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None,
+                       nested: list[Tensor] | None = None, *, config: Config | None = None) -> Tensor:
     """The op's CUDA body: ``config`` overrides the plan (tests, sweeps)."""
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"no kernel for {x.dtype} activations")
@@ -61,15 +68,25 @@ def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | 
     cfg = config or _plan(M, N, K, fmt, G, x.dtype, x.device)
     if not valid(cfg, Problem(M, N, K, fmt, G, x.dtype, "")):
         raise ValueError(f"config {cfg.label()} cannot run M{M} K{K} {fmt} g{G} {x.dtype}")
+    if nested is not None:
+        if nested_fits(cfg, fmt, N, G):
+            nested = [t.contiguous() for t in nested]
+        else:  # (the tensor-core and cuBLAS paths read an fp32 absmax)
+            scale, nested = expand_absmax(scale, nested), None
     with on_device(x):
-        _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg, g_idx=g_idx, shifts=shifts)
+        _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg, g_idx=g_idx, shifts=shifts,
+                nested=nested)
     return out
 
 
 def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
                              fmt: str, group_size: int, compute_dtype: torch.dtype = torch.float32,
-                             g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Tensor:
-    """fp32 (or ``compute_dtype``) dequantise-then-matmul, rounded once to x's dtype."""
+                             g_idx: Tensor | None = None, shifts: Tensor | None = None,
+                             nested: list[Tensor] | None = None) -> Tensor:
+    """fp32 (or ``compute_dtype``) dequantise-then-matmul, rounded once to x's dtype
+    (a double-quantized absmax expanded in fp32 first, as bitsandbytes does)."""
+    if nested is not None:
+        scale = expand_absmax(scale, nested)
     w = dequantize(weight, scale, zero, fmt, group_size, compute_dtype, g_idx=g_idx, shifts=shifts)
     y = x.to(compute_dtype) @ w.t()
     if bias is not None:
@@ -77,8 +94,21 @@ def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Ten
     return y.to(x.dtype if compute_dtype != torch.float64 else compute_dtype)
 
 
+def _check_nested(scale: Tensor, nested: list[Tensor], fmt: str, blocks) -> None:
+    torch._check(fmt in CODEBOOKS, lambda: f"a nested absmax is for the code books {tuple(CODEBOOKS)}, not {fmt}")
+    torch._check(len(nested) == 3, lambda: f"nested is (nested absmax, code, offset), got {len(nested)} tensors")
+    nest, code, offset = nested
+    torch._check(scale.dtype == torch.uint8, lambda: f"a double-quantized absmax is uint8, got {scale.dtype}")
+    torch._check(all(t.dtype == torch.float32 for t in nested), lambda: "nested absmax, code and offset must be fp32")
+    torch._check(nest.dim() == 1 and nest.shape[0] == (blocks + 255) // 256,
+                 lambda: f"nested absmax is {tuple(nest.shape)}, not one value per 256 of {blocks} blocks")
+    torch._check(code.numel() == 256, lambda: f"the absmax code has {code.numel()} entries, not 256")
+    torch._check(offset.numel() == 1, lambda: f"the absmax offset has {offset.numel()} values, not 1")
+
+
 def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
-           group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None) -> None:
+           group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None,
+           nested: list[Tensor] | None = None) -> None:
     torch._check(fmt in OP_FORMATS, lambda: f"fmt must be one of {OP_FORMATS}, got {fmt!r}")
     torch._check(weight.dtype == OP_WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {OP_WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
     torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
@@ -90,7 +120,10 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
         torch._check(group_size > 0 and K % group_size == 0, lambda: f"K = {K} is not a multiple of block {group_size}")
         torch._check(tuple(scale.shape) == (N, K // group_size),
                      lambda: f"absmax is {tuple(scale.shape)}, not {(N, K // group_size)}")
-        torch._check(scale.dtype == torch.float32, lambda: f"absmax must be fp32, got {scale.dtype}")
+        if nested is None:
+            torch._check(scale.dtype == torch.float32, lambda: f"absmax must be fp32, got {scale.dtype}")
+        else:
+            _check_nested(scale, nested, fmt, N * (K // group_size))
         torch._check(zero is None, lambda: f"{fmt} takes no zero point")
     elif fmt == "hqq4":
         torch._check(group_size == weight.shape[1], lambda: f"hqq4: the group is the packed rows' {weight.shape[1]}")
@@ -117,6 +150,8 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
     else:
         torch._check(tuple(scale.shape) == (N,), lambda: f"scale is {tuple(scale.shape)}, not ({N},)")
         torch._check(zero is None, lambda: f"{fmt} takes no zero point")
+    if nested is not None and fmt not in CODEBOOKS:
+        _check_nested(scale, nested, fmt, 0)
     if bias is not None:
         torch._check(tuple(bias.shape) == (N,), lambda: f"bias is {tuple(bias.shape)}, not ({N},)")
 
@@ -124,34 +159,51 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
 # ----------------------------------------------------------------------- op ----
 
 
-def _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None) -> Tensor:
-    return dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size, g_idx=g_idx,
-                                    shifts=shifts).contiguous()
+def _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None, nested=None) -> Tensor:
+    return dequant_matmul_reference(x, weight, scale, zero, bias, fmt, group_size, g_idx=g_idx, shifts=shifts,
+                                    nested=nested).contiguous()
+
+
+def _nested(nested_absmax: Tensor | None, absmax_code: Tensor | None, absmax_offset: Tensor | None):
+    """The op's three double-quantization tensors as one list, or None."""
+    given = [t is not None for t in (nested_absmax, absmax_code, absmax_offset)]
+    torch._check(len(set(given)) == 1, lambda: "nested_absmax, absmax_code and absmax_offset: all three or none")
+    return [nested_absmax, absmax_code, absmax_offset] if given[0] else None
 
 
 @torch.library.custom_op("fusepass::dequant_matmul", mutates_args=())
 def dequant_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, fmt: str,
-                   group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None) -> Tensor:
-    """x @ dequant(weight)^T + bias, [..., N] contiguous in x's dtype.  This body serves CPU and every non-CUDA device."""
-    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
-    return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
+                   group_size: int, g_idx: Tensor | None = None, shifts: Tensor | None = None,
+                   nested_absmax: Tensor | None = None, absmax_code: Tensor | None = None,
+                   absmax_offset: Tensor | None = None) -> Tensor:
+    """x @ dequant(weight)^T + bias, [..., N] contiguous in x's dtype.  A code
+    book's absmax as bitsandbytes' double quantization stores it: ``scale`` its
+    bytes, absmax = absmax_code[byte] * nested_absmax[block // 256] + absmax_offset.
+    This body serves CPU and every non-CUDA device."""
+    nested = _nested(nested_absmax, absmax_code, absmax_offset)
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts, nested)
+    return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts, nested)
 
 
 @dequant_matmul.register_fake
-def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
-    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
+def _dequant_matmul_fake(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None, nested_absmax=None,
+                         absmax_code=None, absmax_offset=None):
+    nested = _nested(nested_absmax, absmax_code, absmax_offset)
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts, nested)
     return x.new_empty((*x.shape[:-1], out_features(weight, fmt, scale)))
 
 
 @dequant_matmul.register_kernel("cuda")
-def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
-    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
+def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None, nested_absmax=None,
+                         absmax_code=None, absmax_offset=None):
+    nested = _nested(nested_absmax, absmax_code, absmax_offset)
+    _check(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts, nested)
     if x.dtype not in KERNEL_DTYPES:  # fp64: the reference
-        return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts)
+        return _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts, nested)
     return run_kernel(
         "dequant_matmul",
-        lambda: dequant_matmul_fwd(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts),
-        lambda: _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts),
+        lambda: dequant_matmul_fwd(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts, nested),
+        lambda: _reference_out(x, weight, scale, zero, bias, fmt, group_size, g_idx, shifts, nested),
     )
 
 
@@ -160,7 +212,8 @@ def _dequant_matmul_cuda(x, weight, scale, zero, bias, fmt, group_size, g_idx=No
 
 def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None,
                           fmt: str, group_size: int, g_idx: Tensor | None = None,
-                          shifts: Tensor | None = None) -> Tensor:
+                          shifts: Tensor | None = None, nested_absmax: Tensor | None = None,
+                          absmax_code: Tensor | None = None, absmax_offset: Tensor | None = None) -> Tensor:
     """The op's launches as nodes of the graph (:meth:`Launch.traced`), with the
     plan chosen now, for this M: the fused product, with a split K's slices and
     zeroed counters allocated in the graph (the tile's last program sums the
@@ -168,6 +221,8 @@ def dequant_matmul_traced(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor
     graph's own ``mm`` (Inductor's cuBLAS call)."""
     K = x.shape[-1]
     N = out_features(weight, fmt, scale)
+    if nested_absmax is not None:  # (not inlined: _inline_ok)
+        scale = expand_absmax(scale, [nested_absmax, absmax_code, absmax_offset])
     x2, weight, scale, zero, bias = _operands(x, weight, scale, zero, bias)
     M = x2.shape[0]
     G = group_size if fmt in ("int4", "nf4", "fp4", "hqq4") else 0
@@ -192,12 +247,13 @@ def _static(*sizes) -> bool:
     return all(isinstance(s, int) for s in sizes)
 
 
-def _inline_ok(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None) -> bool:
+def _inline_ok(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None, nested_absmax=None,
+               absmax_code=None, absmax_offset=None) -> bool:
     # The plan depends on M (the GEMV's row count is a constexpr): a symbolic
     # M goes through the op, which plans per call.  The code-book formats
     # read their table from a tensor the op makes (no graph holds one): called.
     return (inline_enabled(x) and x.dtype in KERNEL_DTYPES and fmt in OP_FORMATS and fmt not in CODEBOOKS
-            and (shifts is not None or not fmt.startswith("gptq4"))
+            and (shifts is not None or not fmt.startswith("gptq4")) and nested_absmax is None
             and weight.dim() == 2
             and _static(*x.shape, *x.stride(), *weight.shape, *weight.stride())
             and math.prod(x.shape[:-1]) > 0 and weight.shape[0] > 0 and x.shape[-1] > 0)
@@ -206,9 +262,12 @@ def _inline_ok(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts
 register_inline(torch.ops.fusepass.dequant_matmul.default, _inline_ok, dequant_matmul_traced)
 
 
-def dequant_matmul_call(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None):
+def dequant_matmul_call(x, weight, scale, zero, bias, fmt, group_size, g_idx=None, shifts=None, nested=None):
     """What the rules put in a graph: the launches themselves when the engine
     inlines kernels for a CUDA graph, else the ``fusepass::dequant_matmul`` op."""
+    if nested is not None:
+        return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size, None,
+                    None, *nested)
     if g_idx is None:
         return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size)
     return call(torch.ops.fusepass.dequant_matmul.default, x, weight, scale, zero, bias, fmt, group_size, g_idx,
