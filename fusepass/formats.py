@@ -28,6 +28,10 @@ op takes them, ``fusepass.quantize`` does not make them):
                (row r = n K / G + k // G): rows r < R / 2
                in the high nibbles, the rest in the low (HQQ)
 
+bitsandbytes' double quantization (nf4 / fp4): the scale is uint8 [N, K // G],
+one code a block, and absmax = code[byte] * nested[block // 256] + offset
+(``bnb_absmax``; the op's nested_absmax, absmax_code and absmax_offset).
+
     W[n, k] = CODE[q[n, k]] * scale[n, k // G]                               nf4, fp4
     W[n, k] = (q[k, n] - z[g_idx[k], n]) * scale[g_idx[k], n]                gptq4 (z + 1 for gptq4_v1)
     W[n, k] = (q[n K / G + k // G, k % G] - zero[n, k // G]) * scale[n, k // G]      hqq4

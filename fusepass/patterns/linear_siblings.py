@@ -94,6 +94,19 @@ def replace_nf4_two(xb, q0, a0, q1, a1):
                                               [None, None], "nf4", 64))
 
 
+def search_nf4_nested_two(xb, q0, n0, d0, c0, o0, q1, n1, d1, c1, o1):
+    # the same with double quantization (n: nested absmax, d: the absmax's bytes, c: their code, o: offset)
+    return bnb.search_nested(xb, q0, n0, d0, c0, o0), bnb.search_nested(xb, q1, n1, d1, c1, o1)
+
+
+def replace_nf4_nested_two(xb, q0, n0, d0, c0, o0, q1, n1, d1, c1, o1):
+    n, k = bnb.N_EX, bnb.K_EX
+    ws = [q.view(torch.uint8).reshape(n, k // 2) for q in (q0, q1)]
+    nested = [t for m, c, o in ((n0, c0, o0), (n1, c1, o1)) for t in (m.float(), c.float(), o.float().reshape(1))]
+    return tuple(dequant_matmul_siblings_call(xb, ws, [d.reshape(n, k // 64) for d in (d0, d1)], [None, None],
+                                              [None, None], "nf4", 64, nested))
+
+
 def replace_two(x, w0, w1):
     return tuple(linear_siblings_call(x, [w0, w1], [None, None]))
 
@@ -122,6 +135,11 @@ def nf4_inputs(dtype):
     return [torch.randn(1, bnb.K_EX, dtype=dtype), q0, a0, q1, a1]
 
 
+def nf4_nested_inputs(dtype):
+    (q0, s0), (q1, s1) = bnb._quantized(dtype, nested=True), bnb._quantized(dtype, nested=True)
+    return [torch.randn(1, bnb.K_EX, dtype=dtype), q0, *s0, q1, *s1]
+
+
 def gathered_inputs(dtype):
     x, w0, w1 = example_inputs(dtype)[:3]
     return [x, torch.randperm(x.shape[-1]), w0, w1]
@@ -141,8 +159,10 @@ def sized_inputs(dtype, shape):
     kq, group = whole_groups(K)
     p0, s0, z0 = int4_weights(dtype, 24, kq, group)
     p1, s1, z1 = int4_weights(dtype, 8, kq, group)
-    _, q0, a0, q1, a1 = nf4_inputs(dtype)  # (the bitsandbytes form's shapes are fixed: K_EX features)
-    return dict(xb=torch.randn(*lead, bnb.K_EX, dtype=dtype), q0=q0, a0=a0, q1=q1, a1=a1,
+    _, q0, a0, q1, a1 = nf4_inputs(dtype)  # (the bitsandbytes forms' shapes are fixed: K_EX features)
+    _, _, n0, d0, c0, o0, _, n1, d1, c1, o1 = nf4_nested_inputs(dtype)
+    return dict(xb=torch.randn(*lead, bnb.K_EX, dtype=dtype), q0=q0, a0=a0, q1=q1, a1=a1, n0=n0, d0=d0, c0=c0,
+                o0=o0, n1=n1, d1=d1, c1=c1, o1=o1,
                 x=torch.randn(*lead, K, dtype=dtype), w0=torch.randn(w0.shape[0], K, dtype=dtype),
                 w1=torch.randn(w1.shape[0], K, dtype=dtype), w2=torch.randn(w2.shape[0], K, dtype=dtype),
                 b0=b0, b1=b1, b2=b2, perm=torch.randperm(K), xq=torch.randn(*lead, kq, dtype=dtype),
@@ -164,8 +184,8 @@ def _joinable(members, node_of, operands_of, pos, products):
     """The members none of whose weights and biases is computed from a member's
     product, or any product a group may take (``products``): joining one would
     make a cycle.  One computed after the group's
-    first product from what came before (a bitsandbytes absmax with double
-    quantization, computed next to its own call) joins: the engine's
+    first product from what came before (an operand a rule computes next to
+    its own call, such as a scale's conversion) joins: the engine's
     topological sort after the rewrites moves it up to the one call."""
     first = pos[node_of(members[0])]
     calls = {node_of(m) for m in members} | products
@@ -299,7 +319,8 @@ def _find_quantized(gm: torch.fx.GraphModule, products: set):
             if nested:
                 args += [a for m in group for a in m.args[9:]]
                 names += [f"{a}{i}" for i in range(len(group)) for a in ("nested", "code", "offset")]
-            yield Region(f"{fmt} {_FORMS[len(group)]}", group[0], list(group), list(group), args,
+            form = f"{fmt} {'nested ' if nested else ''}{_FORMS[len(group)]}"
+            yield Region(form, group[0], list(group), list(group), args,
                          _quantized_replacement(len(group), fmt, gs), names=names, arguments_checked=True)
 
 
@@ -345,12 +366,14 @@ RULE = Rule(
     forms=[Form("two", search_two, replace_two), Form("three", search_three, replace_three),
            Form("gathered", search_gathered, replace_gathered, example_inputs=gathered_inputs),
            Form("int4 two", search_int4_two, replace_int4_two, example_inputs=int4_inputs),
-           Form("nf4 two", search_nf4_two, replace_nf4_two, example_inputs=nf4_inputs)],
+           Form("nf4 two", search_nf4_two, replace_nf4_two, example_inputs=nf4_inputs),
+           Form("nf4 nested two", search_nf4_nested_two, replace_nf4_nested_two,
+                example_inputs=nf4_nested_inputs)],
     example_inputs=example_inputs,
     find=find,
     priority=-10,  # last: every rule that fuses a matmul (dequantising linears, routers) takes it first
     sized_inputs=sized_inputs,
-    packed_args=("p0", "p1", "a0", "a1"),
+    packed_args=("p0", "p1", "a0", "a1", "n0", "n1", "d0", "d1", "c0", "c1", "o0", "o1"),
     builds_on=("dequant_matmul_int4", "dequant_matmul_bnb"),  # (the int4 and nf4 forms: the calls it groups)
     near_misses=[
         NearMiss("rows of a prefill", _prefill_rows, _pair_inputs, ""),

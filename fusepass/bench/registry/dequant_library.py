@@ -5,8 +5,8 @@ against the libraries' own kernels: Llama-3-8B's projection shapes (N x K =
     format     weight (quantized by)                               fusepass is handed
     nf4, fp4   bitsandbytes quantize_4bit, blocksize 64, fp32      the codes and absmax as stored
                absmax (compress_statistics=False)
-    nf4-dq     the same with double quantization (uint8 absmax     absmax expanded each call by the rule's
-               codes, fp32 nested absmax per 256 blocks, offset)   own code (dequant_matmul_bnb._replace)
+    nf4-dq     the same with double quantization (uint8 absmax     the absmax's bytes, nested absmax, code
+               codes, fp32 nested absmax per 256 blocks, offset)   and offset (dequant_matmul_bnb._replace)
     hqq4       HQQ Quantizer, 4 bits, group 64, axis=1 (its        W_q, scale and zero as HQQLinear keeps
                plain-PyTorch backend), scale/zero bf16             them (the rule's reshape to [N, K / G])
     gptq4      round-to-nearest, group 128, symmetric (zero 8),   qweight, qzeros, scales, g_idx, wf
@@ -73,7 +73,6 @@ CPU_SHAPES = [(128, 256)]
 CPU_MS = [1, 16]
 # Inductor compiles take 5-15 s each on the H100: --gpu-run compiles at these (N, K, M) only (--inductor all: every)
 GPU_INDUCTOR_AT = {(4096, 4096, 1)}
-UNCHECKED = ("absmax-expand",)  # a part of a provider's time, not a product
 
 
 def _bnb_available() -> bool:
@@ -113,8 +112,6 @@ def _bnb_weight(fmt: str, w: torch.Tensor, device: str) -> Weight:
         absmax = state.absmax
     ref = dequantize(packed.view(N, K // 2), absmax.view(N, K // BLOCK), None, quant_type, BLOCK)
     providers = {"fusepass": (rule, ops)}
-    if nested:  # the expansion alone (timed, not checked): part of fusepass's time above
-        providers["absmax-expand"] = (lambda x, nested, a8, code, off: bnb_absmax(nested, a8, code, off), ops[1:])
     if device == "cuda" or _bnb_cpu_matmul():
         providers["bnb"] = (lambda x, p, st: bnb.matmul_4bit(x, p.t(), st), (packed, state))
     return Weight(fmt, N, K, ref, nbytes(*ops), providers)
@@ -262,7 +259,7 @@ def _case(wt: Weight, M: int, device: str) -> Case:
     def reference(x):
         return x.float() @ wt.ref.t()
 
-    providers = {name: _bound(fn, ops) for name, (fn, ops) in wt.providers.items() if name not in UNCHECKED + ("inductor",)}
+    providers = {name: _bound(fn, ops) for name, (fn, ops) in wt.providers.items() if name != "inductor"}
     return Case(op="dequant_library", shape=f"{wt.fmt}-M{M}-N{wt.N}-K{wt.K}", dtype=torch.bfloat16,
                 make_inputs=make_inputs, reference=reference, providers=providers, bytes_moved=wt.nbytes,
                 notes={"fmt": wt.fmt, "M": str(M), "N": str(wt.N), "K": str(wt.K)})
@@ -354,11 +351,10 @@ def run(device: str, shapes, ms, formats, inductor: str, rep_ms: float, deadline
                     try:
                         out = fn(x, *ops)
                         sync()
-                        if name not in UNCHECKED:
-                            err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-                            row["rel_err"] = err
-                            if not err <= 1e-2:  # bf16 output against fp32: a few bf16 ulps in norm
-                                row["error"] = f"wrong result: rel err {err:.1e}; not timed"
+                        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+                        row["rel_err"] = err
+                        if not err <= 1e-2:  # bf16 output against fp32: a few bf16 ulps in norm
+                            row["error"] = f"wrong result: rel err {err:.1e}; not timed"
                         del out
                         if "error" not in row:
                             row["us"], row["copies"] = time_us(fn, ops, x, device, rep_ms)
@@ -399,13 +395,13 @@ def table(rows: list[dict], bw: float) -> str:
     for (fmt, N, K, M), v in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2], order[kv[0][0]], kv[0][3])):
         floor = v["bytes"] / bw / 1e3
         fp, bnb = v.get("fusepass"), v.get("bnb")
-        other = v.get("hqq-torch", v.get("absmax-expand"))
+        other = v.get("hqq-torch")
         lines.append([fmt, f"{N}x{K}", M, f"{floor:.1f}", f1(fp),
                       f"{100 * floor / fp:.0f}%" if isinstance(fp, float) else "-", f1(bnb),
                       f"{bnb / fp:.2f}x" if isinstance(fp, float) and isinstance(bnb, float) else "-",
                       f1(bf16.get((N, K, M))), f1(v.get("inductor")), f1(other)])
     head = ["format", "NxK", "M", "floor µs", "fusepass µs", "% of floor", "bnb µs", "fp/bnb speed-up",
-            "cuBLAS bf16 µs", "inductor µs", "hqq-torch / dq-expand µs"]
+            "cuBLAS bf16 µs", "inductor µs", "hqq-torch µs"]
     text = tabulate(lines, headers=head)
     # HQQ's and GPTQ's layouts against fusepass's own int4 (group 64; GPTQ's is 128, fewer
     # scale bytes) of the same weight: the op's time on each

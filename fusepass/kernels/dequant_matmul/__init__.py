@@ -15,7 +15,8 @@
 
 Other libraries' layouts, read where they lie (``fusepass.formats``,
 ``LIBRARY_FORMATS``): bitsandbytes' NF4 / FP4 ("nf4", "fp4": a 16-entry code
-book times a per-block absmax), GPTQ's words packed along K on a [K, N]
+book times a per-block absmax, fp32 or double quantization's byte, which the
+GEMV grids expand as they read and the other plans expand first), GPTQ's words packed along K on a [K, N]
 weight with ``g_idx`` and the layer's shift table (``g_idx``, ``shifts``:
 "gptq4", "gptq4_v1"), HQQ's halves packed along dim 0 ("hqq4").  At up to
 eight rows HQQ's (even N), GPTQ's and the code books' layouts have GEMV
