@@ -15,6 +15,7 @@ import triton.language as tl
 
 from fusepass.kernels._common import pdl_begin, round_to
 from fusepass.kernels.dequant_matmul.tiles import (
+    _block_scales,
     _chunk_sums,
     _codebook_pair,
     _finish,
@@ -347,21 +348,6 @@ def _pick_row(w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, i_n, r: tl.const
             return w_b, scale_b, zero_b, nst_b, n
     else:
         return w, scale, zero, nst, tl.minimum(i_n * BN + r, N - 1)
-
-
-@triton.jit
-def _block_scales(scale, nst, o_s, m_c, NESTED: tl.constexpr):
-    """The scales [NCH] at flat indices ``o_s`` as fp32.  NESTED (bitsandbytes'
-    double quantization, ``nst`` = (nested absmax, absmax code, offset)): scale
-    holds one byte a block, its absmax code[byte] * nested[block // 256] +
-    offset, as bitsandbytes expands it; a byte and an L1-resident lookup a
-    block of codes instead of the fp32 absmax written and read back each step."""
-    if NESTED:
-        b_a = tl.load(scale + o_s, mask=m_c, other=0).to(tl.int32)
-        b_n = tl.load(nst[0] + o_s // 256, mask=m_c, other=0)
-        return tl.load(nst[1] + b_a) * b_n + tl.load(nst[2])
-    else:
-        return tl.load(scale + o_s, mask=m_c, other=0).to(tl.float32)
 
 
 @triton.jit

@@ -20,7 +20,7 @@ from fusepass.formats import CODEBOOKS, LIBRARY_FORMATS, codebook, out_features
 from fusepass.kernels._common import Launch, cdiv, emulate_rounding, interpreting, pdl_on
 from fusepass.kernels.dequant_matmul.config import _GROUP_M, Config, _k_split, _pow2, codebook_chunk
 from fusepass.kernels.dequant_matmul.counters import _split_counters
-from fusepass.kernels.dequant_matmul.dequant import _dequant_kernel
+from fusepass.kernels.dequant_matmul.dequant import _dequant_kernel, _nested_absmax_kernel
 from fusepass.kernels.dequant_matmul.gemv import (
     _dequant_gemv_gated_kernel,
     _dequant_gemv_kernel,
@@ -168,7 +168,7 @@ def tiles(cfg: Config, M: int, N: int) -> int:
 def nested_fits(cfg: Config, fmt: str, N: int, G: int) -> bool:
     """Whether ``cfg`` reads a code book's double-quantized absmax as stored (its
     byte, nested absmax, code and offset): the GEMV's int4 loop does
-    (gemv._block_scales); other plans take the fp32 absmax, expanded first."""
+    (tiles._block_scales); other plans take the fp32 absmax, expanded first."""
     return fmt in CODEBOOKS and cfg.kind == "gemv" and own_loop(fmt, N, G, cfg)
 
 
@@ -337,6 +337,14 @@ def gated_launch(x: Tensor, ws: list[Tensor], scales: list[Tensor], zeros: list[
     for i in range(2):
         args.update(_nested_args(nested[i] if nested is not None else None, (f"q{i}", f"c{i}", f"f{i}"), scales[0]))
     return Launch(_dequant_gemv_gated_kernel, (cdiv(N, cfg.BN // 2),), args, ("out",), cfg.warps, cfg.stages)
+
+
+def nested_absmax_launch(a8: Tensor, nested: list[Tensor], out: Tensor) -> Launch:
+    """out (fp32, a8's shape) = a code book's absmax from double quantization's
+    bytes ``a8`` and (nested absmax, code, offset), all contiguous."""
+    n = a8.numel()
+    args = dict(a8=a8, nest=nested[0], code=nested[1], offset=nested[2], out=out, n=n, BLOCK=1024)
+    return Launch(_nested_absmax_kernel, (cdiv(n, 1024),), args, ("out",), 4)
 
 
 def reduce_launch(part: Tensor, bias: Tensor | None, out: Tensor) -> Launch:

@@ -21,7 +21,15 @@ from fusepass.formats import (
 )
 from fusepass.kernels._common import call, inline_enabled, on_device, register_inline, rows, run_kernel
 from fusepass.kernels.dequant_matmul.config import Config, Problem, valid
-from fusepass.kernels.dequant_matmul.launch import _launch, dequant_launch, nested_fits, product_launch, splits, tiles
+from fusepass.kernels.dequant_matmul.launch import (
+    _launch,
+    dequant_launch,
+    nested_absmax_launch,
+    nested_fits,
+    product_launch,
+    splits,
+    tiles,
+)
 from fusepass.kernels.dequant_matmul.plans import lookup
 
 
@@ -71,8 +79,11 @@ def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | 
     if nested is not None:
         if nested_fits(cfg, fmt, N, G):
             nested = [t.contiguous() for t in nested]
-        else:  # (the tensor-core and cuBLAS paths read an fp32 absmax)
-            scale, nested = expand_absmax(scale, nested), None
+        else:  # (the tensor-core and cuBLAS paths read an fp32 absmax: expanded in one launch)
+            absmax = torch.empty(scale.shape, dtype=torch.float32, device=scale.device)
+            with on_device(x):
+                nested_absmax_launch(scale, [t.contiguous() for t in nested], absmax).run()
+            scale, nested = absmax, None
     with on_device(x):
         _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg, g_idx=g_idx, shifts=shifts,
                 nested=nested)

@@ -475,6 +475,21 @@ def _library_tile(w, scale, zero, g_idx, shifts, o_n, o_k, m, N, K, NG, stride_w
 
 
 @triton.jit
+def _block_scales(scale, nst, o_s, m_c, NESTED: tl.constexpr):
+    """The scales [NCH] at flat indices ``o_s`` as fp32.  NESTED (bitsandbytes'
+    double quantization, ``nst`` = (nested absmax, absmax code, offset)): scale
+    holds one byte a block, its absmax code[byte] * nested[block // 256] +
+    offset, as bitsandbytes expands it; a byte and an L1-resident lookup a
+    block of codes instead of the fp32 absmax written and read back each step."""
+    if NESTED:
+        b_a = tl.load(scale + o_s, mask=m_c, other=0).to(tl.int32)
+        b_n = tl.load(nst[0] + o_s // 256, mask=m_c, other=0)
+        return tl.load(nst[1] + b_a) * b_n + tl.load(nst[2])
+    else:
+        return tl.load(scale + o_s, mask=m_c, other=0).to(tl.float32)
+
+
+@triton.jit
 def _chunk_sums(b_e, b_o, b_s, b_xe, b_xo):
     """sum (e x_e + o x_o) of each chunk of values (e, o) [..., NCH, VB] against
     x's pairs (x_e, x_o), times the chunk's scale b_s [..., NCH].  Two sums of
