@@ -15,8 +15,7 @@ import triton.language as tl
 
 from fusepass.kernels._common import pdl_begin, round_to
 from fusepass.kernels.dequant_matmul.tiles import (
-    _block_absmax,
-    _block_loads,
+    _block_scales,
     _chunk_sums,
     _codebook_pair,
     _finish,
@@ -355,15 +354,13 @@ def _pick_row(w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, i_n, r: tl.const
 def _row_chunks(w, scale, nst, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K: tl.constexpr,
                 NESTED: tl.constexpr):
     """Row n's packed bytes of the tile ([NCH, VB], one vector load a chunk; its
-    K slice from byte kp0) and its chunks' scale loads [NCH] (``_block_loads``:
-    ``_block_absmax`` makes them the fp32 scales)."""
+    K slice from byte kp0) and its chunks' scales [NCH] as fp32 (``_block_scales``)."""
     p_wr = w + n.to(tl.int64) * stride_wn + kp0
     if EVEN_K:
         b_q = tl.load(p_wr + o_b)
     else:
         b_q = tl.load(p_wr + o_b, mask=m_c[:, None], other=0)
-    b_r, b_n = _block_loads(scale, nst, n * stride_sn + o_g, m_c, NESTED)
-    return b_q, b_r, b_n
+    return b_q, _block_scales(scale, nst, n * stride_sn + o_g, m_c, NESTED)
 
 
 @triton.jit
@@ -384,7 +381,7 @@ def _folded_loads(x2, w, scale, zero, w_b, scale_b, zero_b, N, k0, k_hi, i_n, st
     for r in tl.static_range(BN):
         w_r, s_r, z_r, q_r, n = _pick_row(w, scale, zero, (scale, scale, scale), w_b, scale_b, zero_b,
                                           (scale, scale, scale), i_n, r, N, BN, PAIRED)
-        b_q, b_s, _ = _row_chunks(w_r, s_r, q_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K, False)
+        b_q, b_s = _row_chunks(w_r, s_r, q_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K, False)
         if HAS_ZERO:
             b_z = tl.load(z_r + n * stride_sn + o_g, mask=m_c, other=0).to(tl.float32)
         else:
@@ -491,13 +488,11 @@ def _nibble_gemv(x, x2, w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, M, N, 
             # (rows past N read row N - 1, never stored: no row mask)
             w_r, s_r, z_r, q_r, n = _pick_row(w, scale, zero, nst, w_b, scale_b, zero_b, nst_b, i_n, r, N, BN,
                                               PAIRED)
-            b_q, b_r, b_n = _row_chunks(w_r, s_r, q_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K, NESTED)
+            b_q, b_s = _row_chunks(w_r, s_r, q_r, n, kp0, o_b, o_g, m_c, stride_wn, stride_sn, EVEN_K, NESTED)
             if FMT != "int4":
                 b_e, b_o = _codebook_pair(b_q, tab, zero, ASM)  # (zero: the code book)
             else:  # (the low nibble the even k)
                 b_e, b_o = _int4_minus_zero(b_q, z_r + n * stride_sn + o_g, m_c, HAS_ZERO, ZERO_F32, ASM)
-            # (a double-quantized absmax looked up after the codes: the lookup waits on its byte)
-            b_s = _block_absmax(b_r, b_n, q_r, NESTED)
             for m in tl.static_range(BM):
                 if BM > 1:
                     # Rows past M read row M - 1 (their sums are never stored): no row mask.

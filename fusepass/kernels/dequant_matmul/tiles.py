@@ -481,27 +481,12 @@ def _block_scales(scale, nst, o_s, m_c, NESTED: tl.constexpr):
     holds one byte a block, its absmax code[byte] * nested[block // 256] +
     offset, as bitsandbytes expands it; a byte and an L1-resident lookup a
     block of codes instead of the fp32 absmax written and read back each step."""
-    b_r, b_n = _block_loads(scale, nst, o_s, m_c, NESTED)
-    return _block_absmax(b_r, b_n, nst, NESTED)
-
-
-@triton.jit
-def _block_loads(scale, nst, o_s, m_c, NESTED: tl.constexpr):
-    """_block_scales' loads: (the fp32 scales, or NESTED the bytes and their nested absmax)."""
     if NESTED:
-        return tl.load(scale + o_s, mask=m_c, other=0).to(tl.int32), tl.load(nst[0] + o_s // 256, mask=m_c, other=0)
+        b_a = tl.load(scale + o_s, mask=m_c, other=0).to(tl.int32)
+        b_n = tl.load(nst[0] + o_s // 256, mask=m_c, other=0)
+        return tl.load(nst[1] + b_a) * b_n + tl.load(nst[2])
     else:
-        b_s = tl.load(scale + o_s, mask=m_c, other=0).to(tl.float32)
-        return b_s, b_s
-
-
-@triton.jit
-def _block_absmax(b_r, b_n, nst, NESTED: tl.constexpr):
-    """_block_scales from its loads: NESTED, the lookup of each byte (a load that waits on it)."""
-    if NESTED:
-        return tl.load(nst[1] + b_r) * b_n + tl.load(nst[2])
-    else:
-        return b_r
+        return tl.load(scale + o_s, mask=m_c, other=0).to(tl.float32)
 
 
 @triton.jit
