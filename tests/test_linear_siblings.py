@@ -369,17 +369,18 @@ def _double_quantized(n, k, seed):
 def test_double_quantized_absmax_read_in_the_gemv_grids():
     """A code book's absmax as double quantization stores it (a byte a block,
     nested absmax per 256 blocks, code, offset), read by the one-weight,
-    siblings and gated GEMV grids as they go (the blocks of 100 rows of three
-    cross a nested block inside a row), and expanded in the op where the plan
-    is the tensor-core kernel (five rows): every output as the op (or, at
-    five rows, the same kernel) on the expanded fp32 absmax (outputs NaN first)."""
+    siblings and gated GEMV grids as they go (12 blocks a row: block 256 lies
+    inside row 21; one row with whole K tiles, two with a masked last one),
+    and expanded in the op where the plan is the tensor-core kernel (five
+    rows): every output as the op (or, at five rows, the same kernel) on the
+    expanded fp32 absmax (outputs NaN first)."""
     from fusepass.kernels.dequant_matmul import Config, dequant_matmul_fwd
     from fusepass.kernels.dequant_matmul import gated as gm
     from fusepass.kernels.dequant_matmul.launch import gated_launch, product_launch, siblings_launch
     from fusepass.kernels.dequant_matmul.op import expand_absmax
 
-    dtype, K, N = torch.bfloat16, 192, 100
-    for M, cfg in ((1, Config("gemv", BN=4, BK=64)), (2, Config("gemv", BN=2, BK=128, warps=2))):
+    dtype, K, N = torch.bfloat16, 768, 24
+    for M, cfg in ((1, Config("gemv", BN=4, BK=256)), (2, Config("gemv", BN=2, BK=512, warps=2))):
         g = torch.Generator().manual_seed(M)
         x = torch.randn(M, K, dtype=dtype, generator=g)
         ws = [torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g) for _ in range(2)]

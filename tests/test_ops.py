@@ -205,7 +205,7 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("hqq4-g32-M3-N8-K64-fp32", lambda: (_t(3, 64), torch.randint(0, 256, (8, 32), dtype=torch.uint8),
                                              torch.rand(8, 2), torch.rand(8, 2) * 15, None, "hqq4", 32)),
         # bitsandbytes' double quantization: the absmax's bytes, nested absmax, code and offset
-        ("nf4-double-quantized-M1-N300-K128-bf16", lambda: _nested_nf4_one((1,), 300, torch.bfloat16)),
+        ("nf4-double-quantized-M1-N40-K128-bf16", lambda: _nested_nf4_one((1,), 40, torch.bfloat16)),
     ],
     "dequant_matmul_siblings": [
         ("int4-g32-M1-three-zero-bias-bf16", lambda: (*_siblings_inputs("int4", 32, (1,), (40, 8, 8), torch.bfloat16,
@@ -1002,6 +1002,7 @@ OP_ONLY_KERNELS = {
     "_one_shot_kernel",  # all_reduce_rms_norm's one-shot path (the op picks it when it runs)
     "_rms_norm_fwd_looped_kernel",  # rows too long for the one-pass kernels (rms_norm._inline_ok)
     "_splitk_reduce_kernel",  # a split K without counters: inlined, the tile's last program sums the slices
+    "_nested_absmax_kernel",  # double quantization expanded for the tensor-core plans: code books stay op calls
 }
 
 
