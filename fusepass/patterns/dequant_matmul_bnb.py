@@ -175,6 +175,11 @@ def _refusal(a: dict, node: torch.fx.Node) -> str | None:
     return None
 
 
+def stored_absmax(nested_absmax, code, offset) -> list:
+    """Double quantization's tensors as the ops take them (``nested``): fp32, the offset one value."""
+    return [nested_absmax.float(), code.float(), offset.float().reshape(1)]
+
+
 def _replace(n, k, blocksize, fmt, has_bias, nested):
     def call(x, packed, absmax, *rest):
         rest = list(rest)
@@ -186,7 +191,7 @@ def _replace(n, k, blocksize, fmt, has_bias, nested):
         # The absmax as stored (a byte a block, the nested absmax, code and offset):
         # the GEMV expands it as it reads; other plans expand it in the op.
         return dm._op()(x, w, a8.reshape(n, k // blocksize), None, bias, fmt, blocksize,
-                        nested=[absmax.float(), code.float(), offset.float().reshape(1)])
+                        nested=stored_absmax(absmax, code, offset))
 
     return call
 

@@ -102,7 +102,7 @@ def search_nf4_nested_two(xb, q0, n0, d0, c0, o0, q1, n1, d1, c1, o1):
 def replace_nf4_nested_two(xb, q0, n0, d0, c0, o0, q1, n1, d1, c1, o1):
     n, k = bnb.N_EX, bnb.K_EX
     ws = [q.view(torch.uint8).reshape(n, k // 2) for q in (q0, q1)]
-    nested = [t for m, c, o in ((n0, c0, o0), (n1, c1, o1)) for t in (m.float(), c.float(), o.float().reshape(1))]
+    nested = bnb.stored_absmax(n0, c0, o0) + bnb.stored_absmax(n1, c1, o1)
     return tuple(dequant_matmul_siblings_call(xb, ws, [d.reshape(n, k // 64) for d in (d0, d1)], [None, None],
                                               [None, None], "nf4", 64, nested))
 

@@ -11,10 +11,10 @@ from torch import Tensor
 
 from fusepass.formats import (
     CODEBOOKS,
-    bnb_absmax,
     KERNEL_DTYPES,
     OP_FORMATS,
     OP_WEIGHT_DTYPES,
+    bnb_absmax,
     dequantize,
     in_features,
     out_features,
@@ -77,12 +77,11 @@ def dequant_matmul_fwd(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | 
     if not valid(cfg, Problem(M, N, K, fmt, G, x.dtype, "")):
         raise ValueError(f"config {cfg.label()} cannot run M{M} K{K} {fmt} g{G} {x.dtype}")
     if nested is not None:
-        if nested_fits(cfg, fmt, N, G):
-            nested = [t.contiguous() for t in nested]
-        else:  # (the tensor-core and cuBLAS paths read an fp32 absmax: expanded in one launch)
+        nested = [t.contiguous() for t in nested]
+        if not nested_fits(cfg, fmt, N, G):  # (the tensor-core and cuBLAS paths read an fp32 absmax)
             absmax = torch.empty(scale.shape, dtype=torch.float32, device=scale.device)
             with on_device(x):
-                nested_absmax_launch(scale, [t.contiguous() for t in nested], absmax).run()
+                nested_absmax_launch(scale, nested, absmax).run()
             scale, nested = absmax, None
     with on_device(x):
         _launch(x2, weight, scale, zero, bias, out.view(M, N), fmt, G, cfg, g_idx=g_idx, shifts=shifts,
@@ -105,8 +104,7 @@ def dequant_matmul_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Ten
     return y.to(x.dtype if compute_dtype != torch.float64 else compute_dtype)
 
 
-def _check_nested(scale: Tensor, nested: list[Tensor], fmt: str, blocks) -> None:
-    torch._check(fmt in CODEBOOKS, lambda: f"a nested absmax is for the code books {tuple(CODEBOOKS)}, not {fmt}")
+def _check_nested(scale: Tensor, nested: list[Tensor], blocks) -> None:
     torch._check(len(nested) == 3, lambda: f"nested is (nested absmax, code, offset), got {len(nested)} tensors")
     nest, code, offset = nested
     torch._check(scale.dtype == torch.uint8, lambda: f"a double-quantized absmax is uint8, got {scale.dtype}")
@@ -123,6 +121,8 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
     torch._check(fmt in OP_FORMATS, lambda: f"fmt must be one of {OP_FORMATS}, got {fmt!r}")
     torch._check(weight.dtype == OP_WEIGHT_DTYPES[fmt], lambda: f"{fmt} weight must be {OP_WEIGHT_DTYPES[fmt]}, got {weight.dtype}")
     torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
+    torch._check(nested is None or fmt in CODEBOOKS,
+                 lambda: f"a nested absmax is for the code books {tuple(CODEBOOKS)}, not {fmt}")
     N = out_features(weight, fmt, scale)
     K = in_features(weight, fmt, scale)
     torch._check(x.shape[-1] == K, lambda: f"x has {x.shape[-1]} features, the weight {K}")
@@ -134,7 +134,7 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
         if nested is None:
             torch._check(scale.dtype == torch.float32, lambda: f"absmax must be fp32, got {scale.dtype}")
         else:
-            _check_nested(scale, nested, fmt, N * (K // group_size))
+            _check_nested(scale, nested, N * (K // group_size))
         torch._check(zero is None, lambda: f"{fmt} takes no zero point")
     elif fmt == "hqq4":
         torch._check(group_size == weight.shape[1], lambda: f"hqq4: the group is the packed rows' {weight.shape[1]}")
@@ -161,8 +161,6 @@ def _check(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None, bias: 
     else:
         torch._check(tuple(scale.shape) == (N,), lambda: f"scale is {tuple(scale.shape)}, not ({N},)")
         torch._check(zero is None, lambda: f"{fmt} takes no zero point")
-    if nested is not None and fmt not in CODEBOOKS:
-        _check_nested(scale, nested, fmt, 0)
     if bias is not None:
         torch._check(tuple(bias.shape) == (N,), lambda: f"bias is {tuple(bias.shape)}, not ({N},)")
 
