@@ -485,6 +485,7 @@ def test_bench_e2e_rule_variant(tmp_path, capsys, monkeypatch):
     refused before anything runs."""
     pytest.importorskip("transformers")
     from fusepass.bench.e2e.run import compile_args
+    from fusepass.bench.e2e.run import graphs_compile_args as graphs_compile_args_of
 
     assert compile_args("fusepass") == {"backend": "fusepass"}
     assert compile_args("inductor") == {"backend": "inductor"}
@@ -499,7 +500,18 @@ def test_bench_e2e_rule_variant(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FUSEPASS_INLINE_KERNELS", "1")
     assert compile_args("fusepass", captured=True) == {"backend": "fusepass"}
     monkeypatch.delenv("FUSEPASS_INLINE_KERNELS")
+    # "@KEY=VALUE": Inductor config patches on any compiled backend, values parsed
+    assert compile_args("inductor@combo_kernels=1@combo_kernel_max_num_nodes=4") == {
+        "backend": "inductor", "options": {"combo_kernels": True, "combo_kernel_max_num_nodes": 4}}
+    assert compile_args("fusepass-no:swiglu@combo_kernels=false", captured=True) == {
+        "backend": "fusepass", "options": {"disable_rules": ["swiglu"], "combo_kernels": False,
+                                           "inline_kernels": False}}
+    assert graphs_compile_args_of("inductor@combo_kernels=1") == {
+        "backend": "inductor", "mode": None, "options": {"triton.cudagraphs": True, "combo_kernels": True}}
     for backends, phases, message in (("fusepass-no:nope", "replay", "name the rules"),
+                                      ("fusepass@combo_kernels", "replay", "not KEY=VALUE"),
+                                      ("eager@combo_kernels=1", "replay", "unknown"),
+                                      ("fusepass@combo_kernels=1", "startup", "plain backends only"),
                                       ("fusepass-no:", "replay", "name the rules"),
                                       ("fusepass-no:swiglu", "startup", "plain backends only")):
         with pytest.raises(SystemExit, match=message):

@@ -52,7 +52,7 @@ from ...formats import GROUP_SIZES
 from .. import output
 from .models import MODELS, QUANTIZE
 from .phases import phase_decode, phase_prefill, phase_replay
-from .run import DTYPES, VARIANT, Run, fusepass_options
+from .run import DTYPES, PATCH, VARIANT, Run, fusepass_options, split_patches
 from .startup import phase_startup
 from .summary import finish
 
@@ -77,12 +77,19 @@ def main(args: argparse.Namespace) -> int:
     args.repeat = args.repeat or 3
     phases = [p.strip() for p in args.phases.split(",")]
     backends = [b.strip() for b in args.backends.split(",")]
-    unknown = [p for p in phases if p not in PHASES] + [b for b in backends if b not in BACKENDS
-                                                          and not b.startswith(VARIANT)]
+    try:
+        bases = [split_patches(b)[0] for b in backends]
+    except ValueError as exc:
+        raise SystemExit(f"fusepass bench e2e: {exc}") from None
+    unknown = [p for p in phases if p not in PHASES] + [b for b, base in zip(backends, bases)
+                                                          if base not in BACKENDS and not base.startswith(VARIANT)
+                                                          or base == "eager" and b != base]
     if unknown:
         raise SystemExit(f"fusepass bench e2e: unknown phase(s)/backend(s) {unknown}; phases {PHASES}, "
                          f"backends {BACKENDS} or {VARIANT}RULE[+RULE...]")
     variants = [b for b in backends if b.startswith(VARIANT)]
+    if "startup" in phases and any(PATCH in b for b in backends):
+        raise SystemExit("fusepass bench e2e: the startup phase times plain backends only, without @KEY=VALUE")
     if variants:
         from fusepass.rule import rules
 
@@ -123,7 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help="comma list (default: eager,inductor,fusepass); fusepass-no:RULE[+RULE...]: "
                         "fusepass without those rules ('inline': the ops called through the dispatcher, "
-                        "not launched from Inductor's code)")
+                        "not launched from Inductor's code); NAME@KEY=VALUE[@KEY=VALUE]: that backend with "
+                        "Inductor config patches (fusepass@combo_kernels=1)")
     p.add_argument("--quick", action="store_true", help="the tiny model on the CPU, a few shapes (CI)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16 on CUDA, float32 on CPU")

@@ -132,19 +132,48 @@ class Run:
 # A backend "fusepass-no:RULE+RULE" is fusepass without those rules: an A/B of
 # rules in one process, against the same Inductor row.  The name "inline"
 # among them keeps the ops' launches out of Inductor's code (each op called
-# through the dispatcher: ``inline_kernels=False``).
+# through the dispatcher: ``inline_kernels=False``).  Any backend name but
+# eager may end in "@KEY=VALUE[@KEY=VALUE...]": Inductor config patches for
+# that row (an A/B of Inductor's options: "fusepass@combo_kernels=1").
 VARIANT = "fusepass-no:"
 NO_INLINE = "inline"
+PATCH = "@"
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("1", "true", "0", "false"):
+        return low in ("1", "true")
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def split_patches(backend: str) -> tuple[str, dict[str, Any]]:
+    """(the backend name without its "@KEY=VALUE" suffixes, the Inductor patches they ask for)."""
+    base, *items = backend.split(PATCH)
+    patches = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not key or not eq:
+            raise ValueError(f"backend {backend!r}: {item!r} is not KEY=VALUE")
+        patches[key] = _value(value)
+    return base, patches
 
 
 def fusepass_options(backend: str) -> dict[str, Any] | None:
     """The fusepass options a backend name asks for ({} for "fusepass"), or None
     for a backend that is not fusepass."""
+    backend, patches = split_patches(backend)
     if backend == "fusepass":
-        return {}
+        return dict(patches)
     if backend.startswith(VARIANT):
         names = [r for r in backend[len(VARIANT):].split("+") if r]
-        opts: dict[str, Any] = {"disable_rules": [r for r in names if r != NO_INLINE]}
+        opts: dict[str, Any] = {"disable_rules": [r for r in names if r != NO_INLINE], **patches}
         if NO_INLINE in names:
             opts["inline_kernels"] = False
         return opts
@@ -158,10 +187,13 @@ def compile_args(backend: str, captured: bool = False) -> dict[str, Any]:
     it picks itself under ``mode="reduce-overhead"``), unless the variant or
     ``FUSEPASS_INLINE_KERNELS`` says otherwise."""
     opts = fusepass_options(backend)
-    told = opts is None or "inline_kernels" in opts or os.environ.get("FUSEPASS_INLINE_KERNELS")
+    if opts is None:
+        name, patches = split_patches(backend)
+        return {"backend": name, "options": patches} if patches else {"backend": name}
+    told = "inline_kernels" in opts or os.environ.get("FUSEPASS_INLINE_KERNELS")
     if captured and not told:
         opts = {**opts, "inline_kernels": False}
-    return {"backend": "fusepass", "options": opts} if opts else {"backend": backend}
+    return {"backend": "fusepass", "options": opts} if opts else {"backend": "fusepass"}
 
 
 def graphs_compile_args(backend: str) -> dict[str, Any]:
