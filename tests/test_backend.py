@@ -125,6 +125,44 @@ def test_inline_kernels_default_follows_cuda_graphs(monkeypatch, mode, options, 
     assert seen == [inline]
 
 
+@pytest.mark.parametrize("options,first", [
+    (None, {"combo_kernels": True}),  # fusepass's default for graphs on CUDA
+    ({"combo_kernels": False}, {"combo_kernels": False}),  # the user's setting wins, and is never retried without
+])
+def test_cuda_inductor_defaults_and_their_retry(monkeypatch, options, first):
+    """On CUDA fusepass compiles with its Inductor defaults (combo kernels) unless
+    the options set them; a compile that fails with them is compiled once more
+    without them (after the retry without inlining), and the report says so.
+    The compile itself is stubbed: this machine may have no GPU."""
+    import fusepass.backend as backend
+
+    seen = []
+
+    def stub(gm, example_inputs, opts, patches, *args):
+        seen.append((opts.inline_kernels, {k: patches[k] for k in patches if k == "combo_kernels"}))
+        if patches.get("combo_kernels"):
+            raise RuntimeError("injected: a combo kernel failed to compile")
+        return gm, fusepass.report.GraphReport(graph_id="g")
+
+    monkeypatch.setattr(backend, "_compile", stub)
+    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
+    monkeypatch.delenv("FUSEPASS_INLINE_KERNELS", raising=False)
+    fusepass.reset_reports()
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    backend.fusepass_backend(gm, [torch.randn(3)], options=options)
+    assert seen[0] == (True, first)
+    if first["combo_kernels"]:
+        assert seen == [(True, first), (False, first), (False, {})]
+        notes = fusepass.last_report().graphs[0].notes
+        assert any("without fusepass's Inductor settings" in n for n in notes), notes
+    else:
+        assert seen == [(True, first)]
+    seen.clear()
+    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: False)  # on the CPU: Inductor's own defaults
+    backend.fusepass_backend(gm, [torch.randn(3)])
+    assert seen == [(True, {})]
+
+
 @pytest.mark.parametrize("env,parsed", [(None, None), ("", None), ("0", False), ("1", True)])
 def test_inline_kernels_option_parses_three_ways(monkeypatch, env, parsed):
     from fusepass.options import Options
