@@ -30,7 +30,7 @@ _STORED_DTYPES = tuple(WEIGHT_DTYPES.values())  # the op's stored weights: int8,
 _DEPTH = 12  # ops between the stored weight and the mm operand (int4's unpack is the longest chain)
 
 
-def _from_stored(node: torch.fx.Node) -> bool:
+def from_stored(node: torch.fx.Node) -> bool:
     """Whether ``node``'s value is computed from an int8 / uint8 / fp8 tensor within _DEPTH ops."""
     todo, seen = [(node, 0)], {node}
     while todo:
@@ -47,13 +47,13 @@ def _from_stored(node: torch.fx.Node) -> bool:
 
 
 def _traced_from_stored(t: Any) -> bool:
-    """_from_stored for a tensor being traced; False whenever that cannot be told."""
+    """from_stored for a tensor being traced; False whenever that cannot be told."""
     try:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
         mode = get_proxy_mode()
         slot = get_proxy_slot(t, mode.tracer, None) if mode is not None else None
-        return slot is not None and _from_stored(slot.proxy.node)
+        return slot is not None and from_stored(slot.proxy.node)
     except Exception:  # noqa: BLE001 - tracing internals: when in doubt, Inductor's own decomposition
         return False
 
@@ -112,7 +112,7 @@ def decompose_kept_matvecs(gm: torch.fx.GraphModule) -> int:
         a, b = node.args
         va, vb = (x.meta.get("val") if isinstance(x, torch.fx.Node) else None for x in (a, b))
         if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and _decomposes(va, vb)
-                and (_from_stored(b) or _from_stored(a))):
+                and (from_stored(b) or from_stored(a))):
             continue
         region = Region(form="inductor_mm", anchor=node, nodes=[node], outputs=[node], args=[a, b])
         # (a, b) only: traced, inductor_mm's optional out_dtype would count as a third input

@@ -511,6 +511,19 @@ def test_linear_one_leaves_what_cublas_serves_as_well(monkeypatch):
     got, want, report = _compile(Stored().eval(), torch.randn(1, 64, dtype=bf16))
     assert not _ones(report)
     assert_close(got, want, "linear_one stored [K, N]", dtype=bf16)
+
+    class Dequantized(torch.nn.Module):  # an int8 weight converted in the graph, an fp32 scale after the product
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("q", torch.randint(-127, 128, (48, 64), dtype=torch.int8))
+            self.register_buffer("s", torch.rand(48) / 100)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.q.to(x.dtype)) * self.s
+
+    got, want, report = _compile(Dequantized().eval(), torch.randn(1, 64, dtype=bf16))
+    assert not _ones(report), str(report)  # Inductor fuses the conversion into its own product
+    assert_close(got, want, "linear_one dequantized weight", dtype=bf16)
     monkeypatch.setattr(ls, "MAX_BYTES_ONE", 100 * 64 * 2 - 1)  # the head's 12.5 KB over the bound, o's 8 KB under
     with torch._inductor.config.patch(fx_graph_cache=False):  # (the bound is no part of its key)
         _, _, report = _compile(_Step().to(bf16).eval(), torch.randn(1, 64, dtype=bf16))

@@ -18,7 +18,9 @@ Left alone, without a line in the report (cuBLAS serves it as well or
 better, or no faster one was measured): more rows or a symbolic row count,
 fp32 and fp64, a larger weight, a weight whose rows are not contiguous in
 memory (B is not the transpose of a row-major weight: cuBLAS reads it in
-place, the kernel would copy it every call), a product on another device
+place, the kernel would copy it every call), a weight dequantized in the
+graph that no quantized rule took (Inductor fuses its dequantization into
+the product), a product on another device
 than CUDA or the CPU (whose body is the same ``torch.mm``).
 """
 
@@ -28,6 +30,7 @@ import torch
 import torch.fx
 
 from fusepass.kernels.linear_siblings import linear_siblings_call, takes_one
+from fusepass.matvec import from_stored
 from fusepass.patterns._linear import product, val
 from fusepass.rule import Form, NearMiss, Region, Rule
 
@@ -76,6 +79,12 @@ def _takes(x, b) -> bool:
     # B = W^T with W's rows contiguous: unit stride along K (any stride with one row of W)
     if K > 1 and N > 1 and bv.stride(0) != 1:
         return False
+    # A weight dequantized in the graph (computed from int8 / uint8 / fp8: one the
+    # dequant rules refused) would be written out by Inductor every call and read
+    # back here; left alone, Inductor fuses the dequantization into its own
+    # product (its multiply-and-sum under coordinate-descent tuning).
+    if from_stored(b):
+        return False
     # (no rows: the op returns an empty output, no launch)
     return M == 0 or takes_one(M, K * N * bv.element_size())
 
@@ -107,6 +116,14 @@ def _stored_transposed(x, w):  # B contiguous [K, N]: cuBLAS reads it in place
     return x @ w.t().contiguous()
 
 
+def _int8_inputs(dtype):
+    return [torch.randn(1, 24, dtype=dtype), torch.randint(-127, 128, (16, 24), dtype=torch.int8)]
+
+
+def _dequantized_in_graph(x, q):  # a weight converted from int8 in the graph, no scale: no quantized rule's
+    return x @ q.to(x.dtype).t()
+
+
 RULE = Rule(
     name="linear_one",
     forms=[Form("one", search_one, replace_one), Form("biased", search_biased, replace_biased)],
@@ -120,6 +137,7 @@ RULE = Rule(
     near_misses=[
         NearMiss("rows of a prefill", _prefill_rows, _two_inputs, ""),
         NearMiss("weight stored transposed", _stored_transposed, _two_inputs, ""),
+        NearMiss("weight dequantized in the graph", _dequantized_in_graph, _int8_inputs, ""),
     ],
     doc=__doc__,
 )
