@@ -255,9 +255,9 @@ def test_e2e_bitsandbytes_quantization(fmt):
     assert (got - expected).abs().max() < 0.25 * expected.abs().max()  # 4-bit weights: close, not equal
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "gptq-act-order"])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq-act-order", "hqq"])
 def test_e2e_gptq_layout_through_the_loader(fmt):
-    """--quantize gptq / gptq-act-order: every linear but lm_head written in GPTQ's layout and loaded back
+    """--quantize gptq / gptq-act-order / hqq: every linear but lm_head written in GPTQ's (HQQ's) layout and loaded back
     by fusepass.load_quantized into fusepass's int4 layers (act-order: x's features permuted in each
     forward), the model still answering close to its float self; what --quantize int4 builds, but for
     the permutation."""
@@ -275,6 +275,8 @@ def test_e2e_gptq_layout_through_the_loader(fmt):
     q = [m for m in model.modules() if isinstance(m, PackedInt4Linear)]
     assert len(q) == 14 and type(model.lm_head) is torch.nn.Linear and {m.group_size for m in q} == {32}
     assert all((m.perm is not None) == (fmt == "gptq-act-order") for m in q)
+    if fmt == "hqq":  # HQQ's float zero points kept as they are, not rounded to codes
+        assert any((m.zero.float() - m.zero.float().round()).abs().max() > 0.01 for m in q)
     with torch.no_grad():
         got = model(ids).logits
     assert (got - expected).abs().max() < 0.25 * expected.abs().max()  # 4-bit weights: close, not equal

@@ -18,7 +18,7 @@ import torch
 import fusepass
 from fusepass.checkpoints import AWQ_ORDER, PackedInt4Linear
 from fusepass.testing import assert_close, compile_and_run
-from fusepass.testing.library_layouts import gptq_tensors, grouped_int4, int32_words
+from fusepass.testing.library_layouts import gptq_tensors, grouped_int4, hqq_tensors, int32_words
 
 N, K = 40, 256
 
@@ -175,38 +175,6 @@ def test_llama_from_gptq_checkpoint_runs_fused():
 
 
 # -- HQQ: its 4-bit layout (axis 1, 4bit_u8) from its description, and from the library ------
-
-def _encoded(v):
-    """A meta entry as HQQ's safetensors encoding stores it."""
-    if isinstance(v, str):
-        return torch.tensor([ord(c) for c in v], dtype=torch.uint8)
-    if isinstance(v, bool):
-        return torch.tensor(int(v), dtype=torch.uint8)
-    if isinstance(v, tuple):
-        return torch.tensor(v)
-    return torch.tensor(v, dtype=torch.int32)
-
-
-def hqq_tensors(w, group, encoded=False, **meta):
-    """HQQ's 4-bit layout of w [N, K]: W [N, K] as R = N K / G rows of G, each row's
-    scale and (unrounded) zero; rows r < R / 2 in W_q's high nibbles, r + R / 2 in the low."""
-    n, k = w.shape
-    rows = w.reshape(-1, group)
-    lo, hi = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp_min(1e-4)
-    zero = -lo / scale  # HQQ keeps the zero point a float
-    q = torch.round(rows / scale + zero).clamp(0, 15).to(torch.uint8)
-    half = q.shape[0] // 2
-    ref = ((q.float() - zero) * scale).reshape(n, k)
-    entries = dict(nbits=4, group_size=group, axis=1, packing="4bit_u8", shape=(n, k), view_as_float=False,
-                   quant_scale=False, quant_zero=False)
-    entries.update(meta)
-    if encoded:
-        entries = {key: _encoded(v) for key, v in entries.items()}
-    elif isinstance(entries["shape"], tuple):
-        entries["shape"] = torch.Size(entries["shape"])
-    return {"W_q": (q[:half] << 4) | q[half:], "scale": scale, "zero": zero, **entries}, ref
-
 
 @pytest.mark.parametrize("group,encoded", [(64, False), (64, True), (128, True), (512, False)],
                          ids=["g64", "g64-encoded", "g128-encoded", "g512-regrouped"])

@@ -88,3 +88,39 @@ def gptq_tensors(w: torch.Tensor, group: int, act_order: bool = False, sym: bool
     ref = (q - z[g_idx]).float() * scale.float()[g_idx]  # [K, N]
     return {"qweight": int32_words(q.t()).t().contiguous(), "qzeros": int32_words(stored), "scales": scale,
             "g_idx": g_idx.to(torch.int32)}, ref.t()
+
+
+def _hqq_encoded(v):
+    """A meta entry as HQQ's safetensors encoding stores it."""
+    if isinstance(v, str):
+        return torch.tensor([ord(c) for c in v], dtype=torch.uint8)
+    if isinstance(v, bool):
+        return torch.tensor(int(v), dtype=torch.uint8)
+    if isinstance(v, tuple):
+        return torch.tensor(v)
+    return torch.tensor(v, dtype=torch.int32)
+
+
+def hqq_tensors(w: torch.Tensor, group: int, encoded: bool = False, **meta):
+    """HQQ's 4-bit layout of w [N, K] (axis 1, 4bit_u8, from the format's description):
+    (HQQLinear's state dict entries, the fp32 weight they stand for).  W [N, K] as R = N K / G
+    rows of G, each row's scale and (unrounded) zero in w's dtype; rows r < R / 2 in W_q's
+    high nibbles, r + R / 2 in the low; ``encoded``: the meta entries as HQQ's safetensors
+    encoding stores them; ``meta`` overrides entries (the loader's refusals)."""
+    n, k = w.shape
+    rows = w.reshape(-1, group).float()
+    lo, hi = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-4)
+    zero = -lo / scale  # HQQ keeps the zero point a float
+    q = torch.round(rows / scale + zero).clamp(0, 15).to(torch.uint8)
+    half = q.shape[0] // 2
+    scale, zero = scale.to(w.dtype), zero.to(w.dtype)
+    ref = ((q.float() - zero.float()) * scale.float()).reshape(n, k)
+    entries = dict(nbits=4, group_size=group, axis=1, packing="4bit_u8", shape=(n, k), view_as_float=False,
+                   quant_scale=False, quant_zero=False)
+    entries.update(meta)
+    if encoded:
+        entries = {key: _hqq_encoded(v) for key, v in entries.items()}
+    elif isinstance(entries["shape"], tuple):
+        entries["shape"] = torch.Size(entries["shape"])
+    return {"W_q": (q[:half] << 4) | q[half:], "scale": scale, "zero": zero, **entries}, ref

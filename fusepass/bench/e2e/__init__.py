@@ -138,8 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=QUANTIZE, default=None,
                    help="weight-only quantization: int8/int4 through fusepass.quantize, torchao-int8 through "
                         "torchao's Int8WeightOnlyConfig, bnb-nf4/bnb-fp4 as bitsandbytes' Linear4bit (blocks "
-                        "of 64, no double quantization; bnb-nf4-dq with it), gptq/gptq-act-order: each linear "
-                        "written in GPTQ's layout (--group-size) and loaded through fusepass.load_quantized; "
+                        "of 64, no double quantization; bnb-nf4-dq with it), gptq/gptq-act-order/hqq: each "
+                        "linear written in GPTQ's or HQQ's layout (--group-size) and loaded through "
+                        "fusepass.load_quantized; "
                         "lm_head stays bf16 in all")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128, help="int4 group size (default 128)")
     p.add_argument("--prefill", default=None, help="prompt lengths for the prefill phase (default 512,2048,8192)")

@@ -150,8 +150,8 @@ def build(name: str, layers: str | int, dtype: torch.dtype, device: str, seed: i
 
 
 # --quantize's names: fusepass.quantize's int8 / int4, torchao's int8, bitsandbytes' 4-bit (-dq: with
-# double quantization), GPTQ's layout
-QUANTIZE = ("int8", "int4", "torchao-int8", "bnb-nf4", "bnb-nf4-dq", "bnb-fp4", "gptq", "gptq-act-order")
+# double quantization), GPTQ's and HQQ's layouts (through fusepass.load_quantized)
+QUANTIZE = ("int8", "int4", "torchao-int8", "bnb-nf4", "bnb-nf4-dq", "bnb-fp4", "gptq", "gptq-act-order", "hqq")
 
 
 def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.nn.Module:
@@ -159,8 +159,8 @@ def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.
         return model
     if fmt.startswith("bnb-"):
         return _bitsandbytes_4bit(model, fmt[4:7], nested=fmt.endswith("-dq"))
-    if fmt in ("gptq", "gptq-act-order"):
-        return _gptq_loaded(model, group_size, act_order=fmt == "gptq-act-order")
+    if fmt in ("gptq", "gptq-act-order", "hqq"):
+        return _checkpoint_loaded(model, fmt, group_size)
     if fmt == "torchao-int8":  # torchao's int8 weight-only tensor subclass, lm_head kept in bf16 as below
         try:
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -177,22 +177,26 @@ def quantize(model: torch.nn.Module, fmt: str | None, group_size: int) -> torch.
     return model
 
 
-def _gptq_loaded(model: torch.nn.Module, group: int, act_order: bool) -> torch.nn.Module:
-    """Every linear but lm_head written in GPTQ's layout (v1, asymmetric: the model's own weights
-    rounded to 4 bits; ``act_order``: each column's group following a random order of K) and read
-    back through ``fusepass.load_quantized``, as a GPTQ checkpoint is loaded."""
+def _checkpoint_loaded(model: torch.nn.Module, fmt: str, group: int) -> torch.nn.Module:
+    """Every linear but lm_head written in a library's stored layout and read back through
+    ``fusepass.load_quantized``, as such a checkpoint is loaded: GPTQ's (v1, asymmetric: the
+    model's own weights rounded to 4 bits; ``gptq-act-order``: each column's group following a
+    random order of K) or HQQ's (4-bit, axis 1, float zero points)."""
     import fusepass
-    from fusepass.testing.library_layouts import gptq_tensors
+    from fusepass.testing.library_layouts import gptq_tensors, hqq_tensors
 
     state = {}
     for name, lin in model.named_modules():
         if type(lin) is not torch.nn.Linear or name.endswith("lm_head"):
             continue
-        tensors, _ = gptq_tensors(lin.weight.detach(), group, act_order=act_order)
+        if fmt == "hqq":
+            tensors, _ = hqq_tensors(lin.weight.detach(), group)
+        else:
+            tensors, _ = gptq_tensors(lin.weight.detach(), group, act_order=fmt == "gptq-act-order")
         state.update({f"{name}.{key}": value for key, value in tensors.items()})
         if lin.bias is not None:
             state[f"{name}.bias"] = lin.bias.detach()
-    print(fusepass.load_quantized(model, state, "gptq"), file=sys.stderr)  # in place; a summary
+    print(fusepass.load_quantized(model, state, "hqq" if fmt == "hqq" else "gptq"), file=sys.stderr)  # in place
     return model
 
 
