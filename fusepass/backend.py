@@ -98,6 +98,7 @@ def _graph_id() -> str:
 # H200, replayed decode steps at batch 1, 8 layers, int4 (00d17c8, one command
 # each): Qwen3-30B-A3B 592.4 -> 555.8 µs, Llama-3-8B 815.2 -> 783.9.
 CUDA_INDUCTOR_DEFAULTS: dict[str, Any] = {"combo_kernels": True}
+_WITHOUT_DEFAULTS = "without fusepass's Inductor settings"
 
 
 def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
@@ -128,7 +129,7 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
         attempts.append((dataclasses.replace(opts, inline_kernels=False), patches, "with inline_kernels=False"))
     if defaults:  # fusepass's own Inductor settings are never what keeps a graph from compiling
         off = {k: v for k, v in patches.items() if k not in defaults}
-        attempts.append((attempts[-1][0], off, f"without fusepass's Inductor settings {defaults}"))
+        attempts.append((attempts[-1][0], off, f"{_WITHOUT_DEFAULTS} {defaults}"))
     t0 = time.perf_counter()
     # Tensor-subclass parameters (torchao) are taken apart once, here, rather
     # than by AOTAutograd on every call; should that compile fail, the graph
@@ -149,6 +150,9 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
             notes.append(_failed(exc, "as Dynamo gave it (tensor-subclass parameters not taken apart)"))
             compiled, graph = _first_that_compiles(gm, example_inputs, fallback, notes, user_pass,
                                                    graph_id)
+    if defaults and not any(_WITHOUT_DEFAULTS in n for n in notes):
+        notes.append("Inductor settings fusepass chose on CUDA: "
+                     + ", ".join(f"{k}={v!r}" for k, v in defaults.items()) + " (the options override them)")
     graph.notes.extend(notes)
     graph.compile_seconds = time.perf_counter() - t0
     _report.record(graph)

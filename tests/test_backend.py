@@ -157,6 +157,18 @@ def test_cuda_inductor_defaults_and_their_retry(monkeypatch, options, first):
         assert any("without fusepass's Inductor settings" in n for n in notes), notes
     else:
         assert seen == [(True, first)]
+    chose = [n for n in fusepass.last_report().graphs[0].notes if "Inductor settings fusepass chose" in n]
+    assert not chose  # (compiled without them, or the user's own setting)
+    seen.clear()
+    monkeypatch.setattr(backend, "_compile", lambda gm, inputs, opts, patches, *a: (
+        seen.append((opts.inline_kernels, {k: patches[k] for k in patches if k == "combo_kernels"})),
+        (gm, fusepass.report.GraphReport(graph_id="g")))[1])
+    fusepass.reset_reports()
+    backend.fusepass_backend(gm, [torch.randn(3)], options=options)
+    assert seen == [(True, first)]
+    notes = fusepass.last_report().graphs[0].notes
+    assert any("Inductor settings fusepass chose on CUDA: combo_kernels=True" in n for n in notes) == \
+        (options is None), notes  # the report says what fusepass set, not what the user did
     seen.clear()
     monkeypatch.setattr(backend, "_on_cuda", lambda inputs: False)  # on the CPU: Inductor's own defaults
     backend.fusepass_backend(gm, [torch.randn(3)])
