@@ -91,8 +91,9 @@ def _graph_id() -> str:
     return f"g{next(_graph_ids)}"
 
 
-# Inductor settings fusepass turns on for graphs on CUDA unless the options set
-# them.  combo_kernels: Inductor's horizontal fusion of independent kernels into
+# Inductor settings fusepass turns on for graphs of static shapes on CUDA
+# unless the options set them (graphs with symbolic shapes keep Inductor's
+# defaults: not measured there).  combo_kernels: Inductor's horizontal fusion of independent kernels into
 # one launch.  In a decode step the kernels fusepass leaves to Inductor between
 # its ops (q / k norms, RoPE, the cache writes) are independent of each other:
 # H200, replayed decode steps at batch 1, 8 layers, int4 (00d17c8, one command
@@ -113,7 +114,8 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     graph_id = _graph_id()
     on_cuda = _on_cuda(example_inputs)
     notes: list[str] = []
-    defaults = {k: v for k, v in CUDA_INDUCTOR_DEFAULTS.items() if k not in patches} if on_cuda else {}
+    static = not _symbolic(gm, example_inputs)
+    defaults = {k: v for k, v in CUDA_INDUCTOR_DEFAULTS.items() if k not in patches} if on_cuda and static else {}
     patches = {**defaults, **patches}
     if opts.inline_kernels is None:  # the default: by whether Inductor replays the graph (fusepass.options)
         graphs = bool(patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs))
@@ -151,7 +153,7 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
             compiled, graph = _first_that_compiles(gm, example_inputs, fallback, notes, user_pass,
                                                    graph_id)
     if defaults and not any(_WITHOUT_DEFAULTS in n for n in notes):
-        notes.append("Inductor settings fusepass chose on CUDA: "
+        notes.append("Inductor settings fusepass chose on CUDA (static shapes): "
                      + ", ".join(f"{k}={v!r}" for k, v in defaults.items()) + " (the options override them)")
     graph.notes.extend(notes)
     graph.compile_seconds = time.perf_counter() - t0
@@ -164,6 +166,21 @@ _options.arm(fusepass_backend)  # options checked before Dynamo traces (see fuse
 
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+
+
+def _symbolic(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether Dynamo traced ``gm`` with symbolic sizes (``dynamic=True``, or a dim marked dynamic
+    after a recompile): a SymInt among the inputs or in an input's example shape."""
+    if any(isinstance(x, torch.SymInt) for x in example_inputs):
+        return True
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        v = node.meta.get("example_value")
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor)
+                                           and any(isinstance(d, torch.SymInt) for d in v.shape)):
+            return True
+    return False
 
 
 def _first_that_compiles(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

@@ -167,8 +167,21 @@ def test_cuda_inductor_defaults_and_their_retry(monkeypatch, options, first):
     backend.fusepass_backend(gm, [torch.randn(3)], options=options)
     assert seen == [(True, first)]
     notes = fusepass.last_report().graphs[0].notes
-    assert any("Inductor settings fusepass chose on CUDA: combo_kernels=True" in n for n in notes) == \
+    assert any("Inductor settings fusepass chose on CUDA (static shapes): combo_kernels=True" in n for n in notes) == \
         (options is None), notes  # the report says what fusepass set, not what the user did
+    seen.clear()
+    # symbolic sizes (dynamic=True): Inductor's own defaults, the settings were measured on static graphs
+    dyn = torch.fx.symbolic_trace(lambda x: x + 1)
+    next(iter(dyn.graph.nodes)).meta["example_value"] = torch.empty(3)
+    assert not backend._symbolic(dyn, [torch.randn(3)])
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        sym = mode.shape_env.create_unbacked_symint()
+    assert backend._symbolic(dyn, [sym, torch.randn(3)])
+    backend.fusepass_backend(dyn, [sym, torch.randn(3)])
+    assert seen == [(True, {})]
     seen.clear()
     monkeypatch.setattr(backend, "_on_cuda", lambda inputs: False)  # on the CPU: Inductor's own defaults
     backend.fusepass_backend(gm, [torch.randn(3)])
