@@ -92,12 +92,13 @@ def _graph_id() -> str:
 
 
 # Inductor settings fusepass turns on for graphs of static shapes on CUDA
-# unless the options set them (graphs with symbolic shapes keep Inductor's
-# defaults: not measured there).  combo_kernels: Inductor's horizontal fusion of independent kernels into
-# one launch.  In a decode step the kernels fusepass leaves to Inductor between
-# its ops (q / k norms, RoPE, the cache writes) are independent of each other:
-# H200, replayed decode steps at batch 1, 8 layers, int4 (00d17c8, one command
-# each): Qwen3-30B-A3B 592.4 -> 555.8 µs, Llama-3-8B 815.2 -> 783.9.
+# unless the options set them (graphs with symbolic sizes keep Inductor's
+# defaults: not measured there).  combo_kernels: Inductor's horizontal fusion
+# of independent kernels into one launch.  In a decode step the kernels
+# fusepass leaves to Inductor between its ops (q / k norms, RoPE, the cache
+# writes) are independent of each other: H200, replayed decode steps at batch
+# 1, 8 layers, int4 (00d17c8, one command each): Qwen3-30B-A3B 592.4 -> 555.8
+# µs, Llama-3-8B 815.2 -> 783.9.
 CUDA_INDUCTOR_DEFAULTS: dict[str, Any] = {"combo_kernels": True}
 _WITHOUT_DEFAULTS = "without fusepass's Inductor settings"
 
@@ -114,7 +115,7 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
     graph_id = _graph_id()
     on_cuda = _on_cuda(example_inputs)
     notes: list[str] = []
-    static = not _symbolic(gm, example_inputs)
+    static = not _symbolic(example_inputs)
     defaults = {k: v for k, v in CUDA_INDUCTOR_DEFAULTS.items() if k not in patches} if on_cuda and static else {}
     patches = {**defaults, **patches}
     if opts.inline_kernels is None:  # the default: by whether Inductor replays the graph (fusepass.options)
@@ -168,19 +169,10 @@ def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
 
 
-def _symbolic(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
-    """Whether Dynamo traced ``gm`` with symbolic sizes (``dynamic=True``, or a dim marked dynamic
-    after a recompile): a SymInt among the inputs or in an input's example shape."""
-    if any(isinstance(x, torch.SymInt) for x in example_inputs):
-        return True
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        v = node.meta.get("example_value")
-        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor)
-                                           and any(isinstance(d, torch.SymInt) for d in v.shape)):
-            return True
-    return False
+def _symbolic(example_inputs: Sequence[Any]) -> bool:
+    """Whether Dynamo traced the graph with symbolic sizes (``dynamic=True``, or a dim marked
+    dynamic after a recompile): Dynamo passes each free size as a SymInt input."""
+    return any(isinstance(x, torch.SymInt) for x in example_inputs)
 
 
 def _first_that_compiles(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

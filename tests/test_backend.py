@@ -171,16 +171,13 @@ def test_cuda_inductor_defaults_and_their_retry(monkeypatch, options, first):
         (options is None), notes  # the report says what fusepass set, not what the user did
     seen.clear()
     # symbolic sizes (dynamic=True): Inductor's own defaults, the settings were measured on static graphs
-    dyn = torch.fx.symbolic_trace(lambda x: x + 1)
-    next(iter(dyn.graph.nodes)).meta["example_value"] = torch.empty(3)
-    assert not backend._symbolic(dyn, [torch.randn(3)])
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
         sym = mode.shape_env.create_unbacked_symint()
-    assert backend._symbolic(dyn, [sym, torch.randn(3)])
-    backend.fusepass_backend(dyn, [sym, torch.randn(3)])
+    assert backend._symbolic([sym, torch.randn(3)]) and not backend._symbolic([torch.randn(3)])
+    backend.fusepass_backend(gm, [sym, torch.randn(3)])
     assert seen == [(True, {})]
     seen.clear()
     monkeypatch.setattr(backend, "_on_cuda", lambda inputs: False)  # on the CPU: Inductor's own defaults

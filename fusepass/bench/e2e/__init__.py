@@ -81,9 +81,9 @@ def main(args: argparse.Namespace) -> int:
         bases = [split_patches(b)[0] for b in backends]
     except ValueError as exc:
         raise SystemExit(f"fusepass bench e2e: {exc}") from None
-    unknown = [p for p in phases if p not in PHASES] + [b for b, base in zip(backends, bases)
-                                                          if base not in BACKENDS and not base.startswith(VARIANT)
-                                                          or base == "eager" and b != base]
+    unknown = [p for p in phases if p not in PHASES] + [
+        b for b, base in zip(backends, bases)
+        if (base not in BACKENDS and not base.startswith(VARIANT)) or (base == "eager" and b != base)]
     if unknown:
         raise SystemExit(f"fusepass bench e2e: unknown phase(s)/backend(s) {unknown}; phases {PHASES}, "
                          f"backends {BACKENDS} or {VARIANT}RULE[+RULE...]")
