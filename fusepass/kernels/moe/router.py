@@ -167,12 +167,12 @@ def _topk_rounds(c, o, valid, K: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_xk, K, rstd, w_off, keep, NORM: tl.constexpr, CAST_BW: tl.constexpr,
+def _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_xk, K, rstd, w_off, writes, NORM: tl.constexpr, CAST_BW: tl.constexpr,
             EMU_X: tl.constexpr, EMU_Y: tl.constexpr):
     """The router's input over a [BT, BK] tile: x as stored, or (NORM)
     ``add_rms_norm``'s y of x and the residual, with that kernel's roundings
     (h = x + residual rounded to x's dtype, rstd its row's), y and h stored
-    where ``keep`` (one program per token block)."""
+    where ``writes`` (one program per token block)."""
     if NORM:
         b_x = tl.load(p_x + o_k[None, :], mask=m_xk, other=0).to(tl.float32)
         b_r = tl.load(p_r + o_k[None, :], mask=m_xk, other=0).to(tl.float32)
@@ -182,8 +182,8 @@ def _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_xk, K, rstd, w_off, keep, NORM: tl.co
             b_n = round_to(b_n, p_h.dtype.element_ty, EMU_X).to(tl.float32)
         b_w = tl.load(nw + o_k, mask=o_k < K, other=0).to(tl.float32) + w_off
         b_y = round_to(b_n * b_w[None, :], p_y.dtype.element_ty, EMU_Y)
-        tl.store(p_h + o_k[None, :], b_h, mask=m_xk & keep[:, None])
-        tl.store(p_y + o_k[None, :], b_y, mask=m_xk & keep[:, None])
+        tl.store(p_h + o_k[None, :], b_h, mask=m_xk & writes[:, None])
+        tl.store(p_y + o_k[None, :], b_y, mask=m_xk & writes[:, None])
         return b_y
     else:
         return tl.load(p_x + o_k[None, :], mask=m_xk, other=0)
@@ -221,7 +221,7 @@ def _moe_router_kernel(
     p_r, p_y, p_h = x, x, x
     rstd = tl.zeros([BT], dtype=tl.float32)
     w_offf = 0.0
-    keep = (tl.zeros([BT], dtype=tl.int32) + i_e) == 0  # [BT] (a scalar int1 in a mask: the interpreter refuses it)
+    writes = (tl.zeros([BT], dtype=tl.int32) + i_e) == 0  # [BT] (a scalar int1 in a mask: the interpreter refuses it)
     if NORM:
         p_r, p_y, p_h = res + o_tx, y + o_tx, h + o_tx
         w_offf = tl.cast(w_off, tl.float32)  # fp64 when Inductor launches the kernel
@@ -239,7 +239,7 @@ def _moe_router_kernel(
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K
-            b_x = _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_t[:, None] & m_k[None, :], K, rstd, w_offf, keep, NORM,
+            b_x = _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_t[:, None] & m_k[None, :], K, rstd, w_offf, writes, NORM,
                           CAST_BW, EMU_X, EMU_Y)
             b_w = tl.load(p_w + o_k[None, :], mask=m_e[:, None] & m_k[None, :], other=0)
             acc = _dot(b_x, tl.trans(b_w), acc, F32)
@@ -248,7 +248,7 @@ def _moe_router_kernel(
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K
-            b_x = _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_t[:, None] & m_k[None, :], K, rstd, w_offf, keep, NORM,
+            b_x = _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_t[:, None] & m_k[None, :], K, rstd, w_offf, writes, NORM,
                           CAST_BW, EMU_X, EMU_Y).to(tl.float32)
             b_w = tl.load(p_w + o_k[None, :], mask=m_e[:, None] & m_k[None, :], other=0).to(tl.float32)
             acc3 += b_x[:, None, :] * b_w[None, :, :]
@@ -456,7 +456,8 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
                     EMU_Y=emulate_rounding(norm.y.dtype))
         outputs += ("y", "h")
     else:
-        args.update(res=dummy, nw=dummy, y=dummy, h=dummy)
+        args.update(res=dummy, nw=dummy, y=dummy, h=dummy, eps=0.0, w_off=0.0, NORM=False, CAST_BW=False,
+                    EPS_PTR=False, EMU_X=False, EMU_Y=False)
     return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps)
 
 
