@@ -202,7 +202,6 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.linear_siblings",
     "fusepass.patterns.linear_one",
     "fusepass.patterns.dequant_matmul_gated",
-    "fusepass.patterns.add_rms_norm_router",
     "fusepass.patterns.decode_attention",
 )
 

@@ -629,62 +629,6 @@ def test_router_kernel_reads_biases_through_their_strides(poisoned, layout):
         torch.testing.assert_close(tw.double(), ref_w.double(), atol=1e-4, rtol=1e-4)
 
 
-# (T or leading shape, E, H, kind, k, x dtype, norm out dtype, router weight dtype, cast before weight, offset, config)
-NORM_CASES = {
-    "T1-split-bf16-hf": ((1, 1), 8, 40, "softmax", 2, "bf16", "bf16", None, True, 0.0, "split-rank"),
-    "T3-whole-fp16-offset": (3, 8, 48, "topk_softmax", 3, "fp16", "fp16", None, False, 1.0, "whole"),
-    "B2S9-dot-bf16-fp32y": ((2, 9), 16, 32, "softmax", 2, "bf16", "fp32", "fp32", True, 0.0, "dot"),
-}
-
-
-@pytest.mark.parametrize("case", list(NORM_CASES))
-def test_router_with_the_norm_folded_in_matches_the_two_ops(poisoned, monkeypatch, case):
-    """``add_rms_norm_router``'s launch against ``add_rms_norm`` then ``moe_router``
-    (their references): y and h bit for bit (the ulp the row's sum of squares may
-    move is not reached at these sizes), the logits within the dtype's table, the
-    choice exactly from the launch's own logits; a split over experts (only expert
-    block 0 stores y and h: poisoned buffers show a row nobody wrote), several K
-    tiles (BK 16 under H), several token blocks."""
-    from fusepass.kernels.moe import router_norm as rn
-
-    lead, E, H, kind, k, xdt, ydt, wdt, cast, offset, config = NORM_CASES[case]
-    lead = (lead,) if isinstance(lead, int) else lead
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(*lead, H, generator=gen).to(DT[xdt]).to(DEVICE)
-    res = torch.randn(*lead, H, generator=gen).to(DT[xdt]).to(DEVICE)
-    nw = (1 + 0.2 * torch.randn(H, generator=gen)).to(DT[xdt]).to(DEVICE)
-    w = (torch.randn(E, H, generator=gen) * 0.3).to(DT[wdt or xdt]).to(DEVICE)
-    T = x.numel() // H
-    cfg = ROUTER_CONFIGS[config](T)
-    if not config.startswith("split"):
-        cfg = dataclasses.replace(cfg, BE=_tiles.cdiv_pow2(E))
-    monkeypatch.setattr(rt, "router_heuristic", lambda *a: cfg)
-    args = (x, res, nw, 1e-5, offset, cast, DT[ydt], w, None, None, kind, k, False, 1, 1, 1.0, DT[xdt], DT[xdt])
-    tw, tid, logits, y, h = rn._fused(*args)
-    ref_tw, ref_tid, ref_logits, ref_y, ref_h = rn._reference(*args)
-    assert y.shape == x.shape and h.shape == x.shape
-    assert torch.equal(h, ref_h)
-    assert torch.equal(y, ref_y)
-    tol = TOLERANCES[DT[xdt]]
-    torch.testing.assert_close(logits.double(), ref_logits.double(), atol=tol.atol, rtol=tol.rtol)
-    sel_w, sel_ids = rt.router_select_reference(logits, None, kind, k, False, 1, 1, 1.0, DT[xdt], torch.float64)
-    assert torch.equal(tid, sel_ids)
-    torch.testing.assert_close(tw.double(), sel_w.double(), atol=tol.atol, rtol=tol.rtol)
-
-
-def test_router_with_the_norm_folded_in_reads_a_runtime_eps():
-    """A 0-dim eps (what dynamic=True makes of the model's float) is read when the op runs."""
-    gen = torch.Generator().manual_seed(6)
-    x, res = (torch.randn(2, 32, generator=gen).to(DEVICE) for _ in range(2))
-    nw, w = torch.ones(32, device=DEVICE), torch.randn(8, 32, generator=gen).to(DEVICE)
-    rest = (w, None, None, "softmax", 2, True, 1, 1, 1.0, torch.float32, torch.float32)
-    got = ops.add_rms_norm_router(x, res, nw, 0.0, 0.0, True, torch.float32, *rest, eps_tensor=torch.tensor(4.0))
-    want = ops.add_rms_norm_router(x, res, nw, 4.0, 0.0, True, torch.float32, *rest)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-    assert not torch.equal(got[3], ops.add_rms_norm_router(x, res, nw, 1e-6, 0.0, True, torch.float32, *rest)[3])
-
-
 def test_router_kernel_zero_tokens():
     x, w, _, _ = _router_inputs(0, 8, 32, "bf16", False, False, None)
     tw, tid, logits = rt.router_fwd(x, w, None, None, "softmax", 2, True, 1, 1, 1.0, torch.bfloat16, torch.bfloat16)

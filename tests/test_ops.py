@@ -167,23 +167,6 @@ TABLE: dict[str, list[tuple[str, callable]]] = {
         ("fp64", lambda: (_t(3, 16, dtype=torch.float64), _t(8, 16, dtype=torch.float64), None, None, "softmax", 2,
                           True, 1, 1, 1.0, torch.float64, torch.float64)),
     ],
-    "add_rms_norm_router": [
-        ("B2-S3-E8-bf16-split-tiles", lambda: (_t(2, 3, 48, dtype=torch.bfloat16), _t(2, 3, 48, dtype=torch.bfloat16),
-                                               _t(48, dtype=torch.bfloat16), 1e-6, 0.0, True, torch.bfloat16,
-                                               _t(8, 48, dtype=torch.bfloat16), None, None, "softmax", 2, True, 1,
-                                               1, 1.0, torch.bfloat16, torch.bfloat16)),
-        ("T1-E16-sigmoid-fp32-offset-eps-tensor", lambda: (_t(1, 32), _t(1, 32), _t(32), 0.0, 1.0, False,
-                                                           torch.float32, _t(16, 32), None, torch.rand(16), "sigmoid",
-                                                           4, True, 4, 2, 2.5, torch.float32, torch.float32,
-                                                           _eps64())),
-        ("T0-fp16", lambda: (_t(0, 16, dtype=torch.float16), _t(0, 16, dtype=torch.float16),
-                             _t(16, dtype=torch.float16), 1e-6, 0.0, True, torch.float16,
-                             _t(8, 16, dtype=torch.float16), None, None, "softmax", 2, False, 1, 1, 1.0, torch.float16,
-                             torch.float32)),
-        ("fp64", lambda: (_t(3, 16, dtype=torch.float64), _t(3, 16, dtype=torch.float64), _t(16, dtype=torch.float64),
-                          1e-6, 0.0, True, torch.float64, _t(8, 16, dtype=torch.float64), None, None, "softmax", 2,
-                          True, 1, 1, 1.0, torch.float64, torch.float64)),
-    ],
     "moe_experts": [
         # fp16 first (the Triton-path tests take the first entry): the
         # interpreter truncates fp32 -> bf16, and the block rounds ten times.

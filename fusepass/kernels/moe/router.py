@@ -60,19 +60,14 @@ from fusepass.formats import KERNEL_DTYPES
 from fusepass.kernels._common import (
     Launch,
     cdiv,
-    emulate_rounding,
     inline_enabled,
-    is_ptr,
     interpreting,
     on_device,
     pdl_on,
     pdl_release,
     pdl_wait,
     register_inline,
-    round_to,
     run_kernel,
-    scalar_arg,
-    scalar_fp32,
 )
 from fusepass.kernels.dequant_matmul.counters import _split_counters
 from fusepass.kernels.moe import _tiles
@@ -167,29 +162,6 @@ def _topk_rounds(c, o, valid, K: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_xk, K, rstd, w_off, writes, NORM: tl.constexpr, CAST_BW: tl.constexpr,
-            EMU_X: tl.constexpr, EMU_Y: tl.constexpr):
-    """The router's input over a [BT, BK] tile: x as stored, or (NORM)
-    ``add_rms_norm``'s y of x and the residual, with that kernel's roundings
-    (h = x + residual rounded to x's dtype, rstd its row's), y and h stored
-    where ``writes`` (one program per token block)."""
-    if NORM:
-        b_x = tl.load(p_x + o_k[None, :], mask=m_xk, other=0).to(tl.float32)
-        b_r = tl.load(p_r + o_k[None, :], mask=m_xk, other=0).to(tl.float32)
-        b_h = round_to(b_x + b_r, p_h.dtype.element_ty, EMU_X)
-        b_n = b_h.to(tl.float32) * rstd[:, None]
-        if CAST_BW:
-            b_n = round_to(b_n, p_h.dtype.element_ty, EMU_X).to(tl.float32)
-        b_w = tl.load(nw + o_k, mask=o_k < K, other=0).to(tl.float32) + w_off
-        b_y = round_to(b_n * b_w[None, :], p_y.dtype.element_ty, EMU_Y)
-        tl.store(p_h + o_k[None, :], b_h, mask=m_xk & writes[:, None])
-        tl.store(p_y + o_k[None, :], b_y, mask=m_xk & writes[:, None])
-        return b_y
-    else:
-        return tl.load(p_x + o_k[None, :], mask=m_xk, other=0)
-
-
-@triton.jit
 def _moe_router_kernel(
     x, w, bias, cbias, ctr, logits, tw, tid,
     T, E, K, stride_xm, stride_wm,
@@ -198,16 +170,7 @@ def _moe_router_kernel(
     USE_DOT: tl.constexpr, F32: tl.constexpr,
     BT: tl.constexpr, BE: tl.constexpr, BEA: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
     RANK: tl.constexpr = False, PDL: tl.constexpr = False, RELEASE: tl.constexpr = False,
-    res=None, nw=None, y=None, h=None, eps=0.0, w_off=0.0, NORM: tl.constexpr = False,
-    CAST_BW: tl.constexpr = False, EPS_PTR: tl.constexpr = False, EMU_X: tl.constexpr = False,
-    EMU_Y: tl.constexpr = False,
 ):
-    # NORM: x is the residual add's other operand; every program first sums
-    # the squares of its tokens' h = x + res (a pass over their rows, from L2),
-    # then reads x and res again and normalises each tile before its products
-    # (add_rms_norm folded in: at one token its own launch was ~2 µs of a
-    # layer's latency chain before the router).  res, y and h share x's row
-    # stride.  The programs of expert block 0 store y and h.
     pdl_wait(PDL)
     pdl_release(RELEASE)
     i_t, i_e = tl.program_id(0), tl.program_id(1)
@@ -215,32 +178,14 @@ def _moe_router_kernel(
     m_t = o_t < T
     o_e = i_e * BE + tl.arange(0, BE)
     m_e = o_e < E
-    o_tx = o_t.to(tl.int64)[:, None] * stride_xm
-    p_x = x + o_tx
+    p_x = x + o_t.to(tl.int64)[:, None] * stride_xm
     p_w = w + o_e.to(tl.int64)[:, None] * stride_wm
-    p_r, p_y, p_h = x, x, x
-    rstd = tl.zeros([BT], dtype=tl.float32)
-    w_offf = 0.0
-    writes = (tl.zeros([BT], dtype=tl.int32) + i_e) == 0  # [BT] (a scalar int1 in a mask: the interpreter refuses it)
-    if NORM:
-        p_r, p_y, p_h = res + o_tx, y + o_tx, h + o_tx
-        w_offf = tl.cast(w_off, tl.float32)  # fp64 when Inductor launches the kernel
-        ss = tl.zeros([BT], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_xk = m_t[:, None] & (o_k < K)[None, :]
-            b_x = tl.load(p_x + o_k[None, :], mask=m_xk, other=0).to(tl.float32)
-            b_r = tl.load(p_r + o_k[None, :], mask=m_xk, other=0).to(tl.float32)
-            b_h = round_to(b_x + b_r, h.dtype.element_ty, EMU_X).to(tl.float32)
-            ss += tl.sum(b_h * b_h, axis=1)
-        rstd = tl.rsqrt(ss / K + scalar_fp32(eps, EPS_PTR))
     if USE_DOT:
         acc = tl.zeros([BT, BE], dtype=tl.float32)
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K
-            b_x = _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_t[:, None] & m_k[None, :], K, rstd, w_offf, writes, NORM,
-                          CAST_BW, EMU_X, EMU_Y)
+            b_x = tl.load(p_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
             b_w = tl.load(p_w + o_k[None, :], mask=m_e[:, None] & m_k[None, :], other=0)
             acc = _dot(b_x, tl.trans(b_w), acc, F32)
     else:
@@ -248,8 +193,7 @@ def _moe_router_kernel(
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K
-            b_x = _x_tile(p_x, p_r, nw, p_y, p_h, o_k, m_t[:, None] & m_k[None, :], K, rstd, w_offf, writes, NORM,
-                          CAST_BW, EMU_X, EMU_Y).to(tl.float32)
+            b_x = tl.load(p_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
             b_w = tl.load(p_w + o_k[None, :], mask=m_e[:, None] & m_k[None, :], other=0).to(tl.float32)
             acc3 += b_x[:, None, :] * b_w[None, :, :]
         acc = tl.sum(acc3, axis=2)
@@ -406,28 +350,12 @@ def _kernel_ok(x, weight, kind, n_group) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class Norm:
-    """``add_rms_norm`` folded into the router's launch (``fusepass::add_rms_norm_router``):
-    the router's x is rms_norm(x + res); y and h are written, [T, H] each at
-    x's row stride (h in x's dtype, y in the norm's output dtype)."""
-
-    res: Tensor
-    weight: Tensor
-    eps: float | Tensor  # a number, or a 0-dim tensor on x's device read by the kernel
-    offset: float
-    cast_before_weight: bool
-    y: Tensor
-    h: Tensor
-
-
 def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str,
                   top_k: int, renormalize: bool, n_group: int, topk_group: int, scaling: float, cfg: RouterConfig,
-                  ctr: Tensor | None, tw: Tensor, tid: Tensor, logits: Tensor, norm: Norm | None = None) -> Launch:
+                  ctr: Tensor | None, tw: Tensor, tid: Tensor, logits: Tensor) -> Launch:
     """The router's one launch: ``cfg`` split over experts when ``ctr`` (one zeroed
     counter per token block) is given, else all experts in each program.  x and
-    weight with unit column stride; with ``norm``, x, its residual, y and h
-    contiguous."""
+    weight with unit column stride."""
     T, H = x.shape
     E = weight.shape[0]
     BEA = cdiv_pow2(E)
@@ -436,8 +364,7 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
     if not split and cfg.BE < BEA:
         cfg = _whole(BEA, H)
     n_t, n_e = cdiv(T, cfg.BT), (cdiv(E, cfg.BE) if split else 1)
-    x_dtype = x.dtype if norm is None else norm.y.dtype  # what the products read
-    f32 = x_dtype == torch.float32 or weight.dtype != x_dtype or interpreting()
+    f32 = x.dtype == torch.float32 or weight.dtype != x.dtype or interpreting()
     dummy = x  # unused pointers: never a tensor the launch writes
     args = dict(
         x=x, w=weight, bias=bias if bias is not None else dummy,
@@ -449,15 +376,6 @@ def router_launch(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
         BT=cfg.BT, BE=cfg.BE if split else BEA, BEA=BEA, BK=cfg.BK, KP=cdiv_pow2(top_k),
         RANK=cfg.rank and rank_fits(cfg.BT, BEA, cfg.warps), PDL=cfg.pdl and pdl, RELEASE=cfg.release and pdl)
     outputs = ("logits", "tw", "tid") + (("ctr",) if split else ())
-    if norm is not None:
-        eps = scalar_arg(norm.eps, x)
-        args.update(res=norm.res, nw=norm.weight, y=norm.y, h=norm.h, eps=eps, w_off=float(norm.offset),
-                    NORM=True, CAST_BW=bool(norm.cast_before_weight), EPS_PTR=is_ptr(eps), EMU_X=emulate_rounding(x.dtype),
-                    EMU_Y=emulate_rounding(norm.y.dtype))
-        outputs += ("y", "h")
-    else:
-        args.update(res=dummy, nw=dummy, y=dummy, h=dummy, eps=0.0, w_off=0.0, NORM=False, CAST_BW=False,
-                    EPS_PTR=False, EMU_X=False, EMU_Y=False)
     return Launch(_moe_router_kernel, (n_t, n_e), args, outputs, cfg.warps)
 
 
@@ -469,10 +387,8 @@ def _unit_last(t: Tensor | None) -> Tensor | None:
 
 def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str, top_k: int,
                renormalize: bool, n_group: int, topk_group: int, scaling: float, logits_dtype: torch.dtype,
-               weights_dtype: torch.dtype, cfg: RouterConfig | None = None,
-               norm: Norm | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The router through its Triton kernel (operands as the op checked them;
-    with ``norm``, x contiguous and y / h written into ``norm``'s)."""
+               weights_dtype: torch.dtype, cfg: RouterConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The router through its Triton kernel (operands as the op checked them)."""
     T, H = x.shape
     E = weight.shape[0]
     dev = x.device
@@ -489,17 +405,16 @@ def router_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: 
         ctr = _split_counters(dev, cdiv(T, cfg.BT))
     with on_device(x):
         router_launch(x, weight, bias, correction_bias, kind, top_k, renormalize, n_group, topk_group, scaling, cfg,
-                      ctr, tw, tid, logits, norm).run()
+                      ctr, tw, tid, logits).run()
     return tw, tid, logits
 
 
 def router_traced(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bias: Tensor | None, kind: str,
                   top_k: int, renormalize: bool, n_group: int, topk_group: int, scaling: float,
-                  logits_dtype: torch.dtype, weights_dtype: torch.dtype,
-                  norm: Norm | None = None) -> tuple[Tensor, ...]:
+                  logits_dtype: torch.dtype, weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """The router's launch as a node of the graph (the inlined form), its split
     counters zeroed in the graph (the last program of each token block leaves
-    them at zero again).  With ``norm`` (x contiguous), y and h follow."""
+    them at zero again)."""
     T, H = x.shape
     E = weight.shape[0]
     dev = x.device
@@ -510,9 +425,7 @@ def router_traced(x: Tensor, weight: Tensor, bias: Tensor | None, correction_bia
     cfg = router_heuristic(T, E, H)
     ctr = torch.zeros(cdiv(T, cfg.BT), dtype=torch.int32, device=dev) if cdiv(E, cfg.BE) > 1 else None
     res = router_launch(x, weight, bias, correction_bias, kind, top_k, renormalize, n_group, topk_group, scaling, cfg,
-                        ctr, tw, tid, logits, norm).traced()
-    if norm is not None:
-        return res["tw"], res["tid"], res["logits"], res["y"], res["h"]
+                        ctr, tw, tid, logits).traced()
     return res["tw"], res["tid"], res["logits"]
 
 
