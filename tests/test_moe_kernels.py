@@ -395,6 +395,39 @@ def test_decode_int4_down_split_over_k(poisoned, monkeypatch, case, BK2, split, 
     assert not held.any()  # each tile's last program left its counter at zero
 
 
+# (I 96 for the g32 case: its 32-code chunks tile I 64 exactly)
+@pytest.mark.parametrize("case,I,BK2,split", [("T1-E8-k2-bf16-int4-g32-asym-H128", 96, 64, 1),
+                                              ("T1-E6-k2-fp16-int4-g16-interleaved-bias", 48, 32, 1),
+                                              ("T1-E6-k2-fp16-int4-g16-interleaved-bias", 48, 16, 2)])
+def test_decode_int4_down_loads_the_whole_slice(poisoned, monkeypatch, case, I, BK2, split):
+    """int4 down's chunk loop unrolled over its whole K slice (``whole2``): every
+    tile's loads before the first sum, the look-ahead off, the last tile partly
+    past K (masked off); with K split (slices of 32 + 16), the second slice's
+    second tile wholly past it."""
+    T, E, H, _, k, dt, act, layout, trans, bias, fmt, group, asym, twdt = EXPERT_CASES[case]
+    inputs = _experts_inputs(T, E, H, I, k, DT[dt], trans=trans, bias=bias, fmt=fmt, group=group, asym=asym,
+                             twdt=DT.get(twdt))
+    base = decode.decode_heuristic(T, k, H, I, trans, 132, group)
+    cfg = dataclasses.replace(base, BK2=BK2, split2=split, ahead2=True, whole2=True)
+    kt = decode.cdiv(decode.cdiv(I, split), BK2)  # tiles a slice (a slice of kt * BK2 codes)
+    assert decode.int4_chunk(fmt, trans, group, BK2) and I > BK2 and I % (kt * BK2)  # the last tile past I
+    held = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(decode, "_split_counters", lambda device, tiles: held[:tiles])
+    downs = []
+    real = decode.Launch
+
+    def launch(kernel, grid, args, *rest, **kw):
+        if kernel is decode._moe_decode_down_kernel:
+            downs.append((args["KT"], args["AHEAD"], args["SPLIT"]))
+        return real(kernel, grid, args, *rest, **kw)
+
+    monkeypatch.setattr(decode, "Launch", launch)
+    out, ref = _run_experts("decode", inputs, act, layout, trans, fmt, group, cfg)
+    assert downs == [(kt, False, split > 1)]
+    _assert_experts_close(out, ref)
+    assert not held.any()
+
+
 @pytest.mark.parametrize("case", ["T3-E8-k2-bf16-gpt_oss-transposed-bias-fp32w", "T3-E8-k2-fp16-int8",
                                   "T3-E8-k2-bf16-fp8-interleaved", "T5-E5-k1-fp16-odd-H37-I19-transposed"])
 @pytest.mark.parametrize("split", [2, 3])

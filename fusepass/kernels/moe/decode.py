@@ -25,7 +25,8 @@ across K once at the end, or (``defer=False``) every tile, which takes fewer
 registers for deeper tiles.  Triton does not pipeline a loop without
 ``tl.dot``: with ``ahead`` / ``ahead2`` a program issues the next K tile's
 loads before this tile's products (two tiles in flight, carried in
-registers) instead of waiting a round trip a tile.  Weight tiles are laid out with the dim that is
+registers) instead of waiting a round trip a tile; with ``whole2`` the int4
+down loop issues every K tile's loads before its first sum.  Weight tiles are laid out with the dim that is
 contiguous in memory fastest ([BN, BK] for [E, N, K] weights, [BK, BN] for
 gpt-oss's [E, K, N]), so every weight load is a 16-byte vector
 (``python -m fusepass.bench.registry.moe --ptx`` checks the PTX for sm90).
@@ -280,6 +281,7 @@ def _moe_decode_down_kernel(
     KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DEFER: tl.constexpr, TRANS: tl.constexpr,
     VB: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = False,
     DOT: tl.constexpr = False, KE: tl.constexpr = 1, EMU: tl.constexpr = False, AHEAD: tl.constexpr = False,
+    KT: tl.constexpr = 0,
 ):
     # The token's KP (>= k) experts at once: [KP, BN, BK] weight tiles, so
     # each program keeps k times the bytes of one expert's tile in flight.
@@ -301,6 +303,9 @@ def _moe_decode_down_kernel(
     # [BK, BN] tile with the other rows zeroed, into one [KP, BN] accumulator:
     # row j is expert j's sum, as the FMA path's.  16x the FLOPs of a GEMV,
     # still far under the tensor cores' rate at these sizes.
+    # KT (int4 chunks, KT * BK >= the slice's K): the loop unrolled over KT
+    # tiles, every tile's loads issued before any tile's sums, so a program's
+    # whole slice is one memory round trip (tiles past K masked off).
     DT: tl.constexpr = out.dtype.element_ty
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     if SPLIT:
@@ -355,7 +360,20 @@ def _moe_decode_down_kernel(
         p_se = scale + e64 * stride_se
         p_ze = zero + e64 * stride_se
         p_h2 = h2 + o_s.to(tl.int64) * stride_h2m
-        if AHEAD:  # the next tile's bytes loaded before this tile's sums (rows carried as a tuple)
+        if KT > 0:  # every tile's bytes loaded before the first sum (tiles carried as a tuple)
+            k_0 = k_lo + tl.full([], 0, tl.int32)  # (a tensor: tl.multiple_of takes no constexpr)
+            tiles = ()
+            for t in tl.static_range(KT):
+                tiles = tiles + (_int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k_0 + t * BK, k_hi, N, i_n, stride_wn,
+                                                  stride_sn, G, HAS_ZERO, VB, NCH, BN),)
+            for t in tl.static_range(KT):
+                b_hw, rows = tiles[t]
+                b_he, b_ho = _pair_to_f32(b_hw, h.dtype.element_ty)
+                for r in tl.static_range(BN):
+                    b_q, b_s, b_z = rows[r]
+                    b_qe, b_qo = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
+                    acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+        elif AHEAD:  # the next tile's bytes loaded before this tile's sums (rows carried as a tuple)
             k_0 = k_lo + tl.full([], 0, tl.int32)  # (a tensor: tl.multiple_of takes no constexpr)
             b_hw, rows = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k_0, k_hi, N, i_n, stride_wn, stride_sn, G,
                                           HAS_ZERO, VB, NCH, BN)
@@ -446,6 +464,14 @@ class DecodeConfig:
     # against 14.1 µs for the experts, H200, 1fa26ad)
     ahead: bool = False
     ahead2: bool = False
+    # down's int4 chunk loop unrolled over its whole K slice, every tile's loads
+    # issued before the first sum (``KT``: one round trip a program, where the
+    # look-ahead waits one a tile), in place of ``ahead2``; only for slices of
+    # at most WHOLE_TILES tiles (else the loop as configured)
+    whole2: bool = False
+
+
+WHOLE_TILES = 16  # whole2's most tiles: they are all held in registers at once
 
 
 DOT_TILE = 64  # the down kernel's tensor-core tile, [BK2, BN2]
@@ -591,6 +617,8 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
             n_split, k_split = 1, I
         else:
             ctr, part = got, _tiles.workspace((n_split, T, KP, H), torch.float32, x.device)
+    kt = cdiv(k_split, cfg.BK2) if cfg.whole2 and vb2 and not dot else 0
+    kt = kt if kt <= WHOLE_TILES else 0
     return go(Launch(_moe_decode_down_kernel, (T, cdiv(H, cfg.BN2), n_split), dict(
         h=h, h2=h2, ids=ids, tw=tw, w=w2, bias=b2 if b2 is not None else dummy, scale=s2 if s2 is not None else dummy,
         zero=z2 if z2 is not None else dummy, out=out, part=part, ctr=ctr,
@@ -601,7 +629,8 @@ def launch_decode(x: Tensor, ids: Tensor, tw: Tensor, w1: Tensor, w2: Tensor, b1
         ROUND_W=round_w(x.dtype, tw.dtype), FMT=fmt, G=group, HAS_ZERO=z2 is not None, HAS_BIAS=b2 is not None,
         KP=KP, BN=cfg.BN2, BK=cfg.BK2, DEFER=cfg.defer2, TRANS=transposed, VB=vb2, ASM=asm and vb2 >= 4,
         PDL=pdl, SPLIT=n_split > 1, DOT=dot, KE=k if dot else 1, EMU=dot and interpreting(),
-        AHEAD=cfg.ahead2 and not dot and (vb2 > 0 or fmt != "int4")), ("out",), cfg.warps2,
+        AHEAD=cfg.ahead2 and not dot and not kt and (vb2 > 0 or fmt != "int4"), KT=kt), ("out",),
+        cfg.warps2,
         num_stages=cfg.stages2 if dot else None))["out"]
 
 
