@@ -400,6 +400,15 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
                                  (8, 128, 4)):
             cands[f"down-BN{bn2}-BK{bk2}-w{warps2}-ahead"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2,
                                                                      ahead2=True)
+        # down's chunk loop unrolled over all of I, every tile's loads before the first sum (whole2: one
+        # round trip a program, where the look-ahead's 128-deep tiles take six, two tiles in flight); and
+        # one masked tile of 1024 codes over I = 768, not unrolled
+        for bn2, bk2, warps2 in ((4, 128, 2), (4, 128, 4), (4, 256, 4), (2, 128, 2), (8, 128, 4), (4, 256, 2),
+                                 (2, 256, 2)):
+            cands[f"down-BN{bn2}-BK{bk2}-w{warps2}-whole"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2,
+                                                                     whole2=True)
+        for bn2 in (4, 2):
+            cands[f"down-BN{bn2}-BK1024-w4"] = replace(base, BN2=bn2, BK2=1024, warps2=4, ahead2=False)
         # (down's K split over 2-3 programs a tile lost at every tile: 15.8-18.4 µs against 14.0 for
         # the experts, H200, 40d0686; not swept)
     ref = block.reference(x, ids, w, quant)
@@ -640,13 +649,13 @@ def decode_up(fmt="none", halves=True, act="silu", BM=1, BN=16, BK=256, BS=8, de
 
 
 def decode_down(fmt="none", KP=8, BN=4, BK=128, defer=True, bias=False, trans=False, group=128, warps=4, pdl=False,
-                split=False, dot=False, stages=3, ahead=False):
+                split=False, dot=False, stages=3, ahead=False, KT=0):
     w = {"none": BF16, "int8": "*i8", "fp8": U8, "int4": U8}[fmt]
     types = dict(h=BF16, h2=I32, ids=I64, tw=BF16, w=w, bias=BF16, scale=BF16, zero=BF16, out=BF16, part=F32,
                  ctr=I32)
     consts = dict(ROUND_W=True, FMT=fmt, G=group if fmt == "int4" else 0, HAS_ZERO=fmt == "int4", HAS_BIAS=bias,
                   KP=max(16, KP) if dot else KP, BN=BN, BK=BK, DEFER=defer, TRANS=trans, PDL=pdl, SPLIT=split,
-                  DOT=dot, KE=KP if dot else 1, AHEAD=ahead)
+                  DOT=dot, KE=KP if dot else 1, AHEAD=ahead, KT=KT)
     vb = decode.int4_chunk(fmt, trans, group, BK)
     consts.update(VB=vb, ASM=vb >= 4)
     return compile_sm90(decode._moe_decode_down_kernel, types, consts, warps, stages,
