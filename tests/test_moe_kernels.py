@@ -679,10 +679,7 @@ def test_decode_kernels_compile_for_sm90_with_vector_loads():
 
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton without its NVIDIA backend")
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend", exc_type=ImportError)
     proc = subprocess.run([sys.executable, "-m", "fusepass.bench.registry.moe", "--ptx", "decode"], env=env,
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

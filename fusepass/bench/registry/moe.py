@@ -52,8 +52,7 @@ import torch
 
 
 from fusepass.bench.registry.common import Case, compiled
-from fusepass.kernels import moe  # registers fusepass::moe_router / moe_experts
-from fusepass.kernels.moe import decode, experts as ex, prefill, router as rt
+from fusepass.kernels.moe import decode, experts as ex, prefill, router as rt  # (the package registers the ops)
 from fusepass.kernels.moe._tiles import cdiv_pow2
 
 ops = torch.ops.fusepass
