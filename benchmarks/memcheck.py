@@ -509,8 +509,8 @@ def _moe_experts_cases(quick: bool, build):
                        (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
             # The next K tile loaded ahead (its last look-ahead past K, masked off).
             yield (f"moe_experts[decode ahead] {name} T{T}",
-                   _experts_decode(ahead=True, ahead2=True, BK=16 if name.startswith("odd") else 512, defer=False,
-                                   BK2=16 if name.startswith("odd") else 64, defer2=True, dot2=False),
+                   _experts_decode(ahead=True, ahead2=True, whole2=False, BK=16 if name.startswith("odd") else 512,
+                                   defer=False, BK2=16 if name.startswith("odd") else 64, defer2=True, dot2=False),
                    (x[:T], ids[:T], tw[:T], *weights, *tail), 2e-2)
             # The down kernel's K split (the partial sums' workspace, the counters, the
             # last program's finish); the odd shapes' BK2 16 makes I 97 / 19 split too.
@@ -546,8 +546,8 @@ def _moe_experts_cases(quick: bool, build):
         for pdl in (False, True):
             yield (f"moe_experts[decode pdl={pdl}] qwen3-30b-a3b {label} T1", _experts_decode(pdl=pdl),
                    (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
-        yield (f"moe_experts[decode ahead] qwen3-30b-a3b {label} T1", _experts_decode(ahead=True, ahead2=True),
-               (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
+        yield (f"moe_experts[decode ahead] qwen3-30b-a3b {label} T1",
+               _experts_decode(ahead=True, ahead2=True, whole2=False), (x[:1], ids[:1], tw[:1], *weights, *tail), 2e-2)
         # down's K split in whole tiles (int4: chunk tiles; 768 over 3 x 256 and 2 x 384)
         for split in (2, 3):
             yield (f"moe_experts[decode split2={split}] qwen3-30b-a3b {label} T1", _experts_decode(split2=split),

@@ -543,19 +543,24 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
         # rows and 24.3 with 8 + 8 rows of 2048 codes on two warps; down with
         # 128 codes on one warp against 256 on two, two sweeps (1714dd5,
         # 9e60a16): 15.4 and 16.1 µs against 16.5 and 16.7.
-        # At one token down loads its next K tile before this tile's sums, 4
-        # rows on two warps (127 registers, sm_90): H200, Qwen3-30B-A3B,
-        # fusepass.bench.registry.moe sweeps, 13.9 and 14.1 µs for the experts
-        # (6185afa, 1fa26ad) against 16.1 and 16.3 for 2 rows on one warp
-        # (19.0 and 19.1 with its look-ahead; 4 x 128 on two warps without it
-        # 19.7, 4 x 256 16.8 and 17.1).
+        # At one token down loads its whole K slice before its first sum
+        # (whole2), 4 rows of 256-code tiles on two warps (one chunk a thread
+        # and row at k = 8): H200, Qwen3-30B-A3B, the registry's int4 down
+        # candidates (``sweep_int4``) three rounds in one process (2988c93):
+        # 12.5-12.8 µs for the experts against 13.5-13.8
+        # for the look-ahead's 4 x 128 on four warps (the default before; 13.9 /
+        # 14.1 in earlier sweeps), whole2 4 x 128 on two warps 13.1-13.2, 4 x 256
+        # on four 13.3-13.5, 2 rows 14.5-15.1.  Slices of more than WHOLE_TILES
+        # tiles take the look-ahead.
         BK = min(cdiv_pow2(H), 1024)
         BK2 = min(cdiv_pow2(I), 128)
         warps = max(1, min(4, BK // (2 * vb) // 32))
         warps2 = max(1, min(4, KP * BK2 // (2 * vb) // 32))
         if T == 1:
-            return DecodeConfig(BM=1, BN=4, BK=BK, warps=warps, BN2=min(BN2, 4), BK2=BK2, warps2=2 * warps2,
-                                defer=False, defer2=False, pdl=pdl, ahead2=True)
+            BK2 = min(cdiv_pow2(I), 256)
+            warps2 = max(1, min(4, KP * BK2 // (2 * vb) // 32))
+            return DecodeConfig(BM=1, BN=4, BK=BK, warps=warps, BN2=min(BN2, 4), BK2=BK2, warps2=warps2,
+                                defer=False, defer2=False, pdl=pdl, ahead2=True, whole2=True)
         return DecodeConfig(BM=BM, BN=4, BK=BK, warps=warps, BN2=min(BN2, 2), BK2=BK2, warps2=warps2, defer=False,
                             defer2=False, pdl=pdl)
     if plain16 and T == 1 and not transposed:
