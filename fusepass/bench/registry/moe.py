@@ -389,7 +389,8 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
     cands = {"decode": base}
     if not smoke:
         # int4 chunks: one 16-byte chunk per thread and row at BK = 1024 x warps
-        for bn, bk, warps in ((2, 1024, 1), (8, 1024, 1), (4, 2048, 2), (2, 2048, 2), (1, 1024, 1)):
+        for bn, bk, warps in ((2, 1024, 1), (8, 1024, 1), (4, 2048, 2), (2, 2048, 2), (1, 1024, 1), (4, 1024, 2),
+                              (4, 2048, 4), (8, 2048, 4)):
             cands[f"up-BN{bn}-BK{bk}-w{warps}"] = replace(base, BN=bn, BK=bk, warps=warps)
         for bn2, bk2, warps2 in ((4, 256, 2), (1, 256, 2), (2, 128, 1), (4, 128, 1), (2, 512, 4), (4, 128, 2)):
             cands[f"down-BN{bn2}-BK{bk2}-w{warps2}"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2, ahead2=False,
