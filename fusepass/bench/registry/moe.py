@@ -393,8 +393,8 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
                               (4, 2048, 4), (8, 2048, 4)):
             cands[f"up-BN{bn}-BK{bk}-w{warps}"] = replace(base, BN=bn, BK=bk, warps=warps)
         for bn2, bk2, warps2 in ((4, 256, 2), (1, 256, 2), (2, 128, 1), (4, 128, 1), (2, 512, 4), (4, 128, 2)):
-            cands[f"down-BN{bn2}-BK{bk2}-w{warps2}"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2, ahead2=False,
-                                                               whole2=False)
+            cands[f"down-BN{bn2}-BK{bk2}-w{warps2}"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2,
+                                                               ahead2=False, whole2=False)
         # down's chunk loop loading its next tile ahead (the heuristic's 4 x 128 on two warps: 127 registers,
         # sm_90; the same tile without it above); 256 deep: three steps over I = 768 instead of six
         for bn2, bk2, warps2 in ((2, 128, 2), (8, 128, 2), (4, 128, 4), (2, 256, 2), (2, 256, 4), (4, 256, 4),
@@ -410,7 +410,7 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
                                                                      whole2=True)
         for bn2 in (4, 2):
             cands[f"down-BN{bn2}-BK1024-w4"] = replace(base, BN2=bn2, BK2=1024, warps2=4, ahead2=False,
-                                                                whole2=False)
+                                                       whole2=False)
         # (down's K split over 2-3 programs a tile lost at every tile: 15.8-18.4 µs against 14.0 for
         # the experts, H200, 40d0686; not swept)
     ref = block.reference(x, ids, w, quant)

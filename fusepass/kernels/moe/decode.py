@@ -547,11 +547,11 @@ def decode_heuristic(T: int, k: int, H: int, I: int, transposed: bool, n_sm: int
         # (whole2), 4 rows of 256-code tiles on two warps (one chunk a thread
         # and row at k = 8): H200, Qwen3-30B-A3B, the registry's int4 down
         # candidates (``sweep_int4``) three rounds in one process (2988c93):
-        # 12.5-12.8 µs for the experts against 13.5-13.8
-        # for the look-ahead's 4 x 128 on four warps (the default before; 13.9 /
-        # 14.1 in earlier sweeps), whole2 4 x 128 on two warps 13.1-13.2, 4 x 256
-        # on four 13.3-13.5, 2 rows 14.5-15.1.  Slices of more than WHOLE_TILES
-        # tiles take the look-ahead.
+        # 12.5-12.8 µs for the experts against 13.5-13.8 for the look-ahead's
+        # 4 x 128 on two warps (the default before; 13.9 / 14.1 in earlier
+        # sweeps), whole2 4 x 128 on two warps 13.1-13.2, 4 x 256 on four
+        # 13.3-13.5, 2 rows 14.0-15.1.  Slices of more than WHOLE_TILES tiles
+        # take the look-ahead.
         BK = min(cdiv_pow2(H), 1024)
         BK2 = min(cdiv_pow2(I), 128)
         warps = max(1, min(4, BK // (2 * vb) // 32))
