@@ -765,6 +765,8 @@ def fake_cuda(monkeypatch):
     from fusepass.kernels import _common
     from fusepass.kernels.dequant_matmul import config, plans
 
+    if torch.cuda.is_available():  # a real GPU: its lazy init reads the properties patched below
+        torch.cuda.init()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Props())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     _common.sm_count.cache_clear()
