@@ -100,7 +100,6 @@ def _graph_id() -> str:
 # 1, 8 layers, int4 (00d17c8, one command each): Qwen3-30B-A3B 592.4 -> 555.8
 # µs, Llama-3-8B 815.2 -> 783.9.
 CUDA_INDUCTOR_DEFAULTS: dict[str, Any] = {"combo_kernels": True}
-_WITHOUT_DEFAULTS = "without fusepass's Inductor settings"
 
 
 def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
@@ -132,18 +131,18 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
         attempts.append((dataclasses.replace(opts, inline_kernels=False), patches, "with inline_kernels=False"))
     if defaults:  # fusepass's own Inductor settings are never what keeps a graph from compiling
         off = {k: v for k, v in patches.items() if k not in defaults}
-        attempts.append((attempts[-1][0], off, f"{_WITHOUT_DEFAULTS} {defaults}"))
+        attempts.append((attempts[-1][0], off, f"without fusepass's Inductor settings {defaults}"))
     t0 = time.perf_counter()
     # Tensor-subclass parameters (torchao) are taken apart once, here, rather
     # than by AOTAutograd on every call; should that compile fail, the graph
     # is put back as Dynamo gave it and compiled once more.
     flat = flatten_subclass_inputs(gm, example_inputs)
     if flat is None:
-        compiled, graph = _first_that_compiles(gm, example_inputs, attempts, notes, user_pass, graph_id)
+        compiled, graph, used = _first_that_compiles(gm, example_inputs, attempts, notes, user_pass, graph_id)
     else:
         try:
-            compiled, graph = _first_that_compiles(gm, flat.example_inputs, attempts, notes, user_pass,
-                                                   graph_id)
+            compiled, graph, used = _first_that_compiles(gm, flat.example_inputs, attempts, notes, user_pass,
+                                                         graph_id)
             compiled = flat.wrap(compiled)
             notes.append(f"{flat.count} tensor-subclass parameter(s) taken apart once at compile time, "
                          "not by AOTAutograd on every call")
@@ -151,9 +150,9 @@ def fusepass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mo
             flat.restore()
             fallback = [a for a in attempts if not (a[0].inline_kernels and on_cuda)] or attempts[-1:]
             notes.append(_failed(exc, "as Dynamo gave it (tensor-subclass parameters not taken apart)"))
-            compiled, graph = _first_that_compiles(gm, example_inputs, fallback, notes, user_pass,
-                                                   graph_id)
-    if defaults and not any(_WITHOUT_DEFAULTS in n for n in notes):
+            compiled, graph, used = _first_that_compiles(gm, example_inputs, fallback, notes, user_pass,
+                                                         graph_id)
+    if defaults and defaults.items() <= used.items():
         notes.append("Inductor settings fusepass chose on CUDA (static shapes): "
                      + ", ".join(f"{k}={v!r}" for k, v in defaults.items()) + " (the options override them)")
     graph.notes.extend(notes)
@@ -177,17 +176,18 @@ def _symbolic(example_inputs: Sequence[Any]) -> bool:
 
 def _first_that_compiles(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                          attempts: list[tuple[Options, dict[str, Any], str]], notes: list[str],
-                         *args: Any) -> tuple[Any, _report.GraphReport]:
+                         *args: Any) -> tuple[Any, _report.GraphReport, dict[str, Any]]:
     """``_compile`` with each of ``attempts`` (options, Inductor patches, how the
     retry differs) in turn until one succeeds (the last one's error is raised);
-    each failure is logged and noted."""
+    each failure is logged and noted.  Returns the compiled graph, its report and
+    the Inductor patches it compiled with."""
     for i, (opts, patches, _) in enumerate(attempts):
         try:
             # The same graph module for a retry: AOTAutograd traces it without
             # changing it, and a copy would lose Dynamo's record of which
             # inputs are parameters (CUDA graphs would then copy every
             # parameter on every replay: measured, 205 copies per call).
-            return _compile(gm, example_inputs, opts, patches, *args)
+            return (*_compile(gm, example_inputs, opts, patches, *args), patches)
         except Exception as exc:  # noqa: BLE001
             if i == len(attempts) - 1:
                 raise
