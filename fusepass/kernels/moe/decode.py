@@ -263,6 +263,19 @@ def _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k0, K, N, i_n, stride_wn, stri
 
 
 @triton.jit
+def _int4_down_sums(acc, b_hw, rows, o_r, HDT: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_F32: tl.constexpr,
+                    ASM: tl.constexpr, BN: tl.constexpr):
+    """acc [KP, BN, NCH] plus one loaded K tile's chunk sums (``_int4_down_loads``' h
+    words and rows), row r into acc's column r."""
+    b_he, b_ho = _pair_to_f32(b_hw, HDT)
+    for r in tl.static_range(BN):
+        b_q, b_s, b_z = rows[r]
+        b_qe, b_qo = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
+        acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+    return acc
+
+
+@triton.jit
 def _down_finish(s, b_tw, p_s, p_b, m_r, m_n, p_o, DT: tl.constexpr, ROUND_W: tl.constexpr, FMT: tl.constexpr,
                  HAS_BIAS: tl.constexpr):
     """The k experts' sums [KP, BN] -> each rounded as the expert's output, times
@@ -372,11 +385,7 @@ def _moe_decode_down_kernel(
                                                   stride_sn, G, HAS_ZERO, VB, NCH, BN),)
             for t in tl.static_range(KT):
                 b_hw, rows = tiles[t]
-                b_he, b_ho = _pair_to_f32(b_hw, h.dtype.element_ty)
-                for r in tl.static_range(BN):
-                    b_q, b_s, b_z = rows[r]
-                    b_qe, b_qo = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
-                    acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+                acc = _int4_down_sums(acc, b_hw, rows, o_r, h.dtype.element_ty, HAS_ZERO, ZERO_F32, ASM, BN)
         elif AHEAD:  # the next tile's bytes loaded before this tile's sums (rows carried as a tuple)
             k_0 = k_lo + tl.full([], 0, tl.int32)  # (a tensor: tl.multiple_of takes no constexpr)
             b_hw, rows = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k_0, k_hi, N, i_n, stride_wn, stride_sn, G,
@@ -384,11 +393,7 @@ def _moe_decode_down_kernel(
             for k0 in range(k_lo, k_hi, BK):
                 b_hwn, rows_n = _int4_down_loads(p_h2, v_j, p_we, p_se, p_ze, k0 + BK, k_hi, N, i_n, stride_wn,
                                                  stride_sn, G, HAS_ZERO, VB, NCH, BN)
-                b_he, b_ho = _pair_to_f32(b_hw, h.dtype.element_ty)
-                for r in tl.static_range(BN):
-                    b_q, b_s, b_z = rows[r]
-                    b_qe, b_qo = _int4_minus_loaded_zero(b_q, b_z, HAS_ZERO, ZERO_F32, ASM)
-                    acc += tl.where(o_r == r, _chunk_sums(b_qe, b_qo, b_s, b_he, b_ho)[:, None, :], 0.0)
+                acc = _int4_down_sums(acc, b_hw, rows, o_r, h.dtype.element_ty, HAS_ZERO, ZERO_F32, ASM, BN)
                 b_hw, rows = b_hwn, rows_n
         else:
             for k0 in range(k_lo, k_hi, BK):
