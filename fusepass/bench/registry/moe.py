@@ -395,8 +395,8 @@ def sweep_int4(block: Block, x, ids, w, quant, time_us, smoke: bool) -> dict[str
         for bn2, bk2, warps2 in ((4, 256, 2), (1, 256, 2), (2, 128, 1), (4, 128, 1), (2, 512, 4), (4, 128, 2)):
             cands[f"down-BN{bn2}-BK{bk2}-w{warps2}"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2,
                                                                ahead2=False, whole2=False)
-        # down's chunk loop loading its next tile ahead (the heuristic's 4 x 128 on two warps: 127 registers,
-        # sm_90; the same tile without it above); 256 deep: three steps over I = 768 instead of six
+        # down's chunk loop loading its next tile ahead (the heuristic's before whole2, 4 x 128 on two warps: 127
+        # registers, sm_90; the same tile without it above); 256 deep: three steps over I = 768 instead of six
         for bn2, bk2, warps2 in ((2, 128, 2), (8, 128, 2), (4, 128, 4), (2, 256, 2), (2, 256, 4), (4, 256, 4),
                                  (8, 128, 4)):
             cands[f"down-BN{bn2}-BK{bk2}-w{warps2}-ahead"] = replace(base, BN2=bn2, BK2=bk2, warps2=warps2,
