@@ -50,6 +50,26 @@ def test_kernel_matches_fp64_on_every_row(dtype, B, H, HKV, T, L, D, DV, cfg):
 
 
 @interpreted
+@pytest.mark.parametrize("scan_min", [1, 99])
+def test_kernel_streams_or_scans_a_window_the_mask_lets_through(scan_min):
+    """The mask's window [first, last) away from both ends of the splits (seven blocks: the scan's
+    four-block steps end on a partial one), found by the scan or streamed whole: the same rows."""
+    torch.manual_seed(scan_min)
+    B, H, HKV, L, D = 2, 4, 2, 110, 16
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, HKV, L, D), torch.randn(B, HKV, L, D)
+    pos = torch.arange(L)
+    lo, hi = torch.tensor([37, 3]), torch.tensor([70, 109])
+    mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
+    cfg = (16, 1, 4)
+    da.decode_attention_fwd(torch.full_like(q, float("nan")), k, v, mask, 0.3, cfg, scan_min)
+    got = da.decode_attention_fwd(q, k, v, mask, 0.3, cfg, scan_min)
+    want = da.reference(q.double(), k.double(), v.double(), mask, 0.3)
+    assert_close(got, want.float(), f"decode_attention scan_min {scan_min}", dtype=torch.float32)
+    steps = da.launches(q, k, v, da._full_bias(q, k, mask), 0.3, torch.empty_like(got), cfg, scan_min)[0]
+    assert steps[0].args["SCAN"] == (scan_min == 1)
+
+
+@interpreted
 def test_kernel_masks_float_per_head_and_rows_hidden_everywhere():
     """A float mask that differs per head and row (finite values added, -inf hiding), and a row the
     mask hides everywhere: 0, as PyTorch's math attention gives, never NaN."""

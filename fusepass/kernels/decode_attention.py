@@ -18,24 +18,26 @@ skips the blocks of positions before the first and after the last that the
 mask lets through (a static cache's unwritten slots) without reading their
 keys or values: exact, since such a block adds exp(-inf) = 0 to every sum.
 
-The kernel: programs (batch x key/value head, split of L).  Each reads
-its positions' mask first and keeps the span from the first block it lets
-through to the last, then streams that span in BL-row blocks (no branch:
-the loads pipeline): scores with tl.dot in fp32, the mask added, an online
-softmax (running max and sum in the exp2 domain), p @ v accumulated in
-fp32 (p rounded to the cache's dtype for the dot, as flash attention
-kernels do; fp32 caches multiply in full fp32).  One split writes the
-normalised rows; more write (max, sum, unnormalised rows) to a workspace
-that a second launch merges.  A row masked everywhere gives 0, as
-PyTorch's math attention (its safe softmax) does; scores holding
-infinities of both signs (an inf in q) give NaN, as the math attention
-does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more than
-``MAX_ROWS`` query rows a head go to the reference (plain torch).
+The kernel: programs (batch x key/value head, split of L).  Where a split
+spans several blocks, each reads its positions' mask first (four blocks a
+memory round trip) and keeps the span from the first block it lets through
+to the last; then it streams that span in BL-row blocks (no branch: the
+loads pipeline), each block's mask read beside its keys and values: scores
+with tl.dot in fp32, the mask added, an online softmax (running max and sum
+in the exp2 domain), p @ v accumulated in fp32 (p rounded to the cache's
+dtype for the dot, as flash attention kernels do; fp32 caches multiply in
+full fp32).  One split writes the normalised rows; more write (max, sum,
+unnormalised rows) to a workspace that a second launch merges.  A row masked
+everywhere gives 0, as PyTorch's math attention (its safe softmax) does;
+scores holding infinities of both signs (an inf in q) give NaN, as the math
+attention does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more
+than ``MAX_ROWS`` query rows a head go to the reference (plain torch).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -68,8 +70,8 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                              s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kl, s_kd, s_vb, s_vh, s_vl, s_vd,
                              s_bb, s_bh, s_bt, s_bl, qk_scale,
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                             IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr,
-                             BD: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr = False):
+                             SCAN: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr,
+                             BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr = False):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     pid = tl.program_id(0)  # b * HKV + key/value head
     sp = tl.program_id(1)  # split of L
@@ -95,17 +97,29 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
     end = tl.minimum(start + SPAN, L)
     lo = start
     hi = end
-    if HAS_BIAS:
+    if HAS_BIAS and SCAN:
         # The mask first (a few bytes a position): the positions from the first block it lets through to
         # the last.  The loop below then has no branch, so Triton pipelines its key and value loads (a
         # branch a block serialised three memory round trips a block: 8.5 µs a layer in a model, cold).
+        # Four blocks' masks a step, their loads issued together: a loop without tl.dot is not
+        # pipelined, so each step is one memory round trip.
         lo = end
         hi = start
-        for l0 in range(start, end, BL):
-            add = _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
-            live = tl.max(tl.max(add, axis=1), axis=0) > float("-inf")
-            lo = tl.where(live & (l0 < lo), l0, lo)
-            hi = tl.where(live, l0 + BL, hi)
+        for l0 in range(start, end, 4 * BL):
+            a0 = _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
+            a1 = _mask_block(bias, b64, h, t, ok_r, l0 + BL, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
+            a2 = _mask_block(bias, b64, h, t, ok_r, l0 + 2 * BL, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
+            a3 = _mask_block(bias, b64, h, t, ok_r, l0 + 3 * BL, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
+            live0 = tl.max(tl.max(a0, axis=1), axis=0) > float("-inf")
+            live1 = tl.max(tl.max(a1, axis=1), axis=0) > float("-inf")
+            live2 = tl.max(tl.max(a2, axis=1), axis=0) > float("-inf")
+            live3 = tl.max(tl.max(a3, axis=1), axis=0) > float("-inf")
+            first = tl.where(live0, l0, tl.where(live1, l0 + BL,
+                                                 tl.where(live2, l0 + 2 * BL, tl.where(live3, l0 + 3 * BL, end))))
+            last = tl.where(live3, l0 + 4 * BL, tl.where(live2, l0 + 3 * BL,
+                                                         tl.where(live1, l0 + 2 * BL, tl.where(live0, l0 + BL, start))))
+            lo = tl.minimum(lo, first)
+            hi = tl.maximum(hi, last)
     for l0 in range(lo, hi, BL):
         pos = l0 + tl.arange(0, BL)
         ok_l = pos < end
@@ -196,9 +210,22 @@ def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.dev
     return BL, split, 8 if max(16, _pow2(rows)) * max(D, DV) >= 8192 or BL * max(D, DV) >= 32768 else 4
 
 
+# A split of fewer blocks than this streams all of them, each block's mask read beside its keys and
+# values, with no scan of the mask first: the scan is a memory round trip before the first key (a static
+# cache of prompt + new tokens, 128 + 128 in the bench, has two blocks, both live from half way).
+SCAN_MIN_BLOCKS = 3
+
+
+def _scan_min() -> int:
+    """SCAN_MIN_BLOCKS, or ``FUSEPASS_ATTENTION_SCAN_MIN`` (an A/B of the two loops in one command)."""
+    env = os.environ.get("FUSEPASS_ATTENTION_SCAN_MIN")
+    return int(env) if env else SCAN_MIN_BLOCKS
+
+
 def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, out: Tensor,
-             cfg: tuple[int, int, int] | None = None) -> tuple[list[Launch], Tensor]:
-    """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]."""
+             cfg: tuple[int, int, int] | None = None, scan_min: int | None = None) -> tuple[list[Launch], Tensor]:
+    """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]; a
+    split of ``scan_min`` blocks or more scans its mask first (default: SCAN_MIN_BLOCKS)."""
     B, H, T, D = q.shape
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
@@ -206,6 +233,7 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
     BL, split, warps = cfg or plan(B, HKV, G * T, L, D, DV, q.device)
     span = cdiv(cdiv(L, split), BL) * BL  # positions a split owns, whole blocks
     split = max(1, cdiv(L, span))
+    scan = span // BL >= (scan_min if scan_min is not None else _scan_min())
     BDV = max(16, _pow2(DV))
     if split > 1:
         ws = torch.empty((B * HKV * split * BR, BDV), dtype=torch.float32, device=q.device)
@@ -222,7 +250,8 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         s_vb=v.stride(0), s_vh=v.stride(1), s_vl=v.stride(2), s_vd=v.stride(3),
         s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
-        IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)), BDV=BDV,
+        SCAN=scan, IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)),
+        BDV=BDV,
         PDL=pdl), ("ws", "wml") if split > 1 else ("o",), warps, 2)
     if split == 1:
         return [main], out
@@ -285,14 +314,14 @@ def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def decode_attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
-                         cfg: tuple[int, int, int] | None = None) -> Tensor:
-    """The CUDA body (``cfg`` overrides the plan: tests, sweeps)."""
+                         cfg: tuple[int, int, int] | None = None, scan_min: int | None = None) -> Tensor:
+    """The CUDA body (``cfg`` and ``scan_min`` override the plan: tests, sweeps)."""
     if not takes(q, k, v):
         return reference(q, k, v, bias, scale)
     B, H, T, _ = q.shape
     out = torch.empty((B, T, H, v.shape[3]), dtype=q.dtype, device=q.device)
     with on_device(q):
-        run_all(launches(q, k, v, _full_bias(q, k, bias), scale, out, cfg)[0])
+        run_all(launches(q, k, v, _full_bias(q, k, bias), scale, out, cfg, scan_min)[0])
     return out
 
 
