@@ -212,7 +212,10 @@ def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.dev
 
 # A split of fewer blocks than this streams all of them, each block's mask read beside its keys and
 # values, with no scan of the mask first: the scan is a memory round trip before the first key (a static
-# cache of prompt + new tokens, 128 + 128 in the bench, has two blocks, both live from half way).
+# cache of prompt + new tokens, 128 + 128 in the bench, has two blocks, both live from half way).  H200,
+# replayed step, 8 layers, int4, one command: Llama-3-8B 775.1 µs against 783.9 scanning, Qwen3-30B-A3B
+# 534.0 against 541.2.  (Alone and warm over a half-written 256-slot cache, where the scan skips the
+# second block: 5.7 µs against 4.6.)
 SCAN_MIN_BLOCKS = 3
 
 
