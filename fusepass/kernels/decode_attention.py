@@ -225,6 +225,16 @@ def _scan_min() -> int:
     return int(env) if env else SCAN_MIN_BLOCKS
 
 
+def _env_cfg() -> tuple[int, int, int] | None:
+    """``FUSEPASS_ATTENTION_CFG="BL,split,warps"``: that plan for every call (an A/B of plans in a model's
+    step, one process each); unset: the plan's."""
+    env = os.environ.get("FUSEPASS_ATTENTION_CFG")
+    if not env:
+        return None
+    bl, split, warps = (int(v) for v in env.split(","))
+    return bl, split, warps
+
+
 def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, out: Tensor,
              cfg: tuple[int, int, int] | None = None, scan_min: int | None = None) -> tuple[list[Launch], Tensor]:
     """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]; a
@@ -233,7 +243,7 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
     BR = max(16, _pow2(G * T))
-    BL, split, warps = cfg or plan(B, HKV, G * T, L, D, DV, q.device)
+    BL, split, warps = cfg or _env_cfg() or plan(B, HKV, G * T, L, D, DV, q.device)
     span = cdiv(cdiv(L, split), BL) * BL  # positions a split owns, whole blocks
     split = max(1, cdiv(L, span))
     scan = span // BL >= (scan_min if scan_min is not None else _scan_min())
