@@ -32,6 +32,13 @@ everywhere gives 0, as PyTorch's math attention (its safe softmax) does;
 scores holding infinities of both signs (an inf in q) give NaN, as the math
 attention does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more
 than ``MAX_ROWS`` query rows a head go to the reference (plain torch).
+
+A plan may cut each block into one sub-block a warp (``_attend_by_warps``:
+batched dots, the softmax's max and sum inside each warp, the warps' rows
+merged once at the end): sm_90 SASS at 128 positions, eight warps, 16-bit
+heads of 128: 387 instructions a block and warp and two barriers, against
+525 and nine for the same block on eight warps in 2D (859 and nine on four).
+Not timed yet, so no plan picks it (``FUSEPASS_ATTENTION_CFG=128,1,8,1``).
 """
 
 from __future__ import annotations
@@ -66,12 +73,74 @@ def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIA
 
 
 @triton.jit
+def _attend_by_warps(b_q, k0, v0, bias, b64, h, t, ok_r, lo, hi, end, s_kl, s_kd, s_vl, s_vd, s_bb, s_bh, s_bt,
+                     s_bl, qk, D, DV, HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                     EMU: tl.constexpr, NSUB: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
+                     BDV: tl.constexpr):
+    """The block loop with each BL-position block cut into NSUB sub-blocks, one a warp: batched dots over
+    [NSUB, ...] tiles (Triton gives a batched dot's warps to its batch dimension), a running max, sum and
+    accumulator per sub-block, merged once after the loop.  The 2D loop's 16 query rows leave its warps
+    splitting the positions, so every block's row max and sum cross warps through shared memory (nine
+    barriers a block, sm_90); here they stay inside a warp.  Returns (max, sum, rows) as the 2D loop."""
+    BLS: tl.constexpr = BL // NSUB
+    d = tl.arange(0, BD)
+    dv = tl.arange(0, BDV)
+    sub = tl.arange(0, NSUB)[:, None] * BLS + tl.arange(0, BLS)[None, :]  # [NSUB, BLS]
+    q3 = tl.broadcast_to(tl.expand_dims(b_q, 0), (NSUB, BR, BD))
+    m3 = tl.full([NSUB, BR], float("-inf"), tl.float32)
+    l3 = tl.zeros([NSUB, BR], tl.float32)
+    acc3 = tl.zeros([NSUB, BR, BDV], tl.float32)
+    for l0 in range(lo, hi, BL):
+        pos = l0 + sub
+        ok_l = pos < end
+        b_k = tl.load(k0 + pos.to(tl.int64)[:, :, None] * s_kl + d[None, None, :] * s_kd,
+                      mask=ok_l[:, :, None] & (d[None, None, :] < D), other=0)
+        b_v = tl.load(v0 + pos.to(tl.int64)[:, :, None] * s_vl + dv[None, None, :] * s_vd,
+                      mask=ok_l[:, :, None] & (dv[None, None, :] < DV), other=0)
+        if HAS_BIAS:
+            p_b = bias + b64 * s_bb + (h.to(tl.int64) * s_bh + t * s_bt)[None, :, None] \
+                + pos.to(tl.int64)[:, None, :] * s_bl
+            m_b = ok_r[None, :, None] & ok_l[:, None, :]
+            if BOOL_BIAS:
+                add = tl.where(tl.load(p_b, mask=m_b, other=0) != 0, 0.0, float("-inf"))
+            else:
+                add = tl.load(p_b, mask=m_b, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        else:
+            add = tl.where(ok_r[None, :, None] & ok_l[:, None, :], 0.0, float("-inf"))
+        if IEEE or EMU:
+            s = tl.dot(q3.to(tl.float32), tl.permute(b_k.to(tl.float32), (0, 2, 1)), input_precision="ieee")
+        else:
+            s = tl.dot(q3, tl.permute(b_k, (0, 2, 1)))
+        s = s * qk + add  # [NSUB, BR, BLS] (log2 domain)
+        m_new = tl.maximum(m3, tl.max(s, axis=2))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m3 - m_use)
+        p = tl.exp2(s - m_use[:, :, None])
+        l3 = l3 * alpha + tl.sum(p, axis=2)
+        if IEEE:
+            pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+        elif EMU:
+            pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(b_v.dtype), b_v)
+        acc3 = acc3 * alpha[:, :, None] + pv
+        m3 = m_new
+    # The sub-blocks merged: each one's sums were taken against its own max (0 where it saw nothing, and
+    # then its sums are 0: its weight exp2(-inf) = 0 keeps an overflowing exp2(0 - max) out).
+    m_i = tl.max(m3, axis=0)
+    m_all = tl.where(m_i == float("-inf"), 0.0, m_i)
+    w = tl.exp2(m3 - m_all[None, :])
+    return m_i, tl.sum(w * l3, axis=0), tl.sum(w[:, :, None] * acc3, axis=0)
+
+
+@triton.jit
 def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, SPAN,
                              s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kl, s_kd, s_vb, s_vh, s_vl, s_vd,
                              s_bb, s_bh, s_bt, s_bl, qk_scale,
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                             SCAN: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr,
-                             BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr = False):
+                             SCAN: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, NSUB: tl.constexpr,
+                             BR: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                             PDL: tl.constexpr = False):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     pid = tl.program_id(0)  # b * HKV + key/value head
     sp = tl.program_id(1)  # split of L
@@ -120,35 +189,40 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                                                          tl.where(live1, l0 + 2 * BL, tl.where(live0, l0 + BL, start))))
             lo = tl.minimum(lo, first)
             hi = tl.maximum(hi, last)
-    for l0 in range(lo, hi, BL):
-        pos = l0 + tl.arange(0, BL)
-        ok_l = pos < end
-        b_k = tl.load(k0 + pos.to(tl.int64)[:, None] * s_kl + d[None, :] * s_kd,
-                      mask=ok_l[:, None] & (d[None, :] < D), other=0)
-        b_v = tl.load(v0 + pos.to(tl.int64)[:, None] * s_vl + dv[None, :] * s_vd,
-                      mask=ok_l[:, None] & (dv[None, :] < DV), other=0)
-        if HAS_BIAS:
-            add = _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
-        else:
-            add = tl.where(ok_r[:, None] & ok_l[None, :], 0.0, float("-inf"))
-        if IEEE or EMU:  # (EMU: the interpreter's bf16 dot is wrong; bf16 products are exact in fp32)
-            s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(b_q, tl.trans(b_k))
-        s = s * qk + add  # (log2 domain)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-        elif EMU:
-            pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(b_v.dtype), b_v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if NSUB > 1:
+        m_i, l_i, acc = _attend_by_warps(b_q, k0, v0, bias, b64, h, t, ok_r, lo, hi, end, s_kl, s_kd, s_vl, s_vd,
+                                         s_bb, s_bh, s_bt, s_bl, qk, D, DV, HAS_BIAS, BOOL_BIAS, IEEE, EMU, NSUB,
+                                         BR, BL, BD, BDV)
+    else:
+        for l0 in range(lo, hi, BL):
+            pos = l0 + tl.arange(0, BL)
+            ok_l = pos < end
+            b_k = tl.load(k0 + pos.to(tl.int64)[:, None] * s_kl + d[None, :] * s_kd,
+                          mask=ok_l[:, None] & (d[None, :] < D), other=0)
+            b_v = tl.load(v0 + pos.to(tl.int64)[:, None] * s_vl + dv[None, :] * s_vd,
+                          mask=ok_l[:, None] & (dv[None, :] < DV), other=0)
+            if HAS_BIAS:
+                add = _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
+            else:
+                add = tl.where(ok_r[:, None] & ok_l[None, :], 0.0, float("-inf"))
+            if IEEE or EMU:  # (EMU: the interpreter's bf16 dot is wrong; bf16 products are exact in fp32)
+                s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(b_q, tl.trans(b_k))
+            s = s * qk + add  # (log2 domain)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+            elif EMU:
+                pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(b_v.dtype), b_v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
     if SPLIT:
         slot = pid * tl.num_programs(1) + sp
         tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BDV + dv[None, :], acc)
@@ -225,25 +299,27 @@ def _scan_min() -> int:
     return int(env) if env else SCAN_MIN_BLOCKS
 
 
-def _env_cfg() -> tuple[int, int, int] | None:
-    """``FUSEPASS_ATTENTION_CFG="BL,split,warps"``: that plan for every call (an A/B of plans in a model's
-    step, one process each); unset: the plan's."""
+def _env_cfg() -> tuple[int, ...] | None:
+    """``FUSEPASS_ATTENTION_CFG="BL,split,warps[,1]"``: that plan for every call (an A/B of plans in a
+    model's step, one process each; a fourth 1: sub-blocks by warps); unset: the plan's."""
     env = os.environ.get("FUSEPASS_ATTENTION_CFG")
-    if not env:
-        return None
-    bl, split, warps = (int(v) for v in env.split(","))
-    return bl, split, warps
+    return tuple(int(v) for v in env.split(",")) if env else None
 
 
 def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, out: Tensor,
-             cfg: tuple[int, int, int] | None = None, scan_min: int | None = None) -> tuple[list[Launch], Tensor]:
+             cfg: tuple[int, ...] | None = None, scan_min: int | None = None) -> tuple[list[Launch], Tensor]:
     """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]; a
-    split of ``scan_min`` blocks or more scans its mask first (default: SCAN_MIN_BLOCKS)."""
+    split of ``scan_min`` blocks or more scans its mask first (default: SCAN_MIN_BLOCKS).  ``cfg``:
+    (BL, split, warps), or with a fourth 1 each block cut into a sub-block a warp (_attend_by_warps;
+    BL / warps >= 16 positions)."""
     B, H, T, D = q.shape
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
     BR = max(16, _pow2(G * T))
-    BL, split, warps = cfg or _env_cfg() or plan(B, HKV, G * T, L, D, DV, q.device)
+    BL, split, warps, *by_warps = cfg or _env_cfg() or plan(B, HKV, G * T, L, D, DV, q.device)
+    nsub = warps if by_warps and by_warps[0] else 1
+    if BL % nsub or BL // nsub < 16:
+        raise ValueError(f"decode_attention: {BL}-position blocks do not cut into {nsub} sub-blocks of 16 or more")
     span = cdiv(cdiv(L, split), BL) * BL  # positions a split owns, whole blocks
     split = max(1, cdiv(L, span))
     scan = span // BL >= (scan_min if scan_min is not None else _scan_min())
@@ -263,8 +339,8 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         s_vb=v.stride(0), s_vh=v.stride(1), s_vl=v.stride(2), s_vd=v.stride(3),
         s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
-        SCAN=scan, IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL, BD=max(16, _pow2(D)),
-        BDV=BDV,
+        SCAN=scan, NSUB=nsub, IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL,
+        BD=max(16, _pow2(D)), BDV=BDV,
         PDL=pdl), ("ws", "wml") if split > 1 else ("o",), warps, 2)
     if split == 1:
         return [main], out
@@ -327,7 +403,7 @@ def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def decode_attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
-                         cfg: tuple[int, int, int] | None = None, scan_min: int | None = None) -> Tensor:
+                         cfg: tuple[int, ...] | None = None, scan_min: int | None = None) -> Tensor:
     """The CUDA body (``cfg`` and ``scan_min`` override the plan: tests, sweeps)."""
     if not takes(q, k, v):
         return reference(q, k, v, bias, scale)
