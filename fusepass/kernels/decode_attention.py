@@ -73,6 +73,25 @@ def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIA
 
 
 @triton.jit
+def _softmax_step(s, b_v, m_i, l_i, acc, IEEE: tl.constexpr, EMU: tl.constexpr):
+    """One block of the online softmax over the last axis of the scores ``s`` (log2 domain, mask
+    added): the running max ``m_i``, sum ``l_i`` and rows ``acc`` with p @ v added."""
+    AX: tl.constexpr = len(s.shape) - 1
+    m_new = tl.maximum(m_i, tl.max(s, axis=AX))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - tl.expand_dims(m_use, AX))
+    l_i = l_i * alpha + tl.sum(p, axis=AX)
+    if IEEE:
+        pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+    elif EMU:
+        pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(b_v.dtype), b_v)
+    return m_new, l_i, acc * tl.expand_dims(alpha, AX) + pv
+
+
+@triton.jit
 def _attend_by_warps(b_q, k0, v0, bias, b64, h, t, ok_r, lo, hi, end, s_kl, s_kd, s_vl, s_vd, s_bb, s_bh, s_bt,
                      s_bl, qk, D, DV, HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, IEEE: tl.constexpr,
                      EMU: tl.constexpr, NSUB: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
@@ -111,20 +130,7 @@ def _attend_by_warps(b_q, k0, v0, bias, b64, h, t, ok_r, lo, hi, end, s_kl, s_kd
             s = tl.dot(q3.to(tl.float32), tl.permute(b_k.to(tl.float32), (0, 2, 1)), input_precision="ieee")
         else:
             s = tl.dot(q3, tl.permute(b_k, (0, 2, 1)))
-        s = s * qk + add  # [NSUB, BR, BLS] (log2 domain)
-        m_new = tl.maximum(m3, tl.max(s, axis=2))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m3 - m_use)
-        p = tl.exp2(s - m_use[:, :, None])
-        l3 = l3 * alpha + tl.sum(p, axis=2)
-        if IEEE:
-            pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-        elif EMU:
-            pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(b_v.dtype), b_v)
-        acc3 = acc3 * alpha[:, :, None] + pv
-        m3 = m_new
+        m3, l3, acc3 = _softmax_step(s * qk + add, b_v, m3, l3, acc3, IEEE, EMU)  # ([NSUB, BR, BLS] scores)
     # The sub-blocks merged: each one's sums were taken against its own max (0 where it saw nothing, and
     # then its sums are 0: its weight exp2(-inf) = 0 keeps an overflowing exp2(0 - max) out).
     m_i = tl.max(m3, axis=0)
@@ -209,20 +215,7 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                 s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(b_q, tl.trans(b_k))
-            s = s * qk + add  # (log2 domain)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-            elif EMU:
-                pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(b_v.dtype), b_v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(s * qk + add, b_v, m_i, l_i, acc, IEEE, EMU)
     if SPLIT:
         slot = pid * tl.num_programs(1) + sp
         tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BDV + dv[None, :], acc)
