@@ -117,8 +117,8 @@ def _attend_by_warps(b_q, k0, v0, bias, b64, h, t, ok_r, lo, hi, end, s_kl, s_kd
         b_v = tl.load(v0 + pos.to(tl.int64)[:, :, None] * s_vl + dv[None, None, :] * s_vd,
                       mask=ok_l[:, :, None] & (dv[None, None, :] < DV), other=0)
         if HAS_BIAS:
-            p_b = bias + b64 * s_bb + (h.to(tl.int64) * s_bh + t * s_bt)[None, :, None] \
-                + pos.to(tl.int64)[:, None, :] * s_bl
+            p_b = (bias + b64 * s_bb + (h.to(tl.int64) * s_bh + t * s_bt)[None, :, None]
+                   + pos.to(tl.int64)[:, None, :] * s_bl)
             m_b = ok_r[None, :, None] & ok_l[:, None, :]
             if BOOL_BIAS:
                 add = tl.where(tl.load(p_b, mask=m_b, other=0) != 0, 0.0, float("-inf"))
