@@ -61,15 +61,20 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS: tl.constexpr, BL: tl.constexpr):
-    """The mask of rows x [l0, l0 + BL) as an fp32 addend in the exp2 domain (-inf: hidden)."""
-    pos = l0 + tl.arange(0, BL)
-    p_b = bias + b64 * s_bb + h.to(tl.int64)[:, None] * s_bh + t[:, None] * s_bt + pos.to(tl.int64)[None, :] * s_bl
-    m_b = ok_r[:, None] & (pos < end)[None, :]
+def _mask_values(p_b, m_b, BOOL_BIAS: tl.constexpr):
+    """The mask at ``p_b`` (where ``m_b``) as an fp32 addend in the exp2 domain (-inf: hidden)."""
     if BOOL_BIAS:
         return tl.where(tl.load(p_b, mask=m_b, other=0) != 0, 0.0, float("-inf"))
     else:
         return tl.load(p_b, mask=m_b, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+
+
+@triton.jit
+def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS: tl.constexpr, BL: tl.constexpr):
+    """The mask of rows x [l0, l0 + BL) as an fp32 addend in the exp2 domain (-inf: hidden)."""
+    pos = l0 + tl.arange(0, BL)
+    p_b = bias + b64 * s_bb + h.to(tl.int64)[:, None] * s_bh + t[:, None] * s_bt + pos.to(tl.int64)[None, :] * s_bl
+    return _mask_values(p_b, ok_r[:, None] & (pos < end)[None, :], BOOL_BIAS)
 
 
 @triton.jit
@@ -119,11 +124,7 @@ def _attend_by_warps(b_q, k0, v0, bias, b64, h, t, ok_r, lo, hi, end, s_kl, s_kd
         if HAS_BIAS:
             p_b = (bias + b64 * s_bb + (h.to(tl.int64) * s_bh + t * s_bt)[None, :, None]
                    + pos.to(tl.int64)[:, None, :] * s_bl)
-            m_b = ok_r[None, :, None] & ok_l[:, None, :]
-            if BOOL_BIAS:
-                add = tl.where(tl.load(p_b, mask=m_b, other=0) != 0, 0.0, float("-inf"))
-            else:
-                add = tl.load(p_b, mask=m_b, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+            add = _mask_values(p_b, ok_r[None, :, None] & ok_l[:, None, :], BOOL_BIAS)
         else:
             add = tl.where(ok_r[None, :, None] & ok_l[:, None, :], 0.0, float("-inf"))
         if IEEE or EMU:
@@ -284,19 +285,23 @@ def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.dev
 # 534.0 against 541.2.  (Alone and warm over a half-written 256-slot cache, where the scan skips the
 # second block: 5.7 µs against 4.6.)
 SCAN_MIN_BLOCKS = 3
+# Read once, at import: an A/B of kernels in a model's step, one process each (not per call, on the
+# decode step's host path).  FUSEPASS_ATTENTION_SCAN_MIN: SCAN_MIN_BLOCKS's value (1: always scan).
+# FUSEPASS_ATTENTION_CFG="BL,split,warps[,1]": that plan for every call (a fourth 1: sub-blocks by warps).
 
 
-def _scan_min() -> int:
-    """SCAN_MIN_BLOCKS, or ``FUSEPASS_ATTENTION_SCAN_MIN`` (an A/B of the two loops in one command)."""
-    env = os.environ.get("FUSEPASS_ATTENTION_SCAN_MIN")
-    return int(env) if env else SCAN_MIN_BLOCKS
+def _env_ints(name: str) -> tuple[int, ...] | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: comma-separated integers expected") from None
 
 
-def _env_cfg() -> tuple[int, ...] | None:
-    """``FUSEPASS_ATTENTION_CFG="BL,split,warps[,1]"``: that plan for every call (an A/B of plans in a
-    model's step, one process each; a fourth 1: sub-blocks by warps); unset: the plan's."""
-    env = os.environ.get("FUSEPASS_ATTENTION_CFG")
-    return tuple(int(v) for v in env.split(",")) if env else None
+_SCAN_MIN = (_env_ints("FUSEPASS_ATTENTION_SCAN_MIN") or (SCAN_MIN_BLOCKS,))[0]
+_ENV_CFG = _env_ints("FUSEPASS_ATTENTION_CFG")
 
 
 def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, out: Tensor,
@@ -309,13 +314,13 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
     BR = max(16, _pow2(G * T))
-    BL, split, warps, *by_warps = cfg or _env_cfg() or plan(B, HKV, G * T, L, D, DV, q.device)
+    BL, split, warps, *by_warps = cfg or _ENV_CFG or plan(B, HKV, G * T, L, D, DV, q.device)
     nsub = warps if by_warps and by_warps[0] else 1
     if BL % nsub or BL // nsub < 16:
         raise ValueError(f"decode_attention: {BL}-position blocks do not cut into {nsub} sub-blocks of 16 or more")
     span = cdiv(cdiv(L, split), BL) * BL  # positions a split owns, whole blocks
     split = max(1, cdiv(L, span))
-    scan = span // BL >= (scan_min if scan_min is not None else _scan_min())
+    scan = span // BL >= (scan_min if scan_min is not None else _SCAN_MIN)
     BDV = max(16, _pow2(DV))
     if split > 1:
         ws = torch.empty((B * HKV * split * BR, BDV), dtype=torch.float32, device=q.device)
