@@ -33,9 +33,6 @@ def _mask(B, T, L, written):
     (1, 6, 3, 3, 45, 24, 40, (16, 2, 4)),  # speculative rows, odd head dims, D_v != D
     (2, 4, 4, 2, 37, 16, 16, None),  # multi-head, the plan's choice
     (1, 64, 1, 1, 20, 16, 16, (16, 64, 4)),  # 64 rows a tile; more splits than blocks
-    (1, 8, 2, 1, 150, 16, 16, (64, 1, 4, 1)),  # sub-blocks a warp: two blocks and a partial one
-    (2, 8, 2, 1, 200, 32, 32, (64, 3, 4, 1)),  # sub-blocks a warp, three splits merged
-    (1, 6, 3, 3, 45, 24, 40, (128, 1, 8, 1)),  # sub-blocks a warp, speculative rows, D_v != D
 ])
 def test_kernel_matches_fp64_on_every_row(dtype, B, H, HKV, T, L, D, DV, cfg):
     """Every output element written (the output pool is NaN first) and within the dtype's
@@ -54,16 +51,16 @@ def test_kernel_matches_fp64_on_every_row(dtype, B, H, HKV, T, L, D, DV, cfg):
 
 @interpreted
 @pytest.mark.parametrize("scan_min", [1, 99])
-@pytest.mark.parametrize("cfg", [(16, 1, 4), (32, 1, 2, 1)])
-def test_kernel_streams_or_scans_a_window_the_mask_lets_through(scan_min, cfg):
-    """The mask's window [first, last) away from both ends of the splits (seven blocks of 16: the
-    scan's four-block steps end on a partial one), found by the scan or streamed whole: the same rows."""
+def test_kernel_streams_or_scans_a_window_the_mask_lets_through(scan_min):
+    """The mask's window [first, last) away from both ends of the splits (seven blocks: the scan's
+    four-block steps end on a partial one), found by the scan or streamed whole: the same rows."""
     torch.manual_seed(scan_min)
     B, H, HKV, L, D = 2, 4, 2, 110, 16
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, HKV, L, D), torch.randn(B, HKV, L, D)
     pos = torch.arange(L)
     lo, hi = torch.tensor([37, 3]), torch.tensor([70, 109])
     mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
+    cfg = (16, 1, 4)
     da.decode_attention_fwd(torch.full_like(q, float("nan")), k, v, mask, 0.3, cfg, scan_min)
     got = da.decode_attention_fwd(q, k, v, mask, 0.3, cfg, scan_min)
     want = da.reference(q.double(), k.double(), v.double(), mask, 0.3)
@@ -72,15 +69,8 @@ def test_kernel_streams_or_scans_a_window_the_mask_lets_through(scan_min, cfg):
     assert steps[0].args["SCAN"] == (scan_min == 1)
 
 
-def test_sub_blocks_need_sixteen_positions_a_warp():
-    q, kv = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 16)
-    with pytest.raises(ValueError, match="sub-blocks of 16"):
-        da.launches(q, kv, kv, None, 0.25, torch.empty(1, 1, 4, 16), (32, 1, 4, 1))
-
-
 @interpreted
-@pytest.mark.parametrize("cfg", [(16, 2, 4), (64, 2, 4, 1)])
-def test_kernel_masks_float_per_head_and_rows_hidden_everywhere(cfg):
+def test_kernel_masks_float_per_head_and_rows_hidden_everywhere():
     """A float mask that differs per head and row (finite values added, -inf hiding), and a row the
     mask hides everywhere: 0, as PyTorch's math attention gives, never NaN."""
     torch.manual_seed(0)
@@ -88,7 +78,7 @@ def test_kernel_masks_float_per_head_and_rows_hidden_everywhere(cfg):
     bias = torch.randn(1, 4, 2, 50)
     bias[torch.rand(1, 4, 2, 50) < 0.5] = float("-inf")
     bias[0, 1, 0] = float("-inf")  # head 1, row 0: nothing to attend to
-    got = da.decode_attention_fwd(q, k, v, bias, 0.25, cfg)
+    got = da.decode_attention_fwd(q, k, v, bias, 0.25, (16, 2, 4))
     want = da.reference(q.double(), k.double(), v.double(), bias.double(), 0.25)
     assert_close(got, want.float(), "decode_attention float mask", dtype=torch.float32)
     assert torch.equal(got[0, 0, 1], torch.zeros(16))

@@ -33,12 +33,11 @@ scores holding infinities of both signs (an inf in q) give NaN, as the math
 attention does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more
 than ``MAX_ROWS`` query rows a head go to the reference (plain torch).
 
-A plan may cut each block into one sub-block a warp (``_attend_by_warps``:
-batched dots, the softmax's max and sum inside each warp, the warps' rows
-merged once at the end): sm_90 SASS at 128 positions, eight warps, 16-bit
-heads of 128: 387 instructions a block and warp and two barriers, against
-525 and nine for the same block on eight warps in 2D (859 and nine on four).
-Not timed yet, so no plan picks it (``FUSEPASS_ATTENTION_CFG=128,1,8,1``).
+The block loop runs on the warps in 2D (scores [rows, BL]): cutting each
+block into one sub-block a warp (batched dots, the softmax inside a warp,
+sm_90 SASS 387 instructions a block and warp against 525) made the decode
+step slower on an H200 (8 layers int4 at (128, 1, 8): Qwen3-30B-A3B 584.5
+against 509.8 µs, Llama-3-8B 852.3 against 775.4; d7720f7) and was taken out.
 """
 
 from __future__ import annotations
@@ -61,8 +60,11 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mask_values(p_b, m_b, BOOL_BIAS: tl.constexpr):
-    """The mask at ``p_b`` (where ``m_b``) as an fp32 addend in the exp2 domain (-inf: hidden)."""
+def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS: tl.constexpr, BL: tl.constexpr):
+    """The mask of rows x [l0, l0 + BL) as an fp32 addend in the exp2 domain (-inf: hidden)."""
+    pos = l0 + tl.arange(0, BL)
+    p_b = bias + b64 * s_bb + h.to(tl.int64)[:, None] * s_bh + t[:, None] * s_bt + pos.to(tl.int64)[None, :] * s_bl
+    m_b = ok_r[:, None] & (pos < end)[None, :]
     if BOOL_BIAS:
         return tl.where(tl.load(p_b, mask=m_b, other=0) != 0, 0.0, float("-inf"))
     else:
@@ -70,74 +72,21 @@ def _mask_values(p_b, m_b, BOOL_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS: tl.constexpr, BL: tl.constexpr):
-    """The mask of rows x [l0, l0 + BL) as an fp32 addend in the exp2 domain (-inf: hidden)."""
-    pos = l0 + tl.arange(0, BL)
-    p_b = bias + b64 * s_bb + h.to(tl.int64)[:, None] * s_bh + t[:, None] * s_bt + pos.to(tl.int64)[None, :] * s_bl
-    return _mask_values(p_b, ok_r[:, None] & (pos < end)[None, :], BOOL_BIAS)
-
-
-@triton.jit
 def _softmax_step(s, b_v, m_i, l_i, acc, IEEE: tl.constexpr, EMU: tl.constexpr):
-    """One block of the online softmax over the last axis of the scores ``s`` (log2 domain, mask
-    added): the running max ``m_i``, sum ``l_i`` and rows ``acc`` with p @ v added."""
-    AX: tl.constexpr = len(s.shape) - 1
-    m_new = tl.maximum(m_i, tl.max(s, axis=AX))
+    """One block of the online softmax over the scores ``s`` [BR, BL] (log2 domain, mask added): the
+    running max ``m_i``, sum ``l_i`` and rows ``acc`` with p @ v added."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - tl.expand_dims(m_use, AX))
-    l_i = l_i * alpha + tl.sum(p, axis=AX)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     if IEEE:
         pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
     elif EMU:
         pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p.to(b_v.dtype), b_v)
-    return m_new, l_i, acc * tl.expand_dims(alpha, AX) + pv
-
-
-@triton.jit
-def _attend_by_warps(b_q, k0, v0, bias, b64, h, t, ok_r, lo, hi, end, s_kl, s_kd, s_vl, s_vd, s_bb, s_bh, s_bt,
-                     s_bl, qk, D, DV, HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                     EMU: tl.constexpr, NSUB: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
-                     BDV: tl.constexpr):
-    """The block loop with each BL-position block cut into NSUB sub-blocks, one a warp: batched dots over
-    [NSUB, ...] tiles (Triton gives a batched dot's warps to its batch dimension), a running max, sum and
-    accumulator per sub-block, merged once after the loop.  The 2D loop's 16 query rows leave its warps
-    splitting the positions, so every block's row max and sum cross warps through shared memory (nine
-    barriers a block, sm_90); here they stay inside a warp.  Returns (max, sum, rows) as the 2D loop."""
-    BLS: tl.constexpr = BL // NSUB
-    d = tl.arange(0, BD)
-    dv = tl.arange(0, BDV)
-    sub = tl.arange(0, NSUB)[:, None] * BLS + tl.arange(0, BLS)[None, :]  # [NSUB, BLS]
-    q3 = tl.broadcast_to(tl.expand_dims(b_q, 0), (NSUB, BR, BD))
-    m3 = tl.full([NSUB, BR], float("-inf"), tl.float32)
-    l3 = tl.zeros([NSUB, BR], tl.float32)
-    acc3 = tl.zeros([NSUB, BR, BDV], tl.float32)
-    for l0 in range(lo, hi, BL):
-        pos = l0 + sub
-        ok_l = pos < end
-        b_k = tl.load(k0 + pos.to(tl.int64)[:, :, None] * s_kl + d[None, None, :] * s_kd,
-                      mask=ok_l[:, :, None] & (d[None, None, :] < D), other=0)
-        b_v = tl.load(v0 + pos.to(tl.int64)[:, :, None] * s_vl + dv[None, None, :] * s_vd,
-                      mask=ok_l[:, :, None] & (dv[None, None, :] < DV), other=0)
-        if HAS_BIAS:
-            p_b = (bias + b64 * s_bb + (h.to(tl.int64) * s_bh + t * s_bt)[None, :, None]
-                   + pos.to(tl.int64)[:, None, :] * s_bl)
-            add = _mask_values(p_b, ok_r[None, :, None] & ok_l[:, None, :], BOOL_BIAS)
-        else:
-            add = tl.where(ok_r[None, :, None] & ok_l[:, None, :], 0.0, float("-inf"))
-        if IEEE or EMU:
-            s = tl.dot(q3.to(tl.float32), tl.permute(b_k.to(tl.float32), (0, 2, 1)), input_precision="ieee")
-        else:
-            s = tl.dot(q3, tl.permute(b_k, (0, 2, 1)))
-        m3, l3, acc3 = _softmax_step(s * qk + add, b_v, m3, l3, acc3, IEEE, EMU)  # ([NSUB, BR, BLS] scores)
-    # The sub-blocks merged: each one's sums were taken against its own max (0 where it saw nothing, and
-    # then its sums are 0: its weight exp2(-inf) = 0 keeps an overflowing exp2(0 - max) out).
-    m_i = tl.max(m3, axis=0)
-    m_all = tl.where(m_i == float("-inf"), 0.0, m_i)
-    w = tl.exp2(m3 - m_all[None, :])
-    return m_i, tl.sum(w * l3, axis=0), tl.sum(w[:, :, None] * acc3, axis=0)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -145,8 +94,8 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                              s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kl, s_kd, s_vb, s_vh, s_vl, s_vd,
                              s_bb, s_bh, s_bt, s_bl, qk_scale,
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                             SCAN: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, NSUB: tl.constexpr,
-                             BR: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                             SCAN: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr,
+                             BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                              PDL: tl.constexpr = False):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     pid = tl.program_id(0)  # b * HKV + key/value head
@@ -196,27 +145,22 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                                                          tl.where(live1, l0 + 2 * BL, tl.where(live0, l0 + BL, start))))
             lo = tl.minimum(lo, first)
             hi = tl.maximum(hi, last)
-    if NSUB > 1:
-        m_i, l_i, acc = _attend_by_warps(b_q, k0, v0, bias, b64, h, t, ok_r, lo, hi, end, s_kl, s_kd, s_vl, s_vd,
-                                         s_bb, s_bh, s_bt, s_bl, qk, D, DV, HAS_BIAS, BOOL_BIAS, IEEE, EMU, NSUB,
-                                         BR, BL, BD, BDV)
-    else:
-        for l0 in range(lo, hi, BL):
-            pos = l0 + tl.arange(0, BL)
-            ok_l = pos < end
-            b_k = tl.load(k0 + pos.to(tl.int64)[:, None] * s_kl + d[None, :] * s_kd,
-                          mask=ok_l[:, None] & (d[None, :] < D), other=0)
-            b_v = tl.load(v0 + pos.to(tl.int64)[:, None] * s_vl + dv[None, :] * s_vd,
-                          mask=ok_l[:, None] & (dv[None, :] < DV), other=0)
-            if HAS_BIAS:
-                add = _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
-            else:
-                add = tl.where(ok_r[:, None] & ok_l[None, :], 0.0, float("-inf"))
-            if IEEE or EMU:  # (EMU: the interpreter's bf16 dot is wrong; bf16 products are exact in fp32)
-                s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(b_q, tl.trans(b_k))
-            m_i, l_i, acc = _softmax_step(s * qk + add, b_v, m_i, l_i, acc, IEEE, EMU)
+    for l0 in range(lo, hi, BL):
+        pos = l0 + tl.arange(0, BL)
+        ok_l = pos < end
+        b_k = tl.load(k0 + pos.to(tl.int64)[:, None] * s_kl + d[None, :] * s_kd,
+                      mask=ok_l[:, None] & (d[None, :] < D), other=0)
+        b_v = tl.load(v0 + pos.to(tl.int64)[:, None] * s_vl + dv[None, :] * s_vd,
+                      mask=ok_l[:, None] & (dv[None, :] < DV), other=0)
+        if HAS_BIAS:
+            add = _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIAS, BL)
+        else:
+            add = tl.where(ok_r[:, None] & ok_l[None, :], 0.0, float("-inf"))
+        if IEEE or EMU:  # (EMU: the interpreter's bf16 dot is wrong; bf16 products are exact in fp32)
+            s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(b_q, tl.trans(b_k))
+        m_i, l_i, acc = _softmax_step(s * qk + add, b_v, m_i, l_i, acc, IEEE, EMU)
     if SPLIT:
         slot = pid * tl.num_programs(1) + sp
         tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BDV + dv[None, :], acc)
@@ -287,7 +231,7 @@ def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.dev
 SCAN_MIN_BLOCKS = 3
 # Read once, at import: an A/B of kernels in a model's step, one process each (not per call, on the
 # decode step's host path).  FUSEPASS_ATTENTION_SCAN_MIN: SCAN_MIN_BLOCKS's value (1: always scan).
-# FUSEPASS_ATTENTION_CFG="BL,split,warps[,1]": that plan for every call (a fourth 1: sub-blocks by warps).
+# FUSEPASS_ATTENTION_CFG="BL,split,warps": that plan for every call.
 
 
 def _env_ints(name: str) -> tuple[int, ...] | None:
@@ -308,16 +252,12 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
              cfg: tuple[int, ...] | None = None, scan_min: int | None = None) -> tuple[list[Launch], Tensor]:
     """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]; a
     split of ``scan_min`` blocks or more scans its mask first (default: SCAN_MIN_BLOCKS).  ``cfg``:
-    (BL, split, warps), or with a fourth 1 each block cut into a sub-block a warp (_attend_by_warps;
-    BL / warps >= 16 positions)."""
+    (BL, split, warps)."""
     B, H, T, D = q.shape
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
     BR = max(16, _pow2(G * T))
-    BL, split, warps, *by_warps = cfg or _ENV_CFG or plan(B, HKV, G * T, L, D, DV, q.device)
-    nsub = warps if by_warps and by_warps[0] else 1
-    if BL % nsub or BL // nsub < 16:
-        raise ValueError(f"decode_attention: {BL}-position blocks do not cut into {nsub} sub-blocks of 16 or more")
+    BL, split, warps = cfg or _ENV_CFG or plan(B, HKV, G * T, L, D, DV, q.device)
     span = cdiv(cdiv(L, split), BL) * BL  # positions a split owns, whole blocks
     split = max(1, cdiv(L, span))
     scan = span // BL >= (scan_min if scan_min is not None else _SCAN_MIN)
@@ -337,7 +277,7 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         s_vb=v.stride(0), s_vh=v.stride(1), s_vl=v.stride(2), s_vd=v.stride(3),
         s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
-        SCAN=scan, NSUB=nsub, IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL,
+        SCAN=scan, IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL,
         BD=max(16, _pow2(D)), BDV=BDV,
         PDL=pdl), ("ws", "wml") if split > 1 else ("o",), warps, 2)
     if split == 1:
