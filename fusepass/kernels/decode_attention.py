@@ -33,11 +33,11 @@ scores holding infinities of both signs (an inf in q) give NaN, as the math
 attention does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more
 than ``MAX_ROWS`` query rows a head go to the reference (plain torch).
 
-The block loop runs on the warps in 2D (scores [rows, BL]): cutting each
-block into one sub-block a warp (batched dots, the softmax inside a warp,
-sm_90 SASS 387 instructions a block and warp against 525) made the decode
-step slower on an H200 (8 layers int4 at (128, 1, 8): Qwen3-30B-A3B 584.5
-against 509.8 µs, Llama-3-8B 852.3 against 775.4; d7720f7) and was taken out.
+The block loop runs on the warps in 2D (scores [rows, BL]).  One sub-block a
+warp instead (batched dots, the softmax inside a warp: sm_90 SASS 387
+instructions a block and warp against 525) made the decode step slower on an
+H200: 8 layers int4 at (128, 1, 8), Qwen3-30B-A3B 584.5 against 509.8 µs,
+Llama-3-8B 852.3 against 775.4.
 """
 
 from __future__ import annotations
