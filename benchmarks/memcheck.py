@@ -732,7 +732,7 @@ def attention_cases(quick: bool):
         fmask[..., 0] = 0
         yield f"decode_attention B{B} H{H}/{HKV} T{T} L{L} D{D}/{DV} float per head", ops.decode_attention, \
             (q, k, v, fmask, 0.1), 2e-2
-    for cfg in [(16, 1, 4), (32, 7, 8), (128, 3, 4), (64, 64, 4)]:
+    for cfg in [(16, 1, 4), (32, 7, 8), (128, 3, 4), (64, 64, 4), (128, 1, 4, 2), (64, 5, 4, 4)]:
         q, k, v = _randn(2, 32, 1, 128), _randn(2, 8, 1500, 128), _randn(2, 8, 1500, 128)
         mask = (torch.arange(1500, device=DEVICE) < 1300)[None, None, None, :]
         yield (f"decode_attention cfg {cfg} B2 H32/8 L1500",

@@ -33,6 +33,8 @@ def _mask(B, T, L, written):
     (1, 6, 3, 3, 45, 24, 40, (16, 2, 4)),  # speculative rows, odd head dims, D_v != D
     (2, 4, 4, 2, 37, 16, 16, None),  # multi-head, the plan's choice
     (1, 64, 1, 1, 20, 16, 16, (16, 64, 4)),  # 64 rows a tile; more splits than blocks
+    (1, 6, 3, 3, 45, 24, 40, (16, 1, 4, 4)),  # value columns in four programs, the last past D_v
+    (2, 8, 2, 1, 200, 32, 32, (32, 3, 4, 2)),  # value columns in two programs, three splits merged
 ])
 def test_kernel_matches_fp64_on_every_row(dtype, B, H, HKV, T, L, D, DV, cfg):
     """Every output element written (the output pool is NaN first) and within the dtype's
@@ -47,6 +49,13 @@ def test_kernel_matches_fp64_on_every_row(dtype, B, H, HKV, T, L, D, DV, cfg):
     want = da.reference(q.double(), k.double(), v.double(), mask, 0.3)
     assert got.shape == (B, T, H, DV) and torch.isfinite(got).all()
     assert_close(got, want.to(dtype), "decode_attention", dtype=dtype)
+
+
+def test_value_columns_cut_into_blocks_of_sixteen_or_more():
+    q, kv = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 32)
+    for ncols in (3, 4):
+        with pytest.raises(ValueError, match="value columns"):
+            da.launches(q, kv[..., :16], kv, None, 0.25, torch.empty(1, 1, 4, 32), (16, 1, 4, ncols))
 
 
 @interpreted

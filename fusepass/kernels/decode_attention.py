@@ -95,11 +95,12 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
                              s_bb, s_bh, s_bt, s_bl, qk_scale,
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                              SCAN: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr,
-                             BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                             BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
                              PDL: tl.constexpr = False):
     pdl_begin(PDL)  # (a PDL launch: nothing is read before it)
     pid = tl.program_id(0)  # b * HKV + key/value head
     sp = tl.program_id(1)  # split of L
+    cols = tl.program_id(2)  # block of BDV value columns (of BW)
     b = pid // HKV
     kvh = pid % HKV
     r = tl.arange(0, BR)
@@ -108,7 +109,7 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
     h = kvh * G + rep
     ok_r = r < G * T
     d = tl.arange(0, BD)
-    dv = tl.arange(0, BDV)
+    dv = cols * BDV + tl.arange(0, BDV)
     b64 = b.to(tl.int64)
     p_q = q + b64 * s_qb + h.to(tl.int64)[:, None] * s_qh + t[:, None] * s_qt + d[None, :] * s_qd
     b_q = tl.load(p_q, mask=ok_r[:, None] & (d[None, :] < D), other=0)
@@ -163,9 +164,10 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
         m_i, l_i, acc = _softmax_step(s * qk + add, b_v, m_i, l_i, acc, IEEE, EMU)
     if SPLIT:
         slot = pid * tl.num_programs(1) + sp
-        tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BDV + dv[None, :], acc)
-        tl.store(wml + (slot * 2) * BR + r, m_i)
-        tl.store(wml + (slot * 2 + 1) * BR + r, l_i)
+        tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BW + dv[None, :], acc)
+        if cols == 0:  # (every column block has the same max and sum)
+            tl.store(wml + (slot * 2) * BR + r, m_i)
+            tl.store(wml + (slot * 2 + 1) * BR + r, l_i)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         p_o = o + ((b64 * T + t[:, None]) * H + h[:, None]) * DV + dv[None, :]
@@ -231,7 +233,7 @@ def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.dev
 SCAN_MIN_BLOCKS = 3
 # Read once, at import: an A/B of kernels in a model's step, one process each (not per call, on the
 # decode step's host path).  FUSEPASS_ATTENTION_SCAN_MIN: SCAN_MIN_BLOCKS's value (1: always scan).
-# FUSEPASS_ATTENTION_CFG="BL,split,warps": that plan for every call.
+# FUSEPASS_ATTENTION_CFG="BL,split,warps[,column blocks]": that plan for every call.
 
 
 def _env_ints(name: str) -> tuple[int, ...] | None:
@@ -252,25 +254,29 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
              cfg: tuple[int, ...] | None = None, scan_min: int | None = None) -> tuple[list[Launch], Tensor]:
     """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]; a
     split of ``scan_min`` blocks or more scans its mask first (default: SCAN_MIN_BLOCKS).  ``cfg``:
-    (BL, split, warps)."""
+    (BL, split, warps[, column blocks]): the value columns cut into that many blocks (a power of two,
+    16 columns or more each), a program each, every one of them computing the same scores."""
     B, H, T, D = q.shape
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
     BR = max(16, _pow2(G * T))
-    BL, split, warps = cfg or _ENV_CFG or plan(B, HKV, G * T, L, D, DV, q.device)
+    BL, split, warps, *rest = cfg or _ENV_CFG or plan(B, HKV, G * T, L, D, DV, q.device)
+    BW = max(16, _pow2(DV))  # value columns, padded
+    ncols = rest[0] if rest else 1
+    if ncols < 1 or ncols & (ncols - 1) or BW // ncols < 16:
+        raise ValueError(f"decode_attention: {DV} value columns do not cut into {ncols} blocks of 16 or more")
     span = cdiv(cdiv(L, split), BL) * BL  # positions a split owns, whole blocks
     split = max(1, cdiv(L, span))
     scan = span // BL >= (scan_min if scan_min is not None else _SCAN_MIN)
-    BDV = max(16, _pow2(DV))
     if split > 1:
-        ws = torch.empty((B * HKV * split * BR, BDV), dtype=torch.float32, device=q.device)
+        ws = torch.empty((B * HKV * split * BR, BW), dtype=torch.float32, device=q.device)
         wml = torch.empty((B * HKV * split * 2 * BR,), dtype=torch.float32, device=q.device)
     else:  # (never touched: the kernel's SPLIT branch is compiled out)
         ws = wml = torch.empty((1,), dtype=torch.float32, device=q.device)
     bb = bias if bias is not None else q
     bs = bias.stride() if bias is not None else (0, 0, 0, 0)
     pdl = pdl_on(q)
-    main = Launch(_decode_attention_kernel, (B * HKV, split), dict(
+    main = Launch(_decode_attention_kernel, (B * HKV, split, ncols), dict(
         q=q, k=k, v=v, bias=bb, o=out, ws=ws, wml=wml, H=H, HKV=HKV, T=T, L=L, D=D, DV=DV, G=G, SPAN=span,
         s_qb=q.stride(0), s_qh=q.stride(1), s_qt=q.stride(2), s_qd=q.stride(3),
         s_kb=k.stride(0), s_kh=k.stride(1), s_kl=k.stride(2), s_kd=k.stride(3),
@@ -278,14 +284,14 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
         SCAN=scan, IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL,
-        BD=max(16, _pow2(D)), BDV=BDV,
+        BD=max(16, _pow2(D)), BDV=BW // ncols, BW=BW,
         PDL=pdl), ("ws", "wml") if split > 1 else ("o",), warps, 2)
     if split == 1:
         return [main], out
-    BDM = min(BDV, 64)
-    merge = Launch(_decode_attention_merge_kernel, (B * HKV, BDV // BDM), dict(
+    BDM = min(BW, 64)
+    merge = Launch(_decode_attention_merge_kernel, (B * HKV, BW // BDM), dict(
         ws=ws, wml=wml, o=out, H=H, HKV=HKV, T=T, DV=DV, G=G, NSPLIT=split, EMU=emulate_rounding(q.dtype), BR=BR,
-        BDV=BDM, BW=BDV, PDL=pdl), ("o",), 4)
+        BDV=BDM, BW=BW, PDL=pdl), ("o",), 4)
     return [main, merge], out
 
 
