@@ -33,6 +33,16 @@ scores holding infinities of both signs (an inf in q) give NaN, as the math
 attention does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more
 than ``MAX_ROWS`` query rows a head go to the reference (plain torch).
 
+A plan may cut the value columns into blocks, a program each (each computes
+the same scores; its p @ v and its stores are a column block's): fewer
+instructions and registers a block on the sequential path (sm_90 SASS,
+Qwen3-30B-A3B's heads over 256 slots: 854 at 168 registers, 727 at 108 in two
+blocks, 633 at 89 in four) and more programs where a step has four.  H200,
+Qwen3-30B-A3B 8 layers int4, replayed step, one process each: 504.4 µs with
+one block, 501.4 with two, 500.5 with four; not yet in ``plan`` (Llama-3-8B's
+heads, longer caches and memcheck of the GPU build untimed / not run:
+``FUSEPASS_ATTENTION_CFG=128,1,4,4`` selects it).
+
 The block loop runs on the warps in 2D (scores [rows, BL]).  One sub-block a
 warp instead (batched dots, the softmax inside a warp: sm_90 SASS 387
 instructions a block and warp against 525) made the decode step slower on an
