@@ -82,24 +82,6 @@ def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIA
 
 
 @triton.jit
-def _softmax_step(s, b_v, m_i, l_i, acc, IEEE: tl.constexpr, EMU: tl.constexpr):
-    """One block of the online softmax over the scores ``s`` [BR, BL] (log2 domain, mask added): the
-    running max ``m_i``, sum ``l_i`` and rows ``acc`` with p @ v added."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
-    elif EMU:
-        pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(b_v.dtype), b_v)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, SPAN,
                              s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kl, s_kd, s_vb, s_vh, s_vl, s_vd,
                              s_bb, s_bh, s_bt, s_bl, qk_scale,
@@ -171,7 +153,20 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
             s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(b_q, tl.trans(b_k))
-        m_i, l_i, acc = _softmax_step(s * qk + add, b_v, m_i, l_i, acc, IEEE, EMU)
+        s = s * qk + add  # (log2 domain)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row masked so far: no NaN from -inf - -inf)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, b_v.to(tl.float32), input_precision="ieee")
+        elif EMU:
+            pv = tl.dot(rne_bf16(p), b_v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(b_v.dtype), b_v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     if SPLIT:
         slot = pid * tl.num_programs(1) + sp
         tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BW + dv[None, :], acc)
@@ -258,6 +253,8 @@ def _env_ints(name: str) -> tuple[int, ...] | None:
 
 _SCAN_MIN = (_env_ints("FUSEPASS_ATTENTION_SCAN_MIN") or (SCAN_MIN_BLOCKS,))[0]
 _ENV_CFG = _env_ints("FUSEPASS_ATTENTION_CFG")
+if _ENV_CFG is not None and len(_ENV_CFG) not in (3, 4):
+    raise ValueError(f"FUSEPASS_ATTENTION_CFG={_ENV_CFG}: BL,split,warps[,column blocks] expected")
 
 
 def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, out: Tensor,
