@@ -102,7 +102,7 @@ def main(argv=None) -> None:
                                   "fusepass µs", "vs Inductor", "best (BL, split, warps)", "rel err op / SDPA"]))
 
 
-def _configs(L: int, planned: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+def _configs(L: int, planned: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """(BL, split, warps) to sweep over an L-slot cache, one per distinct launch: a split count is
     rounded to whole blocks a split (as ``launches`` does), so counts past L / BL repeat a launch
     (72 configs a row took 150 s of a 4096-slot sweep's time on an H200 before this)."""

@@ -33,15 +33,14 @@ scores holding infinities of both signs (an inf in q) give NaN, as the math
 attention does (the CPU's fused SDPA kernel gives 0 there).  fp64 and more
 than ``MAX_ROWS`` query rows a head go to the reference (plain torch).
 
-A plan may cut the value columns into blocks, a program each (each computes
-the same scores; its p @ v and its stores are a column block's): fewer
-instructions and registers a block on the sequential path (sm_90 SASS,
-Qwen3-30B-A3B's heads over 256 slots: 854 at 168 registers, 727 at 108 in two
-blocks, 633 at 89 in four) and more programs where a step has four.  H200,
-Qwen3-30B-A3B 8 layers int4, replayed step, one process each: 504.4 µs with
-one block, 501.4 with two, 500.5 with four; not yet in ``plan`` (Llama-3-8B's
-heads, longer caches and memcheck of the GPU build untimed / not run:
-``FUSEPASS_ATTENTION_CFG=128,1,4,4`` selects it).
+The plan cuts 16-bit value heads of 128 columns into four blocks, a program
+each (each computes the same scores; its p @ v and its stores are a column
+block's), where the programs still fit one wave: fewer instructions and
+registers a block on the sequential path (sm_90 SASS, Qwen3-30B-A3B's heads
+over 256 slots: 854 at 168 registers, 727 at 108 in two blocks, 633 at 89 in
+four) and four times the programs where a step has four or eight.  H200,
+8 layers int4, replayed step B1, one process each: Qwen3-30B-A3B 499.5 /
+496.8 µs against 500.6 with one block, Llama-3-8B 762.0 / 762.2 against 765.6.
 
 The block loop runs on the warps in 2D (scores [rows, BL]).  One sub-block a
 warp instead (batched dots, the softmax inside a warp: sm_90 SASS 387
@@ -216,17 +215,23 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.device) -> tuple[int, int, int]:
-    """(BL, split count, warps).  Measured (H200, bf16, one query row, cold L2 not forced): 128-position
-    blocks beat 64 (Llama-3-8B's heads over a 4096-slot cache: 20.3 µs against 30.5 with 64 and 33
-    splits), and a split costs a merge launch (~2 µs: one split of Qwen3-30B-A3B's 256 slots 4.8 µs
-    against 7.4 in four), so splits of at least four blocks, up to a program an SM.  Smaller blocks
-    for wide heads and many rows (registers)."""
+def plan(B: int, HKV: int, rows: int, L: int, D: int, DV: int, device: torch.device,
+         half: bool = True) -> tuple[int, int, int, int]:
+    """(BL, split count, warps, value-column blocks).  Measured (H200, bf16, one query row, cold L2 not
+    forced): 128-position blocks beat 64 (Llama-3-8B's heads over a 4096-slot cache: 20.3 µs against 30.5
+    with 64 and 33 splits), and a split costs a merge launch (~2 µs: one split of Qwen3-30B-A3B's 256
+    slots 4.8 µs against 7.4 in four), so splits of at least four blocks, up to a program an SM.  Smaller
+    blocks for wide heads and many rows (registers).  16-bit value heads of 128 columns are cut into four
+    blocks of 32 where the programs still fit one wave (``half``: a 16-bit cache; see the module's
+    docstring for the step's times)."""
     BL = 128 if max(D, DV) <= 128 and rows <= 16 else 64 if rows <= 32 else 32
     n_sm = sm_count(device) if device.type == "cuda" else 8
     blocks = max(cdiv(L, BL), 1)
     split = max(1, min(cdiv(blocks, 4), cdiv(n_sm, max(B * HKV, 1))))
-    return BL, split, 8 if max(16, _pow2(rows)) * max(D, DV) >= 8192 or BL * max(D, DV) >= 32768 else 4
+    warps = 8 if max(16, _pow2(rows)) * max(D, DV) >= 8192 or BL * max(D, DV) >= 32768 else 4
+    programs = B * HKV * cdiv(L, cdiv(cdiv(L, split), BL) * BL)
+    cols = 4 if half and _pow2(DV) == 128 and warps == 4 and programs * 4 <= n_sm else 1
+    return BL, split, warps, cols
 
 
 # A split of fewer blocks than this streams all of them, each block's mask read beside its keys and
@@ -267,7 +272,7 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
     BR = max(16, _pow2(G * T))
-    BL, split, warps, *rest = cfg or _ENV_CFG or plan(B, HKV, G * T, L, D, DV, q.device)
+    BL, split, warps, *rest = cfg or _ENV_CFG or plan(B, HKV, G * T, L, D, DV, q.device, q.element_size() == 2)
     BW = max(16, _pow2(DV))  # value columns, padded
     ncols = rest[0] if rest else 1
     if ncols < 1 or ncols & (ncols - 1) or BW // ncols < 16:
