@@ -713,7 +713,7 @@ def attention_cases(quick: bool):
     """decode_attention: models' head shapes over static caches (one split and many, blocks the mask
     hides skipped), odd L, D and D_v (masked lanes), speculative rows, a per-head float mask,
     multi-head, strided q (a transposed view) and a cache slice, batch 8, and each block / split /
-    warps the plan can pick."""
+    warps the plan can pick; decode_attention_write's in-kernel cache write."""
     from fusepass.kernels.decode_attention import decode_attention_fwd
 
     shapes = [(1, 32, 8, 1, 4096, 128, 128), (1, 32, 4, 1, 256, 128, 128), (1, 16, 2, 1, 1000, 256, 256),
@@ -732,6 +732,28 @@ def attention_cases(quick: bool):
         fmask[..., 0] = 0
         yield f"decode_attention B{B} H{H}/{HKV} T{T} L{L} D{D}/{DV} float per head", ops.decode_attention, \
             (q, k, v, fmask, 0.1), 2e-2
+    # The op with the step's cache write: the slot in the first / a middle / the last split, negative,
+    # value columns in blocks; the caches afterwards checked against the snapshots written on the CPU.
+    from fusepass.kernels.decode_attention import decode_attention_write_fwd
+
+    for B, H, HKV, L, D, cfg, slot in [(1, 32, 4, 256, 128, None, 130), (1, 32, 8, 4096, 128, None, 2049),
+                                       (8, 64, 8, 777, 64, None, 776), (2, 32, 8, 1500, 128, (64, 5, 4, 4), -1),
+                                       (1, 16, 2, 1000, 256, None, 0), (3, 12, 3, 91, 80, (16, 3, 4), 45)]:
+        q = _randn(B, 1, H, D).transpose(1, 2)
+        k = _randn(B, HKV, L + 5, D)[:, :, :L]
+        v = _randn(B, HKV, L, D)
+        kn, vn = _randn(B, 1, HKV, D).transpose(1, 2), _randn(B, HKV, 1, D)
+        mask = (torch.arange(L, device=DEVICE) <= slot % L)[None, None, None, :]
+        want_k, want_v = k.cpu().clone(), v.cpu().clone()
+        want_k[:, :, slot], want_v[:, :, slot] = kn.cpu()[:, :, 0], vn.cpu()[:, :, 0]
+
+        def compare(got, want, cpu_args, k=k, v=v, want_k=want_k, want_v=want_v):
+            return max(_rel(got, want), _rel(k.cpu(), want_k), _rel(v.cpu(), want_v))
+
+        yield (f"decode_attention_write cfg {cfg} B{B} H{H}/{HKV} L{L} D{D} slot {slot}",
+               lambda *a, c=cfg: decode_attention_write_fwd(*a, cfg=c) if a[0].is_cuda else
+               ops.decode_attention_write(*a),
+               (q, k, v, kn, vn, torch.tensor([slot], device=DEVICE), mask, D ** -0.5), 2e-2, compare)
     for cfg in [(16, 1, 4), (32, 7, 8), (128, 3, 4), (64, 64, 4), (128, 1, 4, 2), (64, 5, 4, 4)]:
         q, k, v = _randn(2, 32, 1, 128), _randn(2, 8, 1500, 128), _randn(2, 8, 1500, 128)
         mask = (torch.arange(1500, device=DEVICE) < 1300)[None, None, None, :]

@@ -53,7 +53,7 @@ from torch._inductor.pattern_matcher import (
 from torch.utils import _pytree as pytree
 
 from .kernels import fingerprint as kernel_data_fingerprint
-from .kernels._common import inline_kernels
+from .kernels._common import inline_kernels, planning_inline
 from .match import MatchInfo, concrete, hint, scalar_input
 from .guards import nondefault_argument, outside_use, replacement_mismatch, unwritten_argument
 from .matvec import decompose_kept_matvecs
@@ -870,6 +870,10 @@ def _hash_sources(options: Options) -> str:
             h.update(name.encode())
     h.update(repr(options.cache_key()).encode())
     h.update(kernel_data_fingerprint().encode())  # the plans a compile chose kernels by
+    # The environment's FUSEPASS_ settings, some read once at import (FUSEPASS_ATTENTION_WRITE picks the
+    # graph's form, FUSEPASS_ATTENTION_CFG the inlined launches): a graph compiled under one is not served
+    # under another (an A/B on the H200 was, its report restored as the first process wrote it).
+    h.update(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("FUSEPASS_"))).encode())
     h.update(torch.__version__.encode())
     return h.hexdigest()
 
@@ -894,7 +898,8 @@ class FusePass(CustomGraphPass):
         for user_pass in self.chained:
             user_pass(graph)
         gm = graph.owning_module
-        report = run_rules(gm, self.options, self.graph_id)
+        with planning_inline(bool(self.options.inline_kernels)):
+            report = run_rules(gm, self.options, self.graph_id)
         with inline_kernels(self.options.inline_kernels):
             _, failed = inline_op_nodes(gm)  # the rules' op calls and the pre-trace path's
         report.notes += [f"an op call stayed through the dispatcher: inlining it failed: {f}" for f in failed]

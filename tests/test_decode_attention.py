@@ -51,6 +51,43 @@ def test_kernel_matches_fp64_on_every_row(dtype, B, H, HKV, T, L, D, DV, cfg):
     assert_close(got, want.to(dtype), "decode_attention", dtype=dtype)
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,HKV,L,D,DV,cfg,slot", [
+    (2, 8, 2, 200, 32, 32, (32, 3, 4), 150),  # three splits, the slot in the last; the merge
+    (1, 6, 3, 45, 24, 40, (16, 1, 4, 4), 44),  # value columns in four programs, the last slot
+    (1, 4, 4, 37, 16, 16, None, -5),  # a negative slot counts from the end (as index_put)
+])
+def test_kernel_writes_the_step_rows_then_reads_them(dtype, B, H, HKV, L, D, DV, cfg, slot):
+    """The op with the write: the cache afterwards is the cache with the new rows in the slot (and
+    nothing else changed), and attention reads the new rows, not the stale ones there before."""
+    torch.manual_seed(L + H)
+    q = torch.randn(B, 1, H, D, dtype=dtype).transpose(1, 2)
+    k = torch.randn(B, HKV, L + 3, D, dtype=dtype)[:, :, :L]
+    v = torch.randn(B, HKV, L, DV, dtype=dtype)
+    k_new = torch.randn(B, 1, HKV, D, dtype=dtype).transpose(1, 2)  # (RoPE's output as a model permutes it)
+    v_new = 4 * torch.randn(B, HKV, 1, DV, dtype=dtype)
+    at = slot % L
+    mask = _mask(B, 1, L, torch.full((B,), at + 1))
+    want_k, want_v = k.clone(), v.clone()
+    want_k[:, :, at], want_v[:, :, at] = k_new[:, :, 0], v_new[:, :, 0]
+    want = da.reference(q.double(), want_k.double(), want_v.double(), mask, 0.3)
+    stale = da.reference(q.double(), k.double(), v.double(), mask, 0.3)
+    got = da.decode_attention_write_fwd(q, k, v, k_new, v_new, torch.tensor([slot]), mask, 0.3, cfg)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert_close(got, want.to(dtype), "decode_attention_write", dtype=dtype)
+    assert (want - stale).abs().max() > 0.1  # (the stale rows would have failed)
+
+
+@interpreted
+def test_kernel_slot_outside_the_cache_writes_nothing_and_gives_nan():
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    before = k.clone(), v.clone()
+    got = da.decode_attention_write_fwd(q, k, v, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16),
+                                        torch.tensor([20]), None, 0.25)
+    assert torch.isnan(got).all() and torch.equal(k, before[0]) and torch.equal(v, before[1])
+
+
 def test_value_columns_cut_into_blocks_of_sixteen_or_more():
     q, kv = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 32)
     for ncols in (3, 4):
@@ -119,9 +156,9 @@ def _llama(kv_heads, dtype, qk_norm=False):
     return model.to(dtype).eval()
 
 
-def _decode_step(model, kernel=False, prompt=7, cache_len=40):
+def _decode_step(model, kernel=False, prompt=7, cache_len=40, caches_out=None):
     """(compiled logits, eager logits, report) of one cached decode step after a prompt, each on its own
-    static cache filled by the same prefill."""
+    static cache filled by the same prefill (``caches_out``: a list that gets the two caches)."""
     from transformers import StaticCache
 
     ids = torch.randint(0, 128, (1, prompt + 1), generator=torch.Generator().manual_seed(5))
@@ -135,21 +172,68 @@ def _decode_step(model, kernel=False, prompt=7, cache_len=40):
     kw = dict(input_ids=ids[:, prompt:], position_ids=pos[None], cache_position=pos, use_cache=True)
     torch._dynamo.reset()
     fusepass.reset_reports()
-    ctx = differential.triton_on_cpu(["decode_attention"]) if kernel else torch.no_grad()
+    ctx = differential.triton_on_cpu(["decode_attention", "decode_attention_write"]) if kernel else torch.no_grad()
     with ctx, torch.no_grad():
         got = torch.compile(model, backend="fusepass")(past_key_values=caches[0], **kw).logits
     with torch.no_grad():
         want = model(past_key_values=caches[1], **kw).logits
+    if caches_out is not None:
+        caches_out += caches
     return got, want, fusepass.last_report()
+
+
+def _assert_same_caches(caches, dtype, where):
+    for i, (a, b) in enumerate(zip(caches[0].layers, caches[1].layers)):
+        assert_close(a.keys, b.keys, f"{where}: layer {i} keys", dtype=dtype)
+        assert_close(a.values, b.values, f"{where}: layer {i} values", dtype=dtype)
+        assert int(a.cumulative_length) == int(b.cumulative_length)
 
 
 @pytest.mark.parametrize("kv_heads,qk_norm", [(2, False), (4, False), (1, True)], ids=["gqa", "mha", "qwen3-mqa"])
 def test_rule_takes_each_layers_attention_in_a_decode_step(kv_heads, qk_norm):
+    """The step's cache writes go into the op ("+write"): the caches afterwards are eager's."""
     model = _llama(kv_heads, torch.float32, qk_norm)
-    got, want, report = _decode_step(model)
+    caches = []
+    got, want, report = _decode_step(model, caches_out=caches)
     hits = [h.form for h in report.hits if h.rule == "decode_attention"]
-    assert hits == ["gqa" if kv_heads < 4 else "mha"] * 2, str(report)
+    assert hits == [("gqa" if kv_heads < 4 else "mha") + "+write"] * 2, str(report)
     assert_close(got, want, "decode step", dtype=torch.float32)
+    _assert_same_caches(caches, torch.float32, "decode step")
+
+
+def _cached_attention(cache_read_elsewhere):
+    class Step(torch.nn.Module):
+        """A decode step's cache write and attention as transformers writes them, on buffers."""
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k", torch.randn(1, 2, 24, 16))
+            self.register_buffer("v", torch.randn(1, 2, 24, 16))
+
+        def forward(self, q, k_new, v_new, pos, mask):
+            self.k.index_copy_(2, pos, k_new)
+            self.v.index_copy_(2, pos, v_new)
+            o = F.scaled_dot_product_attention(q, rule.repeat_kv(self.k, 4), rule.repeat_kv(self.v, 4), attn_mask=mask)
+            return o + self.k.mean() if cache_read_elsewhere else o
+
+    return Step()
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["written-in-the-op", "cache-read-elsewhere"])
+def test_rule_writes_the_cache_only_where_nothing_else_reads_it(elsewhere):
+    step = _cached_attention(elsewhere)
+    twin = copy.deepcopy(step)
+    args = (torch.randn(1, 8, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.tensor([6]),
+            _mask(1, 1, 24, 7))
+    torch._dynamo.reset()
+    fusepass.reset_reports()
+    with torch.no_grad():
+        got = torch.compile(step, backend="fusepass")(*args)
+        want = twin(*args)
+    report = fusepass.last_report()
+    assert [h.form for h in report.hits if h.rule == "decode_attention"] == ["gqa" if elsewhere else "gqa+write"]
+    assert_close(got, want, "step", dtype=torch.float32)
+    assert torch.equal(step.k, twin.k) and torch.equal(step.v, twin.v)
 
 
 def test_rule_takes_grouped_sdpa_without_a_mask():
@@ -172,10 +256,12 @@ def test_rule_takes_grouped_sdpa_without_a_mask():
 def test_rule_through_the_kernel_matches_eager():
     """The compiled bf16 step with the op's CUDA body (the interpreted kernel) against the fp32 model."""
     model = _llama(2, torch.bfloat16)
-    got, _, report = _decode_step(model, kernel=True)
-    assert [h.rule for h in report.hits].count("decode_attention") == 2
+    caches = []
+    got, _, report = _decode_step(model, kernel=True, caches_out=caches)
+    assert [h.form for h in report.hits if h.rule == "decode_attention"] == ["gqa+write"] * 2
     _, want, _ = _decode_step(copy.deepcopy(model).float())
     assert_close(got, want.bfloat16(), "decode step (Triton)", dtype=torch.bfloat16)
+    _assert_same_caches(caches, torch.bfloat16, "decode step (Triton)")
 
 
 def test_rule_leaves_a_prefill_to_sdpa():
@@ -300,3 +386,25 @@ def test_kernel_real_sizes_gpu(H, HKV, D, L):
         got = torch.ops.fusepass.decode_attention(q, k, v, mask, D ** -0.5)
         want = da.reference(q.double(), k.double(), v.double(), mask, D ** -0.5)
         assert_close(got, want.bfloat16(), f"decode_attention B{B} H{H}/{HKV} L{L}", dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,HKV,D,L", [(32, 8, 128, 4096), (32, 4, 128, 256), (16, 2, 256, 3000), (64, 8, 64, 777)])
+def test_kernel_writes_real_sizes_gpu(H, HKV, D, L):
+    """The op with the step's cache write at models' head shapes: the slot half way (batch 1) and the last
+    slot (batch 8); attention reads the new rows (the stale ones differ by far more than the tolerance)."""
+    for B, slot in ((1, L // 2), (8, L - 1)):
+        torch.manual_seed(B)
+        q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        kn = 3 * torch.randn(B, 1, HKV, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        vn = 8 * torch.randn(B, HKV, 1, D, device="cuda", dtype=torch.bfloat16)
+        mask = _mask(B, 1, L, torch.full((B,), slot + 1)).cuda()
+        want_k, want_v = k.clone(), v.clone()
+        want_k[:, :, slot], want_v[:, :, slot] = kn[:, :, 0], vn[:, :, 0]
+        got = torch.ops.fusepass.decode_attention_write(q, k, v, kn, vn, torch.tensor([slot], device="cuda"), mask,
+                                                        D ** -0.5)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        want = da.reference(q.double(), want_k.double(), want_v.double(), mask, D ** -0.5)
+        assert_close(got, want.bfloat16(), f"decode_attention_write B{B} H{H}/{HKV} L{L}", dtype=torch.bfloat16)

@@ -543,6 +543,26 @@ def inline_kernels(enabled: bool) -> Iterator[None]:
         _inline.reset(token)
 
 
+# What the pass will do with the rules' op calls after every rule ran (the graph's options): a rule may
+# choose a form by it (an op call that stays a call where launches would have been inlined costs host
+# time a call).
+_inline_planned = contextvars.ContextVar("fusepass_inline_planned", default=False)
+
+
+@contextlib.contextmanager
+def planning_inline(enabled: bool) -> Iterator[None]:
+    token = _inline_planned.set(enabled)
+    try:
+        yield
+    finally:
+        _inline_planned.reset(token)
+
+
+def inline_planned() -> bool:
+    """Whether the op calls that rules put in the graph now will be inlined (on CUDA) after the rules ran."""
+    return _inline_planned.get()
+
+
 def inline_enabled(t: torch.Tensor) -> bool:
     """True while the engine traces a replacement for a CUDA graph with inlining
     on, for a non-empty ``t`` whose last dim (which picks a kernel's block) is a

@@ -81,10 +81,11 @@ def _mask_block(bias, b64, h, t, ok_r, l0, end, s_bb, s_bh, s_bt, s_bl, BOOL_BIA
 
 
 @triton.jit
-def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, SPAN,
+def _decode_attention_kernel(q, k, v, bias, o, ws, wml, kn, vn, slots, H, HKV, T, L, D, DV, G, SPAN,
                              s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kl, s_kd, s_vb, s_vh, s_vl, s_vd,
-                             s_bb, s_bh, s_bt, s_bl, qk_scale,
+                             s_bb, s_bh, s_bt, s_bl, s_knb, s_knh, s_knd, s_vnb, s_vnh, s_vnd, qk_scale,
                              HAS_BIAS: tl.constexpr, BOOL_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                             WRITE: tl.constexpr,
                              SCAN: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BR: tl.constexpr,
                              BL: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
                              PDL: tl.constexpr = False):
@@ -114,6 +115,22 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
     end = tl.minimum(start + SPAN, L)
     lo = start
     hi = end
+    if WRITE:
+        # The step's new key / value row (T = 1) into cache slot slots[0] before any block is read:
+        # each program of the split that owns the slot stores the key row (all the same values: each
+        # reads it back for its scores) and its own value columns, and the barrier orders those stores
+        # before its threads' loads.  A slot outside the cache writes nothing and gives NaN rows (eager
+        # indexing raises there).
+        slot = tl.load(slots).to(tl.int64)
+        slot = tl.where(slot < 0, slot + L, slot)
+        bad = (slot < 0) | (slot >= L)
+        mine = (slot >= start) & (slot < end)
+        b_kn = tl.load(kn + b64 * s_knb + kvh.to(tl.int64) * s_knh + d * s_knd, mask=d < D, other=0)
+        b_vn = tl.load(vn + b64 * s_vnb + kvh.to(tl.int64) * s_vnh + dv * s_vnd, mask=dv < DV, other=0)
+        # (the masks as a bound each: the interpreter takes no block mask & a loaded scalar)
+        tl.store(k0 + slot * s_kl + d * s_kd, b_kn, mask=d < tl.where(mine, D, 0))
+        tl.store(v0 + slot * s_vl + dv * s_vd, b_vn, mask=dv < tl.where(mine, DV, 0))
+        tl.debug_barrier()
     if HAS_BIAS and SCAN:
         # The mask first (a few bytes a position): the positions from the first block it lets through to
         # the last.  The loop below then has no branch, so Triton pipelines its key and value loads (a
@@ -166,6 +183,8 @@ def _decode_attention_kernel(q, k, v, bias, o, ws, wml, H, HKV, T, L, D, DV, G, 
             pv = tl.dot(p.to(b_v.dtype), b_v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if WRITE:
+        acc = tl.where(bad, float("nan"), acc)
     if SPLIT:
         slot = pid * tl.num_programs(1) + sp
         tl.store(ws + (slot * BR + r)[:, None].to(tl.int64) * BW + dv[None, :], acc)
@@ -263,11 +282,14 @@ if _ENV_CFG is not None and len(_ENV_CFG) not in (3, 4):
 
 
 def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, out: Tensor,
-             cfg: tuple[int, ...] | None = None, scan_min: int | None = None) -> tuple[list[Launch], Tensor]:
+             cfg: tuple[int, ...] | None = None, scan_min: int | None = None,
+             write: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[list[Launch], Tensor]:
     """The kernel's launch (and the merge's, for more than one split) writing ``out`` [B, T, H, D_v]; a
     split of ``scan_min`` blocks or more scans its mask first (default: SCAN_MIN_BLOCKS).  ``cfg``:
     (BL, split, warps[, column blocks]): the value columns cut into that many blocks (a power of two,
-    16 columns or more each), a program each, every one of them computing the same scores."""
+    16 columns or more each), a program each, every one of them computing the same scores.  ``write``:
+    (k_new [B, H_kv, 1, D], v_new [B, H_kv, 1, D_v], slots [1]): the kernel first stores the new rows
+    into cache slot slots[0] of k and v (one query row a head: T = 1)."""
     B, H, T, D = q.shape
     HKV, L, DV = k.shape[1], k.shape[2], v.shape[3]
     G = H // HKV
@@ -287,17 +309,25 @@ def launches(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
         ws = wml = torch.empty((1,), dtype=torch.float32, device=q.device)
     bb = bias if bias is not None else q
     bs = bias.stride() if bias is not None else (0, 0, 0, 0)
+    if write is not None and T != 1:
+        raise ValueError(f"decode_attention: the cache write takes one query row a head, not {T}")
+    kn, vn, slots = write if write is not None else (q, q, q)
+    kns = (kn.stride(0), kn.stride(1), kn.stride(3)) if write is not None else (0, 0, 0)
+    vns = (vn.stride(0), vn.stride(1), vn.stride(3)) if write is not None else (0, 0, 0)
     pdl = pdl_on(q)
     main = Launch(_decode_attention_kernel, (B * HKV, split, ncols), dict(
-        q=q, k=k, v=v, bias=bb, o=out, ws=ws, wml=wml, H=H, HKV=HKV, T=T, L=L, D=D, DV=DV, G=G, SPAN=span,
+        q=q, k=k, v=v, bias=bb, o=out, ws=ws, wml=wml, kn=kn, vn=vn, slots=slots,
+        H=H, HKV=HKV, T=T, L=L, D=D, DV=DV, G=G, SPAN=span,
         s_qb=q.stride(0), s_qh=q.stride(1), s_qt=q.stride(2), s_qd=q.stride(3),
         s_kb=k.stride(0), s_kh=k.stride(1), s_kl=k.stride(2), s_kd=k.stride(3),
         s_vb=v.stride(0), s_vh=v.stride(1), s_vl=v.stride(2), s_vd=v.stride(3),
-        s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], qk_scale=float(scale) * _LOG2E,
+        s_bb=bs[0], s_bh=bs[1], s_bt=bs[2], s_bl=bs[3], s_knb=kns[0], s_knh=kns[1], s_knd=kns[2],
+        s_vnb=vns[0], s_vnh=vns[1], s_vnd=vns[2], qk_scale=float(scale) * _LOG2E,
         HAS_BIAS=bias is not None, BOOL_BIAS=bias is not None and bias.dtype == torch.bool, SPLIT=split > 1,
+        WRITE=write is not None,
         SCAN=scan, IEEE=q.dtype == torch.float32, EMU=emulate_rounding(q.dtype), BR=BR, BL=BL,
         BD=max(16, _pow2(D)), BDV=BW // ncols, BW=BW,
-        PDL=pdl), ("ws", "wml") if split > 1 else ("o",), warps, 2)
+        PDL=pdl), (("ws", "wml") if split > 1 else ("o",)) + (("k", "v") if write is not None else ()), warps, 2)
     if split == 1:
         return [main], out
     BDM = min(BW, 64)
@@ -389,6 +419,73 @@ def _decode_attention_cuda(q, k, v, bias, scale):
     _check(q, k, v, bias)
     return run_kernel("decode_attention", lambda: decode_attention_fwd(q, k, v, bias, scale),
                       lambda: reference(q, k, v, bias, scale))
+
+
+# ------------------------------------------------ the op with the cache write ----
+
+
+def _check_write(q: Tensor, k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor, slots: Tensor) -> None:
+    B, _, T, _ = q.shape
+    torch._check(tuple(k_new.shape) == (B, k.shape[1], T, k.shape[3])
+                 and tuple(v_new.shape) == (B, v.shape[1], T, v.shape[3]),
+                 lambda: f"new rows k {tuple(k_new.shape)}, v {tuple(v_new.shape)} do not fit the caches "
+                         f"{tuple(k.shape)}, {tuple(v.shape)} and {T} query rows")
+    torch._check(k_new.dtype == k.dtype and v_new.dtype == v.dtype,
+                 lambda: f"new rows {k_new.dtype} / {v_new.dtype} for caches {k.dtype} / {v.dtype}")
+    torch._check(slots.dim() == 1 and slots.shape[0] == T and not slots.is_floating_point()
+                 and slots.dtype != torch.bool, lambda: f"slots {tuple(slots.shape)} {slots.dtype}: {T} integers")
+
+
+def _write_rows(k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor, slots: Tensor) -> None:
+    """The rows written as ``index_put_(cache, [None, None, slots], new)``: negative slots count from the end,
+    others past it raise."""
+    k[:, :, slots] = k_new
+    v[:, :, slots] = v_new
+
+
+def decode_attention_write_fwd(q: Tensor, k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor, slots: Tensor,
+                               bias: Tensor | None, scale: float, cfg: tuple[int, ...] | None = None) -> Tensor:
+    """The CUDA body of the op with the write: one launch stores the row and reads the cache at one query
+    row a head (else the rows are written first, then attention)."""
+    if not (takes(q, k, v) and q.shape[2] == 1):
+        _write_rows(k, v, k_new, v_new, slots)
+        return decode_attention_fwd(q, k, v, bias, scale, cfg)
+    B, H, T, _ = q.shape
+    out = torch.empty((B, T, H, v.shape[3]), dtype=q.dtype, device=q.device)
+    with on_device(q):
+        run_all(launches(q, k, v, _full_bias(q, k, bias), scale, out, cfg, write=(k_new, v_new, slots))[0])
+    return out
+
+
+@torch.library.custom_op("fusepass::decode_attention_write", mutates_args=("k", "v"))
+def decode_attention_write(q: Tensor, k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor, slots: Tensor,
+                           bias: Tensor | None, scale: float) -> Tensor:
+    """A decode step's cache write and its attention: k[:, :, slots] = k_new, v[:, :, slots] = v_new (in
+    place), then ``decode_attention(q, k, v, bias, scale)``.  This body serves CPU."""
+    _check(q, k, v, bias)
+    _check_write(q, k, v, k_new, v_new, slots)
+    _write_rows(k, v, k_new, v_new, slots)
+    return reference(q, k, v, bias, scale)
+
+
+@decode_attention_write.register_fake
+def _decode_attention_write_fake(q, k, v, k_new, v_new, slots, bias, scale):
+    _check(q, k, v, bias)
+    _check_write(q, k, v, k_new, v_new, slots)
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))
+
+
+@decode_attention_write.register_kernel("cuda")
+def _decode_attention_write_cuda(q, k, v, k_new, v_new, slots, bias, scale):
+    _check(q, k, v, bias)
+    _check_write(q, k, v, k_new, v_new, slots)
+
+    def fallback():
+        _write_rows(k, v, k_new, v_new, slots)
+        return reference(q, k, v, bias, scale)
+
+    return run_kernel("decode_attention_write", lambda: decode_attention_write_fwd(q, k, v, k_new, v_new, slots, bias,
+                                                                               scale), fallback)
 
 
 # ------------------------------------------------------- calls in graphs ----

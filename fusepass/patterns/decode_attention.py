@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
+from fusepass.kernels._common import inline_planned
 from fusepass.kernels.decode_attention import MAX_DIM, MAX_ROWS, decode_attention_call
 from fusepass.match import arguments
 from fusepass.patterns._linear import is_call, val
@@ -140,6 +142,52 @@ def _unrepeat(n):
     return src, rep, chain
 
 
+def _written(cache_read: torch.fx.Node, consumer: torch.fx.Node):
+    """(cache, slots, new rows, copy-back node) where ``cache_read`` is the step's cache write as traced,
+    ``index_put(cache, [None, None, slots], new)`` of a graph input that the graph's end copies back
+    (``copy_(cache, index_put)``), read by ``consumer`` (SDPA or the head of its repeat_kv chain) and
+    nothing else; else None."""
+    if not is_call(cache_read, aten.index_put.default):
+        return None
+    cache, indices, new = cache_read.args[:3]
+    accumulate = cache_read.args[3] if len(cache_read.args) > 3 else cache_read.kwargs.get("accumulate", False)
+    if accumulate or not isinstance(cache, torch.fx.Node) or cache.op != "placeholder":
+        return None
+    if not (isinstance(indices, (list, tuple)) and len(indices) == 3 and indices[0] is None and indices[1] is None
+            and isinstance(indices[2], torch.fx.Node)):
+        return None
+    back = [u for u in cache_read.users if is_call(u, aten.copy_.default) and u.args[0] is cache
+            and u.args[1] is cache_read]
+    if len(back) != 1 or set(cache_read.users) != {back[0], consumer} or set(cache.users) != {cache_read, back[0]}:
+        return None
+    return cache, indices[2], new, back[0]
+
+
+# FUSEPASS_ATTENTION_WRITE=0 leaves the step's cache writes to Inductor (an A/B in a model's step, one
+# process each; read once, at import).
+_WRITE = os.environ.get("FUSEPASS_ATTENTION_WRITE", "1") != "0"
+
+
+def _cache_write(node, q, k, v, kn, vn):
+    """(k cache, v cache, k rows, v rows, slots, nodes) where SDPA's key and value are a one-row step's
+    writes of the same slots into two caches (see ``_written``), so that the op can write them itself."""
+    if not _WRITE or (inline_planned() and val(q).device.type == "cuda"):
+        return None  # (inlined launches: a call through the dispatcher a layer would cost more host time)
+    kw, vw = _written(k, kn[-1] if kn else node), _written(v, vn[-1] if vn else node)
+    if kw is None or vw is None or kw[1] is not vw[1] or kw[0] is vw[0]:
+        return None
+    qv, slots = val(q), val(kw[1])
+    if qv.shape[2] != 1 or not isinstance(slots, torch.Tensor) or tuple(slots.shape) != (1,):
+        return None
+    kc, vc, knew, vnew = (val(x) for x in (kw[0], vw[0], kw[2], vw[2]))
+    if not (tuple(knew.shape) == (kc.shape[0], kc.shape[1], 1, kc.shape[3])
+            and tuple(vnew.shape) == (vc.shape[0], vc.shape[1], 1, vc.shape[3])
+            and knew.dtype == kc.dtype == qv.dtype and vnew.dtype == vc.dtype == qv.dtype
+            and slots.dtype in (torch.int64, torch.int32)):
+        return None
+    return kw[0], vw[0], kw[2], vw[2], kw[1], [k, v], [kw[3], vw[3]]
+
+
 def _refusal(node: torch.fx.Node, a: dict, q, k, v, mask_name) -> str | None:
     qv, kv_, vv = val(q), val(k), val(v)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv_, vv)):
@@ -213,16 +261,28 @@ def find(gm: torch.fx.GraphModule):
         ov = val(out)
         # the op writes [B, T, H, Dv]; SDPA's output here had the strides the graph's views were traced for
         bshd = ov.stride() == (ov.shape[1] * ov.shape[2] * ov.shape[3], ov.shape[3], ov.shape[1] * ov.shape[3], 1)
-        # (SDPA's unread outputs go with it; the repeat_kv chains too, where nothing else reads them)
-        nodes = [node, *users, *kn, *vn]
-        args = [q, k2, v2] + ([mask] if mask is not None else [])
-        names = ["q", "k", "v"] + (["mask"] if mask is not None else [])
+        # (SDPA's unread outputs go with it; the repeat_kv chains too, where nothing else reads them: listed
+        # producers first, as the replacement erases the region's nodes last to first once unread)
+        nodes = [*reversed(kn), *reversed(vn), node, *users]
         form = "gqa" if kv_.shape[1] < H else "mha"
-        yield Region(form, node, nodes, [out], args, _replace(scale, mask is not None, bshd), names=names,
-                     arguments_checked=True)
+        write = _cache_write(node, q, k2, v2, kn, vn)
+        if write is not None:
+            # The step's cache write goes into the op (a launch of Inductor's less a layer); the copy-backs
+            # at the graph's end go, as the op writes the graph's cache inputs in place.
+            kc, vc, knew, vnew, slots, puts, backs = write
+            nodes = [*puts, *nodes, *backs]
+            args = [q, kc, vc, knew, vnew, slots]
+            names = ["q", "k_cache", "v_cache", "k_new", "v_new", "slots"]
+            form += "+write"
+        else:
+            args, names = [q, k2, v2], ["q", "k", "v"]
+        if mask is not None:
+            args, names = args + [mask], names + ["mask"]
+        yield Region(form, node, nodes, [out], args, _replace(scale, mask is not None, bshd, write is not None),
+                     names=names, arguments_checked=True)
 
 
-def _replace(scale: float, has_mask: bool, bshd: bool):
+def _replace(scale: float, has_mask: bool, bshd: bool, write: bool = False):
     def masked(q, k, v, mask):
         o = decode_attention_call(q, k, v, mask, scale).transpose(1, 2)
         return o if bshd else o.contiguous()
@@ -230,6 +290,16 @@ def _replace(scale: float, has_mask: bool, bshd: bool):
     def unmasked(q, k, v):  # (the replacement is traced with exactly the region's arguments)
         return masked(q, k, v, None)
 
+    def written(q, k, v, k_new, v_new, slots, mask):
+        o = torch.ops.fusepass.decode_attention_write.default(q, k, v, k_new, v_new, slots, mask, scale)
+        o = o.transpose(1, 2)
+        return o if bshd else o.contiguous()
+
+    def written_unmasked(q, k, v, k_new, v_new, slots):
+        return written(q, k, v, k_new, v_new, slots, None)
+
+    if write:
+        return written if has_mask else written_unmasked
     return masked if has_mask else unmasked
 
 
