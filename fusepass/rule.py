@@ -203,6 +203,7 @@ BUILTIN_RULE_MODULES = (
     "fusepass.patterns.linear_one",
     "fusepass.patterns.dequant_matmul_gated",
     "fusepass.patterns.decode_attention",
+    "fusepass.patterns.matmul_k1",
 )
 
 _lock = threading.Lock()
