@@ -42,6 +42,11 @@ four) and four times the programs where a step has four or eight.  H200,
 8 layers int4, replayed step B1, one process each: Qwen3-30B-A3B 499.5 /
 496.8 µs against 500.6 with one block, Llama-3-8B 762.0 / 762.2 against 765.6.
 
+``fusepass::decode_attention_write`` is the same launch with the step's
+cache write first (one query row a head): each program of the split that
+owns the slot stores the new key row and its value columns, a barrier, then
+its loop reads them with the rest, so the row needs no launch of its own.
+
 The block loop runs on the warps in 2D (scores [rows, BL]).  One sub-block a
 warp instead (batched dots, the softmax inside a warp: sm_90 SASS 387
 instructions a block and warp against 525) made the decode step slower on an
