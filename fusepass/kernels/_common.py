@@ -532,17 +532,6 @@ def trace_all(launches: list[Launch]) -> dict[int, Tensor]:
 # graph (the pre-trace path's) the same way.
 
 _inline = contextvars.ContextVar("fusepass_inline_kernels", default=False)
-
-
-@contextlib.contextmanager
-def inline_kernels(enabled: bool) -> Iterator[None]:
-    token = _inline.set(enabled)
-    try:
-        yield
-    finally:
-        _inline.reset(token)
-
-
 # What the pass will do with the rules' op calls after every rule ran (the graph's options): a rule may
 # choose a form by it (an op call that stays a call where launches would have been inlined costs host
 # time a call).
@@ -550,12 +539,22 @@ _inline_planned = contextvars.ContextVar("fusepass_inline_planned", default=Fals
 
 
 @contextlib.contextmanager
-def planning_inline(enabled: bool) -> Iterator[None]:
-    token = _inline_planned.set(enabled)
+def _setting(var: contextvars.ContextVar, value: bool) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _inline_planned.reset(token)
+        var.reset(token)
+
+
+def inline_kernels(enabled: bool):
+    """While on, a rule's op call traces as its inlined launches (where the form takes the arguments)."""
+    return _setting(_inline, enabled)
+
+
+def planning_inline(enabled: bool):
+    """The pass's rules run knowing whether their op calls will be inlined afterwards (:func:`inline_planned`)."""
+    return _setting(_inline_planned, enabled)
 
 
 def inline_planned() -> bool:
