@@ -32,10 +32,11 @@ _DEMO_HELP = """\
 Build a small random-weight transformers model (no download), optionally
 quantize its linears with fusepass.quantize, compile it with the fusepass
 backend, print the rewrite report, and check its logits against an fp32 copy
-of the model run eagerly (exit status 1 on a mismatch).  On a GPU it then
-times eager against fusepass (--compare-inductor adds Inductor, one more
-compile); on a CPU the ops run their plain-torch implementations, so nothing
-is timed there."""
+of the model run eagerly; then the same for one decode step over a static
+cache (its own graph; --no-decode skips it).  Exit status 1 on a mismatch.
+On a GPU it then times eager against fusepass (--compare-inductor adds
+Inductor, one more compile); on a CPU the ops run their plain-torch
+implementations, so nothing is timed there."""
 
 
 def _time(fn, n: int = 20) -> float:
@@ -65,7 +66,7 @@ def demo(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype]
     timing = device == "cuda" and args.time
     print(f"fusepass demo: {args.model} ({args.size}), {args.dtype} on {device}, torch {torch.__version__}")
-    steps = Progress(5 + timing * (2 + args.compare_inductor), "fusepass demo")
+    steps = Progress(5 + args.decode + timing * (2 + args.compare_inductor), "fusepass demo")
     steps.step("building the model")
     model = models.build(args.model, dtype=dtype, device=device, size=args.size)
     if args.quantize:
@@ -76,7 +77,8 @@ def demo(args: argparse.Namespace) -> int:
     steps.step("running it eagerly, and an fp32 copy (the reference)")
     with torch.no_grad():
         eager = model(ids).logits
-        reference = copy.deepcopy(model).float()(ids).logits if dtype != torch.float32 else eager
+        fp32 = copy.deepcopy(model).float() if dtype != torch.float32 else model
+        reference = fp32(ids).logits if dtype != torch.float32 else eager
 
     steps.step("compiling with fusepass (the first call)")
     fusepass.reset_reports()
@@ -97,6 +99,12 @@ def demo(args: argparse.Namespace) -> int:
     err, eager_err = _rel_err(actual, reference), _rel_err(eager, reference)
     limit = max(tolerance(dtype).rtol, 2 * eager_err)
     ok = err <= limit
+
+    decode = None
+    if args.decode:
+        steps.step("compiling a decode step over a static cache (one more graph)")
+        decode = _decode_step(model, fp32, compiled, ids)
+        ok = ok and decode[2] <= max(tolerance(dtype).rtol, 2 * decode[3])
 
     rows = []
     if timing:
@@ -127,6 +135,13 @@ def demo(args: argparse.Namespace) -> int:
     heads = sum(r.startswith(HEAD_NORM) for r in report.reasons("rms_norm"))
     print(f"RMSNorm modules: {norms}, rewritten: {fused}" + (f", left to Inductor (attention heads): {heads}"
                                                            if heads else ""))
+    if decode is not None:
+        report_d, step_s, err_d, eager_d = decode
+        limit_d = max(tolerance(dtype).rtol, 2 * eager_d)
+        print(f"\nthe next token, one decode step over a static cache (its own graph, compiled in {step_s:.1f} s):\n")
+        print(report_d)
+        print(f"\ndecode logits vs the fp32 copy: relative error {err_d:.2e} (eager {args.dtype} {eager_d:.2e}; "
+              f"allowed {limit_d:.1e}): {'OK' if err_d <= limit_d else 'MISMATCH'}")
     if rows:
         from tabulate import tabulate
 
@@ -135,6 +150,29 @@ def demo(args: argparse.Namespace) -> int:
     elif device == "cpu":
         print("\n(CPU: the ops ran their plain-torch implementations, the test path; timings are for a GPU)")
     return 0 if ok else 1
+
+
+def _decode_step(model, fp32, compiled, ids):
+    """(report, compile s, error, eager's error) of the token after ``ids``: each model's own static cache
+    filled by its own eager prefill, then one step, the compiled model's against the fp32 copy's."""
+    import fusepass
+    from transformers import StaticCache
+
+    pos = torch.tensor([ids.shape[1]], device=ids.device)
+    step = dict(input_ids=ids[:, -1:].flip(0), cache_position=pos, position_ids=pos.expand(ids.shape[0], 1),
+                use_cache=True)
+    out = {}
+    with torch.no_grad():
+        for name, m, fn in (("eager", model, model), ("fp32", fp32, fp32), ("fusepass", model, compiled)):
+            cache = StaticCache(config=m.config, max_cache_len=ids.shape[1] + 8)
+            m(input_ids=ids, past_key_values=cache, use_cache=True)
+            if name == "fusepass":
+                fusepass.reset_reports()
+                t0 = time.perf_counter()
+            out[name] = fn(past_key_values=cache, **step).logits
+            if name == "fusepass":
+                step_s = time.perf_counter() - t0
+    return fusepass.last_report(), step_s, _rel_err(out["fusepass"], out["fp32"]), _rel_err(out["eager"], out["fp32"])
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -154,6 +192,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                    help="quantize the linear layers first (fusepass.quantize) to show the dequant_matmul rules")
     d.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32, help="int4 group size (default 32)")
     d.add_argument("--json", default=None, help="also write the report as JSON here")
+    d.add_argument("--no-decode", dest="decode", action="store_false",
+                   help="skip the decode step over a static cache (one more compiled graph)")
     d.add_argument("--no-time", dest="time", action="store_false", help="GPU: skip the timing")
     d.add_argument("--compare-inductor", action="store_true",
                    help="GPU: time Inductor too (one more compile of the model)")

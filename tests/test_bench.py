@@ -155,6 +155,11 @@ def test_readme_demo_at_tiny_size_checks_shows_steps_and_prints_no_library_noise
     assert "rewrite report" in out.stdout and ": OK" in out.stdout
     for rule in ("gdn_chunk", "dequant_matmul", "moe_router", "moe_experts", "rms_norm", "linear_siblings"):
         assert rule in out.stdout, rule
+    # Then the next token over a static cache, its own graph: the recurrent GDN step, the cache write in
+    # decode_attention's op, checked too.
+    decode = out.stdout.split("one decode step over a static cache")[1]
+    assert "gdn_recurrent" in decode and "+write" in decode and "decode logits vs the fp32 copy" in decode
+    assert decode.count(": OK") == 1
     assert "model.layers.0" in out.stdout and "L['" not in out.stdout
     # Every "where" is the path of a module of the model (as named_modules() spells it), whole in the table.
     from fusepass import models

@@ -26,6 +26,7 @@ import torch
 
 import fusepass
 from fusepass import models
+from fusepass.backend import interpreting_after_pass
 
 pytest.importorskip("transformers")
 
@@ -63,7 +64,9 @@ def runs(name: str, pretrace: bool) -> dict[str, tuple[float, fusepass.RewriteRe
                              options={"pretrace": pretrace, "cpp.simdlen": 1,
                                       "dump_graphs": str(dumps(name, pretrace))})
     out: dict[str, tuple[float, fusepass.RewriteReport]] = {}
-    with torch.no_grad():
+    # The graphs after the pass run by the FX interpreter: the rewrites are the same, without
+    # Inductor's C++ build of each model's graphs (as tests/test_moe_rules.py does).
+    with torch.no_grad(), interpreting_after_pass():
         for T in [t for t in LENGTHS if f"prefill{t}" in STEPS[name, pretrace]]:
             ids = models.input_ids(model, batch=2, seq=T)
             fusepass.reset_reports()
