@@ -181,8 +181,9 @@ _WRITE = os.environ.get("FUSEPASS_ATTENTION_WRITE", "1") != "0"
 
 
 def _cache_write(node, q, k, v, kn, vn):
-    """(k cache, v cache, k rows, v rows, slots, nodes) where SDPA's key and value are a one-row step's
-    writes of the same slots into two caches (see ``_written``), so that the op can write them itself."""
+    """(k cache, v cache, k rows, v rows, slots, the two writes, their two copy-backs) where SDPA's key and
+    value are a one-row step's writes of the same slots into two caches (see ``_written``), so that the op
+    can write them itself; else None."""
     if not _WRITE or (inline_planned() and val(q).device.type == "cuda"):
         return None  # (inlined launches: a call through the dispatcher a layer would cost more host time)
     kw, vw = _written(k, kn[-1] if kn else node), _written(v, vn[-1] if vn else node)
