@@ -213,6 +213,9 @@ def test_bench_e2e_quick(tmp_path, capsys):
             continue  # the CPU's noise exceeded the few decode steps of --quick: said so, not a failure
         assert r["ok"] is True, f"{r['workload']} {r['backend']}: {r.get('error')}"
         assert r["value"] > 0 and r["p20"] <= r["value"] <= r["p80"]
+    for r in rows:  # each replayed step's logits checked first (against eager: the quick model is fp32)
+        if r["phase"] == "replay":
+            assert 0 <= r["rel_err"] <= r["check_limit"] <= 1e-3, r
     for r in rows:
         if r["backend"] == "fusepass" and r.get("ok"):
             assert "rms_norm" in r["rewrites"], r["rewrites"]

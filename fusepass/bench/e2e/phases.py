@@ -1,6 +1,8 @@
 """The timed phases of ``fusepass bench e2e``: prefill (one forward, logits
 checked first), decode (tokens/s through ``generate`` with CUDA graphs) and
-replay (the decode step captured once and replayed back to back)."""
+replay (the decode step captured once and replayed back to back; its logits
+checked first, against the same references as prefill's, and a step that
+fails the check keeps its time in a row marked not ok)."""
 
 from __future__ import annotations
 
@@ -176,14 +178,20 @@ def phase_decode(run: Run) -> None:
 
 
 def phase_replay(run: Run) -> None:
+    from fusepass.kernels._common import tolerance
+
     model = run.get_model()
     prompt = run.args.prompt
+    batches = [int(b) for b in run.args.batch.split(",")]
+    expected, eager_err, reference = _replay_references(run, model, batches)
+    run.say(f"replay: each step's logits checked against {reference}")
+    inductor_err: dict[int, float] = {}
     # Eager last: a capture that fails (a host sync inside eager code) must not
     # leave the compiled backends a device in a bad state.
     for backend in sorted(run.backends, key=lambda b: b == "eager"):
         fn = _fresh(model, backend, captured=run.cuda, fullgraph=True)
         _start_report(backend)
-        for batch in [int(b) for b in run.args.batch.split(",")]:
+        for batch in batches:
             if run.over_budget("replay", f"replay B{batch}", backend):
                 continue
             run.say(f"replay B={batch} {backend}: compiling and capturing")
@@ -191,6 +199,11 @@ def phase_replay(run: Run) -> None:
                 with torch.no_grad():
                     step, cache = decode_step(model, fn, run.ids, batch, prompt, prompt + run.args.new_tokens,
                                               run.device)
+                    err = rel_err(step().float(), expected[batch])
+                    if backend == "inductor":
+                        inductor_err[batch] = err
+                    limit = max(tolerance(run.dtype).rtol, 2 * eager_err.get(batch, 0.0),
+                                2 * inductor_err.get(batch, 0.0))
                     if run.cuda:
                         replays = run.args.replays
                         per = time_replays(step, replays)
@@ -206,14 +219,49 @@ def phase_replay(run: Run) -> None:
                 run.say(f"replay B={batch} {backend}: FAILED {type(exc).__name__}: {exc}")
                 continue
             floor = run.floor_ms()
-            run.add(phase="replay", workload=f"replay B{batch}", backend=backend, ok=True, value=per.median * 1e3,
+            # (a step whose logits fail the check keeps its time, marked: the row says both)
+            ok = err <= limit
+            run.add(phase="replay", workload=f"replay B{batch}", backend=backend, ok=ok, value=per.median * 1e3,
                     p20=per.p20 * 1e3, p80=per.p80 * 1e3, unit="µs/step", tokens_per_s=batch / per.median * 1e3,
                     floor_ms=floor, pct_floor=100 * floor / per.median, rewrites=_report_text(backend), notes=how,
-                    **prof)
-            run.say(f"replay B={batch} {backend}: {per.median * 1e3:.1f} µs/step (floor {floor * 1e3:.1f} µs)")
+                    rel_err=err, check_limit=limit, **prof,
+                    **({} if ok else {"error": f"logits differ from {reference}: {err:.2e} > {limit:.1e}"}))
+            run.say(f"replay B={batch} {backend}: {per.median * 1e3:.1f} µs/step (floor {floor * 1e3:.1f} µs)"
+                    + ("" if ok else f"; logits differ: {err:.2e} > {limit:.1e}"))
             del cache, step
             if run.cuda:
                 torch.cuda.empty_cache()
+
+
+def _replay_references(run: Run, model: torch.nn.Module,
+                       batches: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, float], str]:
+    """Per batch size, the decode step's logits every backend is checked against, eager's error against
+    them and what they are: an fp32 copy of the model's step where one fits and converts, else eager's
+    own (as the prefill phase's references)."""
+    prompt = run.args.prompt
+
+    def logits(m: torch.nn.Module, batch: int) -> torch.Tensor:
+        step, _cache = decode_step(m, m, run.ids, batch, prompt, prompt + run.args.new_tokens, run.device)
+        return step().float()
+
+    with torch.no_grad():
+        expected = {b: logits(model, b) for b in batches}
+    if run.dtype == torch.float32:
+        return expected, {}, "eager (fp32)"
+    import copy
+
+    try:
+        ref_model = copy.deepcopy(model).float()
+        with torch.no_grad():
+            ref = {b: logits(ref_model, b) for b in batches}
+    except Exception as exc:  # noqa: BLE001 - out of memory, a weight type with no fp32 form: eager it is
+        run.say(f"replay: no fp32 reference ({type(exc).__name__}); checking against eager")
+        return expected, {}, f"eager ({str(run.dtype).replace('torch.', '')})"
+    finally:
+        ref_model = None
+        if run.cuda:
+            torch.cuda.empty_cache()
+    return ref, {b: rel_err(expected[b], ref[b]) for b in batches}, "an fp32 copy of the model"
 
 
 def decode_step(model: torch.nn.Module, fn: Callable[..., Any], ids_of: Callable[..., torch.Tensor], batch: int,
