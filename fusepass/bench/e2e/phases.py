@@ -64,7 +64,17 @@ def phase_prefill(run: Run) -> None:
 
 def _prefill_references(run: Run, model: torch.nn.Module,
                         lengths: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, float], str]:
-    """The logits every backend is checked against, eager's own error against them, and what they are.
+    """The logits of one forward at each length that every backend is checked against (see ``_references``)."""
+    def logits(m: torch.nn.Module, t: int) -> torch.Tensor:
+        return m(input_ids=run.ids(1, t), use_cache=False, logits_to_keep=1).logits.float()
+
+    return _references(run, model, lengths, logits, "prefill")
+
+
+def _references(run: Run, model: torch.nn.Module, keys: list[int], logits: Callable[[torch.nn.Module, int], Any],
+                phase: str) -> tuple[dict[int, torch.Tensor], dict[int, float], str]:
+    """Per key, the logits every backend is checked against (``logits(model, key)``), eager's own error
+    against them, and what they are.
 
     In half precision, eager's logits are themselves off by bf16 rounding over
     every layer (2% at 4 layers is ordinary), so a check against them flags
@@ -73,10 +83,8 @@ def _prefill_references(run: Run, model: torch.nn.Module,
     error (or Inductor's, or the dtype's tolerance).  Otherwise eager's own
     logits, as before.
     """
-    expected: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for t in lengths:
-            expected[t] = model(input_ids=run.ids(1, t), use_cache=False, logits_to_keep=1).logits.float()
+        expected = {k: logits(model, k) for k in keys}
     if run.dtype == torch.float32:
         return expected, {}, "eager (fp32)"
     import copy
@@ -84,16 +92,15 @@ def _prefill_references(run: Run, model: torch.nn.Module,
     try:
         ref_model = copy.deepcopy(model).float()
         with torch.no_grad():
-            ref = {t: ref_model(input_ids=run.ids(1, t), use_cache=False, logits_to_keep=1).logits.float()
-                   for t in lengths}
+            ref = {k: logits(ref_model, k) for k in keys}
     except Exception as exc:  # noqa: BLE001 - out of memory, a weight type with no fp32 form: eager it is
-        run.say(f"prefill: no fp32 reference ({type(exc).__name__}); checking against eager")
+        run.say(f"{phase}: no fp32 reference ({type(exc).__name__}); checking against eager")
         return expected, {}, f"eager ({str(run.dtype).replace('torch.', '')})"
     finally:
         ref_model = None
         if run.cuda:
             torch.cuda.empty_cache()
-    return ref, {t: rel_err(expected[t], ref[t]) for t in lengths}, "an fp32 copy of the model"
+    return ref, {k: rel_err(expected[k], ref[k]) for k in keys}, "an fp32 copy of the model"
 
 
 def phase_decode(run: Run) -> None:
@@ -235,33 +242,15 @@ def phase_replay(run: Run) -> None:
 
 def _replay_references(run: Run, model: torch.nn.Module,
                        batches: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, float], str]:
-    """Per batch size, the decode step's logits every backend is checked against, eager's error against
-    them and what they are: an fp32 copy of the model's step where one fits and converts, else eager's
-    own (as the prefill phase's references)."""
+    """The decode step's logits at each batch size that every backend is checked against (see
+    ``_references``)."""
     prompt = run.args.prompt
 
     def logits(m: torch.nn.Module, batch: int) -> torch.Tensor:
         step, _cache = decode_step(m, m, run.ids, batch, prompt, prompt + run.args.new_tokens, run.device)
         return step().float()
 
-    with torch.no_grad():
-        expected = {b: logits(model, b) for b in batches}
-    if run.dtype == torch.float32:
-        return expected, {}, "eager (fp32)"
-    import copy
-
-    try:
-        ref_model = copy.deepcopy(model).float()
-        with torch.no_grad():
-            ref = {b: logits(ref_model, b) for b in batches}
-    except Exception as exc:  # noqa: BLE001 - out of memory, a weight type with no fp32 form: eager it is
-        run.say(f"replay: no fp32 reference ({type(exc).__name__}); checking against eager")
-        return expected, {}, f"eager ({str(run.dtype).replace('torch.', '')})"
-    finally:
-        ref_model = None
-        if run.cuda:
-            torch.cuda.empty_cache()
-    return ref, {b: rel_err(expected[b], ref[b]) for b in batches}, "an fp32 copy of the model"
+    return _references(run, model, batches, logits, "replay")
 
 
 def decode_step(model: torch.nn.Module, fn: Callable[..., Any], ids_of: Callable[..., torch.Tensor], batch: int,
